@@ -1,0 +1,151 @@
+"""Policy losses and loss aggregation (SPEC 1-2).
+
+Every loss here returns a per-token loss matrix that :func:`aggregate_loss` turns into a
+scalar. Aggregation takes optional *global* denominators (token / sequence counts over the
+whole mini-batch and all data-parallel ranks): with them, summing the gradients of all
+micro-batches and ranks gives exactly the gradient of the un-split mini-batch, whatever the
+micro-batch size or parallel layout. The reference recipe averages per micro-batch and
+rescales, which is exact only with one micro-batch on one rank.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+
+LOG_RATIO_CLAMP = 20.0
+
+
+class LossAggMode(str, Enum):
+    TOKEN_MEAN = "token-mean"
+    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
+
+
+LOSS_AGG_MODES = tuple(mode.value for mode in LossAggMode)
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Sum of ``values`` where ``mask`` is set; masked entries never leak NaN/inf."""
+    zeros = torch.zeros_like(values)
+    picked = torch.where(mask.bool(), values, zeros)
+    return picked.sum() if dim is None else picked.sum(dim=dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Mean over masked entries; 0 (not NaN) when nothing is masked in."""
+    count = mask.float().sum() if dim is None else mask.float().sum(dim=dim)
+    return masked_sum(values, mask, dim) / count.clamp(min=1.0)
+
+
+def aggregate_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str | LossAggMode = LossAggMode.TOKEN_MEAN,
+    *,
+    global_token_count: float | torch.Tensor | None = None,
+    global_seq_count: float | torch.Tensor | None = None,
+    norm_constant: float | None = None,
+    dp_size: int = 1,
+) -> torch.Tensor:
+    """Reduce a [B, T] per-token loss to a scalar (SPEC 2).
+
+    - ``token-mean``: sum(L * mask) / N_tokens.
+    - ``seq-mean-token-sum``: sum over non-empty rows of the row's token sum / N_seqs.
+    - ``seq-mean-token-mean``: sum over non-empty rows of the row's token mean / N_seqs.
+    - ``seq-mean-token-sum-norm``: sum(L * mask) / norm_constant (default: padded T).
+
+    ``N_tokens`` / ``N_seqs`` default to this batch's counts; pass the counts over the whole
+    mini-batch (all micro-batches, all DP ranks) to make the split exact. ``dp_size`` scales
+    the result so that DDP's gradient *average* over ranks becomes the required *sum*.
+    Fully masked rows count in no denominator and yield no NaN.
+    """
+    mode = LossAggMode(mode)
+    mask = mask.to(loss_mat.dtype)
+    if mode is LossAggMode.TOKEN_MEAN:
+        count = mask.sum() if global_token_count is None else global_token_count
+        loss = masked_sum(loss_mat, mask) / _at_least_one(count)
+    elif mode is LossAggMode.SEQ_MEAN_TOKEN_SUM_NORM:
+        constant = loss_mat.shape[-1] if norm_constant is None else norm_constant
+        loss = masked_sum(loss_mat, mask) / constant
+    else:
+        tokens_per_row = mask.sum(dim=-1)
+        row_sums = masked_sum(loss_mat, mask, dim=-1)
+        if mode is LossAggMode.SEQ_MEAN_TOKEN_MEAN:
+            row_sums = row_sums / tokens_per_row.clamp(min=1.0)
+        non_empty = (tokens_per_row > 0).to(loss_mat.dtype)
+        count = non_empty.sum() if global_seq_count is None else global_seq_count
+        loss = (row_sums * non_empty).sum() / _at_least_one(count)
+    return loss * dp_size
+
+
+def _at_least_one(count) -> torch.Tensor:
+    return torch.as_tensor(count, dtype=torch.float32).clamp(min=1.0)
+
+
+def policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.28,
+    clip_ratio_c: float = 10.0,
+    loss_agg_mode: str | LossAggMode = LossAggMode.TOKEN_MEAN,
+    rollout_is_weights: torch.Tensor | None = None,
+    **agg_kwargs,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Decoupled-clip PPO loss with dual clip (SPEC 1).
+
+    ``r = exp(clamp(lp - old_lp, -20, 20))``; ``C1 = max(-A r, -A clip(r, 1-eps_low, 1+eps_high))``;
+    where ``A < 0`` the loss is further capped at ``-A * clip_ratio_c`` (dual clip), so a huge
+    ratio on a bad token cannot dominate the update. Optional rollout IS weights multiply the
+    per-token loss. Returns the aggregated loss and float metrics ``pg_clipfrac``,
+    ``pg_clipfrac_lower`` and ``ppo_kl``.
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"actor.clip_ratio_c={clip_ratio_c}: the dual-clip bound must be > 1.0 (DAPO uses 10)")
+    log_ratio = torch.clamp(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clip_max = torch.maximum(unclipped, clipped)
+    dual_bound = -advantages * clip_ratio_c
+    dual_clipped = torch.minimum(dual_bound, clip_max)
+    negative = advantages < 0
+    loss_mat = torch.where(negative, dual_clipped, clip_max)
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * rollout_is_weights.detach()
+    metrics = {
+        "pg_clipfrac": masked_mean((clipped > unclipped).float(), response_mask).item(),
+        "pg_clipfrac_lower": masked_mean(((clip_max > dual_bound) & negative).float(), response_mask).item(),
+        "ppo_kl": masked_mean(-log_ratio, response_mask).item(),
+    }
+    return aggregate_loss(loss_mat, response_mask, loss_agg_mode, **agg_kwargs), metrics
+
+
+def reinforce_loss(
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str | LossAggMode = LossAggMode.TOKEN_MEAN,
+    rollout_is_weights: torch.Tensor | None = None,
+    **agg_kwargs,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """REINFORCE loss ``-A * lp * w`` for bypass mode (w: IS weights, or 1).
+
+    In bypass mode old_lp is the rollout log-prob, so no ratio is clipped: off-policy
+    correction comes only from the (truncated, detached) IS weights.
+    """
+    weights = torch.ones_like(log_prob) if rollout_is_weights is None else rollout_is_weights.detach()
+    loss_mat = -advantages * log_prob * weights
+    return aggregate_loss(loss_mat, response_mask, loss_agg_mode, **agg_kwargs), {}
+
+
+def entropy_loss(entropy: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode, **agg_kwargs) -> torch.Tensor:
+    """Entropy aggregated like the policy loss, so an entropy bonus is split-invariant too."""
+    return aggregate_loss(entropy, response_mask, loss_agg_mode, **agg_kwargs)

@@ -1,0 +1,75 @@
+"""Loading: schema defaults <- YAML preset(s) <- dotted command-line overrides.
+
+A preset may list other presets under ``defaults:`` (merged first, in order), so presets
+compose (base + model + cluster) instead of repeating each other.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from nemo_dapo.config.schema import Config
+from nemo_dapo.config.validate import ConfigError, validate
+
+DEFAULT_PRESET = "tiny_cpu"
+
+
+def conf_dir() -> Path:
+    """Where presets live: ``$NEMO_DAPO_CONF_DIR`` or the repository's ``conf/``."""
+    return Path(os.environ.get("NEMO_DAPO_CONF_DIR", Path(__file__).resolve().parents[2] / "conf"))
+
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in conf_dir().glob("*.yaml"))
+
+
+def preset_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    candidate = conf_dir() / f"{name_or_path}.yaml"
+    if not candidate.exists():
+        raise ConfigError(f"config {name_or_path!r} not found: give a YAML path or one of {list_presets()}")
+    return candidate
+
+
+def _read_preset(name_or_path: str, seen: tuple[str, ...] = ()) -> DictConfig:
+    path = preset_path(name_or_path)
+    if str(path) in seen:
+        raise ConfigError(f"presets include each other in a loop: {' -> '.join(seen + (str(path),))}")
+    raw = OmegaConf.load(path)
+    parents = raw.pop("defaults", [])
+    merged = OmegaConf.create()
+    for parent in parents:
+        merged = OmegaConf.merge(merged, _read_preset(str(parent), seen + (str(path),)))
+    return OmegaConf.merge(merged, raw)
+
+
+def load_config(name_or_path: str | None = DEFAULT_PRESET, overrides: Sequence[str] = ()) -> Config:
+    """Typed, validated config; an unknown key or a wrong type names the key."""
+    schema = OmegaConf.structured(Config)
+    try:
+        layers = [schema]
+        if name_or_path:
+            layers.append(_read_preset(name_or_path))
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(*layers)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"config {name_or_path!r}: {err}") from None
+    return validate(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    """The fully resolved config, saved with every run and checkpoint."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def from_yaml(text: str) -> Config:
+    merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text))
+    return validate(OmegaConf.to_object(merged))

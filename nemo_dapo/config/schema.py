@@ -1,0 +1,180 @@
+"""The one typed config schema. Every default lives here; YAML presets in conf/ override them.
+
+Names follow the DAPO reference recipe where it has one (clip_ratio_high, filter_groups,
+overlong_buffer, loss_agg_mode, ...), so a verl user recognises the knobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    max_prompt_length: int = 2048
+    max_response_length: int = 20480
+    train_batch_size: int = 512  # prompts per training step
+    gen_batch_size: Optional[int] = None  # prompts per generation round; None = train_batch_size
+    val_batch_size: Optional[int] = None  # None = whole validation set at once
+    truncation: str = "left"  # left | right | error
+    filter_overlong_prompts: bool = True
+    shuffle: bool = True
+    seed: int = 1
+
+    @property
+    def effective_gen_batch_size(self) -> int:
+        return self.train_batch_size if self.gen_batch_size is None else self.gen_batch_size
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # Hugging Face folder (config, weights, tokenizer)
+    dtype: str = "bfloat16"  # float32 | bfloat16 | float16
+    trust_remote_code: bool = False
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    metric: str = "acc"  # acc | score | seq_reward | seq_final_reward | any reward extra field
+    max_num_gen_batches: int = 10  # <= 0: unbounded
+    carry_over: bool = False  # keep surplus kept groups for the next step
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Unset (None) fields take the preset's value, or the plain default without a preset."""
+
+    preset: Optional[str] = None
+    rollout_is: Optional[str] = None  # none | token | sequence
+    rollout_is_threshold: Optional[float] = None
+    rollout_is_batch_normalize: Optional[bool] = None
+    rollout_rs: Optional[str] = None  # e.g. "seq_mean_k1" or "token_k1,seq_max_k2"
+    rollout_rs_threshold: Optional[str] = None  # e.g. "0.999_1.001" (k1) or "2.0" (k2/k3)
+    bypass_mode: Optional[bool] = None
+    loss_type: Optional[str] = None  # ppo_clip | reinforce
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    norm_adv_by_std: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    lr_schedule: str = "constant"  # constant | cosine (after warm-up)
+    min_lr_ratio: float = 0.0
+    clip_grad: float = 1.0
+
+
+@dataclass
+class ActorConfig:
+    backend: str = "torch"  # torch | megatron
+    num_workers: int = 1  # data-parallel training processes (torch backend)
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float = 10.0
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None  # seq-mean-token-sum-norm constant; None = max_response_length
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    ppo_epochs: int = 1
+    ppo_mini_batch_size: int = 32  # prompts per optimizer step
+    max_token_len_per_micro_batch: int = 16384
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class ValSamplingConfig:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 0.7
+    do_sample: bool = True
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "vllm"
+    num_workers: int = 1
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.8
+    n: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    val: ValSamplingConfig = field(default_factory=ValSamplingConfig)
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = False
+    len: int = 4096
+    penalty_factor: float = 1.0
+
+
+@dataclass
+class RewardConfig:
+    scorer: str = "math_dapo"  # math_dapo | math_verify
+    num_workers: int = 2
+    timeout_s: float = 10.0
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+
+@dataclass
+class CheckpointConfig:
+    resume: str = "auto"  # auto | disable | <path to a checkpoint folder>
+    keep_last: int = 2
+    save_optimizer: bool = True
+
+
+@dataclass
+class TrainerConfig:
+    mode: str = "sync"  # sync | async
+    project_name: str = "nemo-dapo"
+    experiment_name: str = "dapo"
+    output_dir: str = "outputs/dapo"
+    total_epochs: int = 1
+    total_training_steps: Optional[int] = None  # None: epochs x batches per epoch
+    test_freq: int = 5  # <= 0: no periodic validation
+    save_freq: int = 5  # <= 0: no periodic checkpoint
+    val_before_train: bool = True
+    seed: int = 1
+    loggers: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    nnodes: int = 1
+    n_gpus_per_node: int = 8
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

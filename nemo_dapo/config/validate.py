@@ -1,0 +1,144 @@
+"""Start-up validation: impossible settings fail before any worker starts.
+
+Every message names the key, the value and what is allowed, and all problems are reported
+at once so a user fixes a config in one go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from nemo_dapo.algo.advantage import registered_estimators
+from nemo_dapo.algo.correction import IS_LEVELS, LOSS_TYPES, PRESETS, CorrectionSettings, parse_rs_modes
+from nemo_dapo.algo.kl import KL_PENALTY_NAMES
+from nemo_dapo.algo.loss import LOSS_AGG_MODES
+from nemo_dapo.config.schema import Config, RolloutCorrectionConfig
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message lists every problem found."""
+
+
+class _Problems(list):
+    def require(self, ok: bool, key: str, value, allowed: str) -> None:
+        if not ok:
+            self.append(f"{key}={value!r}: {allowed}")
+
+    def choice(self, key: str, value, choices) -> None:
+        self.require(value in choices, key, value, f"choose one of {sorted(map(str, choices))}")
+
+
+def correction_settings(cfg: RolloutCorrectionConfig) -> CorrectionSettings:
+    """Effective correction settings: the preset, then every field the user set."""
+    if cfg.preset is not None and cfg.preset not in PRESETS:
+        raise ConfigError(f"algorithm.rollout_correction.preset={cfg.preset!r}: choose one of {sorted(PRESETS)}")
+    base = PRESETS[cfg.preset] if cfg.preset else CorrectionSettings()
+    chosen = {name: getattr(cfg, name) for name in CorrectionSettings.__dataclass_fields__ if getattr(cfg, name) is not None}
+    if chosen.get("rollout_is") == "none":
+        chosen["rollout_is"] = None
+    return replace(base, **chosen)
+
+
+def _check_algorithm(cfg: Config, problems: _Problems) -> None:
+    algo = cfg.algorithm
+    problems.choice("algorithm.adv_estimator", algo.adv_estimator, registered_estimators())
+    problems.choice("algorithm.kl_penalty", algo.kl_penalty, KL_PENALTY_NAMES)
+    problems.choice("algorithm.kl_ctrl.type", algo.kl_ctrl.type, ("fixed", "adaptive"))
+    if algo.kl_ctrl.type == "adaptive":
+        problems.require(algo.kl_ctrl.target_kl > 0, "algorithm.kl_ctrl.target_kl", algo.kl_ctrl.target_kl, "must be > 0")
+        problems.require(algo.kl_ctrl.horizon > 0, "algorithm.kl_ctrl.horizon", algo.kl_ctrl.horizon, "must be > 0")
+    problems.require(bool(algo.filter_groups.metric), "algorithm.filter_groups.metric", algo.filter_groups.metric,
+                     "name the per-sample value to filter on, e.g. acc")
+    try:
+        settings = correction_settings(algo.rollout_correction)
+    except ConfigError as err:
+        problems.append(str(err))
+        return
+    key = "algorithm.rollout_correction"
+    problems.choice(f"{key}.rollout_is", settings.rollout_is, IS_LEVELS)
+    problems.require(settings.rollout_is_threshold > 0, f"{key}.rollout_is_threshold", settings.rollout_is_threshold,
+                     "must be > 0 (IS weights are truncated above it)")
+    problems.choice(f"{key}.loss_type", settings.loss_type, LOSS_TYPES)
+    problems.require(settings.loss_type != "reinforce" or settings.bypass_mode, f"{key}.loss_type", settings.loss_type,
+                     "the REINFORCE loss needs bypass_mode=true (decoupled mode uses ppo_clip)")
+    try:
+        parse_rs_modes(settings.rollout_rs, settings.rollout_rs_threshold)
+    except ValueError as err:
+        problems.append(str(err))
+
+
+def _check_actor(cfg: Config, problems: _Problems) -> None:
+    actor, optim = cfg.actor, cfg.actor.optim
+    problems.choice("actor.backend", actor.backend, ("torch", "megatron"))
+    problems.require(actor.num_workers >= 1, "actor.num_workers", actor.num_workers, "must be >= 1")
+    problems.require(0 <= actor.clip_ratio_low < 1, "actor.clip_ratio_low", actor.clip_ratio_low, "must be in [0, 1)")
+    problems.require(actor.clip_ratio_high >= 0, "actor.clip_ratio_high", actor.clip_ratio_high, "must be >= 0")
+    problems.require(actor.clip_ratio_c > 1, "actor.clip_ratio_c", actor.clip_ratio_c,
+                     "the dual-clip bound must be > 1 (DAPO uses 10)")
+    problems.choice("actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
+    problems.choice("actor.kl_loss_type", actor.kl_loss_type, KL_PENALTY_NAMES)
+    problems.require(actor.ppo_epochs >= 1, "actor.ppo_epochs", actor.ppo_epochs, "must be >= 1")
+    problems.require(actor.max_token_len_per_micro_batch > 0, "actor.max_token_len_per_micro_batch",
+                     actor.max_token_len_per_micro_batch, "must be > 0")
+    batch, mini = cfg.data.train_batch_size, actor.ppo_mini_batch_size
+    problems.require(0 < mini <= batch and batch % mini == 0, "actor.ppo_mini_batch_size", mini,
+                     f"must divide data.train_batch_size={batch} (each mini-batch is one optimizer step)")
+    problems.require(optim.lr > 0, "actor.optim.lr", optim.lr, "must be > 0")
+    problems.require(optim.warmup_steps >= 0, "actor.optim.warmup_steps", optim.warmup_steps, "must be >= 0")
+    problems.choice("actor.optim.lr_schedule", optim.lr_schedule, ("constant", "cosine"))
+    problems.require(optim.clip_grad > 0, "actor.optim.clip_grad", optim.clip_grad, "must be > 0")
+    problems.require(len(optim.betas) == 2 and all(0 <= b < 1 for b in optim.betas), "actor.optim.betas",
+                     optim.betas, "two numbers in [0, 1)")
+
+
+def _check_data_and_rollout(cfg: Config, problems: _Problems) -> None:
+    data, rollout = cfg.data, cfg.rollout
+    problems.require(data.max_prompt_length > 0, "data.max_prompt_length", data.max_prompt_length, "must be > 0")
+    problems.require(data.max_response_length > 0, "data.max_response_length", data.max_response_length, "must be > 0")
+    problems.require(data.train_batch_size > 0, "data.train_batch_size", data.train_batch_size, "must be > 0")
+    problems.require(data.effective_gen_batch_size >= data.train_batch_size, "data.gen_batch_size", data.gen_batch_size,
+                     f"must be >= data.train_batch_size={data.train_batch_size} (or null to use it)")
+    problems.choice("data.truncation", data.truncation, ("left", "right", "error"))
+    problems.require(rollout.n >= 1, "rollout.n", rollout.n, "must be >= 1")
+    problems.require(rollout.temperature > 0, "rollout.temperature", rollout.temperature, "must be > 0")
+    problems.require(0 < rollout.top_p <= 1, "rollout.top_p", rollout.top_p, "must be in (0, 1]")
+    problems.require(0 < rollout.val.top_p <= 1, "rollout.val.top_p", rollout.val.top_p, "must be in (0, 1]")
+    problems.require(rollout.val.n >= 1, "rollout.val.n", rollout.val.n, "must be >= 1")
+    problems.require(rollout.num_workers >= 1, "rollout.num_workers", rollout.num_workers, "must be >= 1")
+    problems.require(0 < rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
+                     rollout.gpu_memory_utilization, "must be in (0, 1]")
+
+
+def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
+    buffer = cfg.reward.overlong_buffer
+    problems.choice("reward.scorer", cfg.reward.scorer, ("math_dapo", "math_verify"))
+    problems.require(cfg.reward.timeout_s > 0, "reward.timeout_s", cfg.reward.timeout_s, "must be > 0")
+    if buffer.enable:
+        problems.require(buffer.len > 0, "reward.overlong_buffer.len", buffer.len,
+                         "must be > 0 when enabled (or set reward.overlong_buffer.enable=false)")
+        problems.require(buffer.len <= cfg.data.max_response_length, "reward.overlong_buffer.len", buffer.len,
+                         f"must be <= data.max_response_length={cfg.data.max_response_length}")
+        problems.require(buffer.penalty_factor >= 0, "reward.overlong_buffer.penalty_factor", buffer.penalty_factor,
+                         "must be >= 0")
+    trainer = cfg.trainer
+    problems.choice("trainer.mode", trainer.mode, ("sync", "async"))
+    problems.require(trainer.total_epochs >= 1, "trainer.total_epochs", trainer.total_epochs, "must be >= 1")
+    problems.require(trainer.total_training_steps is None or trainer.total_training_steps >= 1,
+                     "trainer.total_training_steps", trainer.total_training_steps, "must be >= 1 or null")
+    problems.require(bool(trainer.output_dir), "trainer.output_dir", trainer.output_dir, "must name a folder")
+    problems.require(set(trainer.loggers) <= {"console", "tensorboard"}, "trainer.loggers", trainer.loggers,
+                     "choose from ['console', 'tensorboard']")
+    problems.require(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
+    problems.require(bool(cfg.checkpoint.resume), "checkpoint.resume", cfg.checkpoint.resume,
+                     "use auto, disable, or a checkpoint folder")
+    problems.choice("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
+
+
+def validate(cfg: Config) -> Config:
+    """Raise :class:`ConfigError` listing every impossible value; return ``cfg`` if none."""
+    problems = _Problems()
+    for check in (_check_data_and_rollout, _check_algorithm, _check_actor, _check_reward_and_trainer):
+        check(cfg, problems)
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+    return cfg

@@ -1,0 +1,122 @@
+"""The RL prompt dataset: validated rows, chat-templated and tokenized once up front.
+
+Tokenizing everything at construction lets over-long prompts be filtered (and
+counted) before training starts, and makes ``__getitem__`` a cheap lookup.
+"""
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from nemo_dapo.data.collate import collate_prompts
+from nemo_dapo.data.records import DatasetError, PromptRecord, read_records
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("left", "right", "error")
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """Apply the tokenizer's chat template and open the assistant turn, as text."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if not isinstance(text, str):  # guards against API drift: transformers 5 returns dicts when tokenizing
+        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, expected str")
+    return text
+
+
+def encode_prompts(tokenizer: Any, records: Sequence[PromptRecord]) -> list[list[int]]:
+    """Token ids of each templated prompt.
+
+    The chat template already writes the special tokens, so the encoder must
+    not add its own (a BOS or EOS would otherwise appear twice).
+    """
+    texts = [render_prompt(tokenizer, record.messages) for record in records]
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def truncate_prompt(prompt_ids: list[int], max_length: int, mode: str, location: str) -> list[int]:
+    """Cut a prompt to ``max_length`` tokens.
+
+    ``left`` keeps the end, which holds the question and the generation prompt;
+    ``right`` keeps the start; ``error`` refuses.
+    """
+    if len(prompt_ids) <= max_length:
+        return prompt_ids
+    if mode == "left":
+        return prompt_ids[-max_length:]
+    if mode == "right":
+        return prompt_ids[:max_length]
+    raise DatasetError(
+        f"{location}: the templated prompt has {len(prompt_ids)} tokens, more than max_prompt_length={max_length}; "
+        "use truncation='left'/'right' or filter_overlong_prompts=True"
+    )
+
+
+class RLDataset:
+    """Prompts for RL rollouts, indexable and sized like a torch map-style dataset.
+
+    ``index`` in each item is the row's position in the concatenated files
+    (before filtering), so it identifies the row across runs. ``extra_info.index``
+    is not used for this: in the verl evaluation files it is repeated across
+    the copies of a problem.
+    """
+
+    def __init__(
+        self,
+        files: str | Path | Sequence[str | Path],
+        tokenizer: Any,
+        max_prompt_length: int = 1024,
+        truncation: str = "left",
+        filter_overlong_prompts: bool = False,
+    ):
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(f"truncation={truncation!r}; expected one of {TRUNCATION_MODES}")
+        if max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length={max_prompt_length}; expected a positive number of tokens")
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        records = read_records(files)
+        all_prompt_ids = encode_prompts(tokenizer, records)
+        row_ids = list(range(len(records)))
+        if filter_overlong_prompts:
+            row_ids = self._drop_overlong(row_ids, all_prompt_ids, files)
+        self._records = [records[row] for row in row_ids]
+        self._row_ids = row_ids
+        self._prompt_ids = [
+            truncate_prompt(all_prompt_ids[row], max_prompt_length, truncation, records[row].location)
+            for row in row_ids
+        ]
+
+    def _drop_overlong(self, row_ids: list[int], all_prompt_ids: list[list[int]], files: object) -> list[int]:
+        """Keep rows whose prompt fits; log the count so silent data loss cannot happen."""
+        kept = [row for row in row_ids if len(all_prompt_ids[row]) <= self.max_prompt_length]
+        logger.info(
+            "Dropped %d of %d prompts longer than max_prompt_length=%d tokens from %s",
+            len(row_ids) - len(kept),
+            len(row_ids),
+            self.max_prompt_length,
+            files,
+        )
+        if not kept:
+            raise DatasetError(f"{files}: every prompt is longer than max_prompt_length={self.max_prompt_length}")
+        return kept
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __getitem__(self, position: int) -> dict[str, Any]:
+        """Copies of the stored fields, so callers may mutate what they get."""
+        record = self._records[position]
+        return {
+            "prompt_ids": list(self._prompt_ids[position]),
+            "raw_prompt": [dict(message) for message in record.messages],
+            "ground_truth": record.ground_truth,
+            "data_source": record.data_source,
+            "extra_info": dict(record.extra_info),
+            "index": self._row_ids[position],
+        }
+
+    def collate(self, items: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """``collate_fn`` for a DataLoader: left-padded batch using this tokenizer's pad id."""
+        return collate_prompts(items, self.tokenizer.pad_token_id)

