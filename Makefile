@@ -1,7 +1,7 @@
 # `make train` runs the embedded default (tiny CPU DAPO); `make test` runs the test suite.
 # Both create .venv on first use (python3.11) and refresh it when pyproject.toml changes.
 VENV ?= .venv
-EXTRAS ?= test
+EXTRAS ?= test,rollout,cluster
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)-$(EXTRAS)
 PYTEST_ARGS ?=
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml tools/bootstrap.sh
 	touch $@
 
 train: $(STAMP)
-	$(BIN)/nemo-dapo selfcheck $(ARGS)
+	$(BIN)/nemo-dapo train $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import sys
 
 from nemo_dapo.config import DEFAULT_PRESET, ConfigError, list_presets, load_config, to_yaml
@@ -12,6 +14,36 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
     from nemo_dapo.selfcheck import run_selfcheck
 
     return 0 if run_selfcheck() else 1
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from nemo_dapo.trainer.launch import run_training
+
+    summary = run_training(load_config(args.config, args.overrides))
+    print(json.dumps({k: summary[k] for k in ("initial_val_acc", "final_val_acc", "steps", "wall_s", "hf_export")},
+                     indent=1))
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from nemo_dapo.evaluate import evaluate
+
+    metrics = evaluate(args.model, args.data, n=args.n, temperature=args.temperature, top_p=args.top_p,
+                       max_tokens=args.max_tokens, max_prompt_length=args.max_prompt_length)
+    for key, value in metrics.items():
+        print(f"{key}: {value:.4f}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from nemo_dapo.config import from_yaml
+    from nemo_dapo.trainer.launch import export_hf, resolve_paths
+
+    tokenizer = args.tokenizer or resolve_paths(from_yaml((Path(args.checkpoint) / "config.yaml").read_text())).model.path
+    print(export_hf(args.checkpoint, tokenizer, args.output))
+    return 0
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -27,6 +59,24 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nemo-dapo", description="DAPO reinforcement learning for LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="run DAPO training (default preset: the tiny CPU run)")
+    train.add_argument("--config", default=DEFAULT_PRESET, help="preset name in conf/ or a YAML path")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_training_steps=10")
+    train.set_defaults(fn=_cmd_train)
+    evaluate = sub.add_parser("eval", help="acc/mean@n and pass@k of a model on a verl-format dataset")
+    evaluate.add_argument("--model", required=True, help="Hugging Face model folder")
+    evaluate.add_argument("--data", required=True, nargs="+", help="parquet/jsonl files")
+    evaluate.add_argument("--n", type=int, default=32)
+    evaluate.add_argument("--temperature", type=float, default=1.0)
+    evaluate.add_argument("--top-p", type=float, default=0.7)
+    evaluate.add_argument("--max-tokens", type=int, default=20480, help="response budget (capped by the model)")
+    evaluate.add_argument("--max-prompt-length", type=int, default=2048)
+    evaluate.set_defaults(fn=_cmd_eval)
+    export = sub.add_parser("export", help="checkpoint -> Hugging Face folder (weights + tokenizer)")
+    export.add_argument("checkpoint", help="a checkpoints/global_step_N folder")
+    export.add_argument("output", help="folder to write")
+    export.add_argument("--tokenizer", help="folder holding the tokenizer files (default: the base model's)")
+    export.set_defaults(fn=_cmd_export)
     sub.add_parser("selfcheck", help="check the DAPO math against hand-computed values").set_defaults(fn=_cmd_selfcheck)
     config = sub.add_parser("config", help="print the resolved, validated config")
     config.add_argument("--config", default=DEFAULT_PRESET, help="preset name in conf/ or a YAML path")
@@ -37,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -29,7 +29,7 @@ def test_dotted_overrides_and_composition():
     cfg = load_config("tiny_cpu", ["actor.clip_ratio_high=0.3", "algorithm.filter_groups.enable=false"])
     assert cfg.actor.clip_ratio_high == 0.3 and not cfg.algorithm.filter_groups.enable
     assert cfg.actor.clip_ratio_c == 10.0  # from dapo.yaml through `defaults:`
-    assert cfg.data.effective_gen_batch_size == 24
+    assert cfg.data.effective_gen_batch_size == 48
 
 
 @pytest.mark.parametrize("override,key", [

@@ -1,0 +1,1 @@
+"""Ray on loopback (or an existing cluster), placement groups and worker groups."""

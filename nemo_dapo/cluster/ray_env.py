@@ -1,0 +1,62 @@
+"""Start a local Ray bound to 127.0.0.1, or attach to an existing cluster.
+
+Locally every Ray process must listen on loopback only. Ray picks the NIC address unless
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is in the environment before ``import ray`` *and*
+``_node_ip_address="127.0.0.1"`` is passed, so this module sets both. vLLM and
+torch.distributed in the workers are pointed at loopback through the same environment.
+"""
+
+from __future__ import annotations
+
+import os
+
+LOOPBACK = "127.0.0.1"
+LOOPBACK_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "VLLM_HOST_IP": LOOPBACK,
+    "MASTER_ADDR": LOOPBACK,
+    "GLOO_SOCKET_IFNAME": "lo",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process engine: no extra zmq sockets on CPU
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def is_attached_to_cluster() -> bool:
+    return bool(os.environ.get("RAY_ADDRESS"))
+
+
+def apply_loopback_env() -> None:
+    """Set the loopback environment for this process (and the workers it starts)."""
+    for key, value in LOOPBACK_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def init_ray(num_cpus: int | None = None, namespace: str = "nemo_dapo"):
+    """``ray.init`` on loopback, or attach to ``$RAY_ADDRESS`` (a Slurm-started cluster)."""
+    if not is_attached_to_cluster():
+        apply_loopback_env()
+    import ray
+
+    if ray.is_initialized():
+        return ray
+    env_vars = {k: os.environ[k] for k in LOOPBACK_ENV if k in os.environ}
+    env_vars["PYTHONPATH"] = os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH", "")]))
+    runtime_env = {"env_vars": env_vars}
+    if is_attached_to_cluster():
+        ray.init(address=os.environ["RAY_ADDRESS"], namespace=namespace, runtime_env=runtime_env, log_to_driver=True)
+    else:
+        ray.init(num_cpus=num_cpus, _node_ip_address=LOOPBACK, include_dashboard=False, namespace=namespace,
+                 runtime_env=runtime_env, log_to_driver=True, configure_logging=False)
+    return ray
+
+
+def _package_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def shutdown_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

@@ -1,0 +1,1 @@
+"""Training backends behind the PolicyWorker interface (torch now; megatron later)."""

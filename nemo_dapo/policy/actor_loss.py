@@ -1,0 +1,58 @@
+"""The DAPO actor loss of one micro-batch, shared by every training backend.
+
+Backends differ in how they produce per-token log-probs and entropy; what they do with them
+(clip, aggregate with mini-batch-wide counts, entropy bonus, KL loss, bypass-mode
+correction) is here, once, built from ``nemo_dapo.algo``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_dapo.algo.correction import CorrectionSettings, apply_rollout_correction
+from nemo_dapo.algo.kl import kl_penalty
+from nemo_dapo.algo.loss import aggregate_loss, masked_mean, policy_loss, reinforce_loss
+from nemo_dapo.policy.base import LossSettings
+
+
+def actor_loss(log_probs: torch.Tensor, entropy: torch.Tensor, micro: dict[str, torch.Tensor],
+               settings: LossSettings, global_token_count: float, global_seq_count: float,
+               correction: CorrectionSettings | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss whose gradients, summed over micro-batches and ranks, equal the mini-batch gradient."""
+    mask = micro["response_mask"].float()
+    agg = {"global_token_count": global_token_count, "global_seq_count": global_seq_count,
+           "norm_constant": settings.norm_constant}
+    weights = micro.get("is_weights")
+    metrics: dict[str, float] = {}
+    if settings.bypass_mode:
+        old_log_probs = micro["rollout_log_probs"]
+        if correction is not None:  # weights against the current policy, computed inside the loss
+            weights, mask, metrics = apply_rollout_correction(log_probs.detach(), old_log_probs, mask, correction)
+    else:
+        old_log_probs = micro["old_log_probs"]
+    if settings.loss_type == "reinforce":
+        pg_loss, pg_metrics = reinforce_loss(log_probs, micro["advantages"], mask, loss_agg_mode=settings.loss_agg_mode,
+                                             rollout_is_weights=weights, **agg)
+    else:
+        pg_loss, pg_metrics = policy_loss(
+            old_log_probs, log_probs, micro["advantages"], mask, clip_ratio_low=settings.clip_ratio_low,
+            clip_ratio_high=settings.clip_ratio_high, clip_ratio_c=settings.clip_ratio_c,
+            loss_agg_mode=settings.loss_agg_mode, rollout_is_weights=weights, **agg)
+    loss = pg_loss
+    entropy_value = aggregate_loss(entropy, mask, settings.loss_agg_mode, **agg)
+    if settings.entropy_coeff:
+        loss = loss - settings.entropy_coeff * entropy_value
+    if settings.use_kl_loss:
+        kl = aggregate_loss(kl_penalty(log_probs, micro["ref_log_probs"], settings.kl_loss_type), mask,
+                            settings.loss_agg_mode, **agg)
+        loss = loss + settings.kl_loss_coef * kl
+        metrics["actor/kl_loss"] = kl.item()
+    metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})
+    # pg_loss and entropy are this micro-batch's share of the mini-batch value: summed, not averaged
+    metrics["actor/pg_loss"] = pg_loss.item()
+    metrics["actor/entropy"] = entropy_value.item()
+    metrics["actor/entropy_token_mean"] = masked_mean(entropy.detach(), mask).item()
+    return loss, metrics
+
+
+SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")

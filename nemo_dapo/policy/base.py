@@ -1,0 +1,58 @@
+"""The PolicyWorker interface every training backend implements (DESIGN: two interfaces).
+
+One worker per training rank. Batches are plain dicts of tensors, all [B, ...] with
+``input_ids`` = left-padded prompt + right-padded response ([B, P + R]), ``attention_mask``
+the same shape, and ``responses`` / ``response_mask`` ([B, R]) the response part. The
+driver-side group shards rows over data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """Everything the actor loss reads from config (SPEC 1-2, 4, 7)."""
+
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float = 10.0
+    loss_agg_mode: str = "token-mean"
+    norm_constant: float | None = None
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    loss_type: str = "ppo_clip"  # ppo_clip | reinforce (bypass mode)
+    bypass_mode: bool = False
+    temperature: float = 1.0
+
+
+@dataclass
+class MiniBatch:
+    """One optimizer step's share of data on one rank, with the mini-batch-wide counts."""
+
+    data: dict[str, torch.Tensor]
+    global_token_count: float
+    global_seq_count: float
+
+
+class PolicyWorker(Protocol):
+    def ready(self) -> bool: ...
+
+    def compute_log_prob(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``log_probs`` and ``entropy`` ([B, R]) of the response tokens under the current weights."""
+
+    def update(self, mini_batches: list[MiniBatch], settings: LossSettings) -> dict[str, list[float]]:
+        """One optimizer step per mini-batch (the caller repeats the list for ppo_epochs)."""
+
+    def export_weights(self, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+        """Hugging Face-named tensors in size-bounded buckets, for the generation engine."""
+
+    def save(self, path: str) -> None: ...
+
+    def load(self, path: str) -> None: ...

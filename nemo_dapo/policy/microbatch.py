@@ -1,0 +1,59 @@
+"""Split a rank's mini-batch into micro-batches by token budget, trimming padding.
+
+Compute is proportional to padded width, so each micro-batch is cut to the longest real
+prompt and response it contains. Batches follow the layout of :mod:`nemo_dapo.policy.base`:
+``input_ids`` / ``attention_mask`` / ``position_ids`` are [B, P + R] (prompt left-padded,
+response right-padded) and every other 2-D tensor is a [B, R] response-aligned field.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FULL_WIDTH_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def token_budget_split(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Greedy, order-preserving groups of row indices whose padded size fits ``max_tokens``.
+
+    A single row longer than the budget still forms its own micro-batch.
+    """
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for row, length in enumerate(lengths):
+        if current and max(longest, length) * (len(current) + 1) > max_tokens:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(row)
+        longest = max(longest, length)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def prompt_width(batch: dict[str, torch.Tensor]) -> int:
+    return batch["input_ids"].shape[1] - batch["responses"].shape[1]
+
+
+def trim_padding(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Tensor]:
+    """Select ``rows`` and drop the columns that are padding for all of them."""
+    index = torch.tensor(rows, dtype=torch.long)
+    width = prompt_width(batch)
+    attention = batch["attention_mask"][index]
+    prompt_keep = int(attention[:, :width].sum(dim=1).max().item())
+    response_keep = max(int(attention[:, width:].sum(dim=1).max().item()), 1)
+    out = {}
+    for name, tensor in batch.items():
+        part = tensor[index]
+        if name in FULL_WIDTH_KEYS:
+            part = part[:, width - prompt_keep: width + response_keep]
+        elif part.dim() >= 2:
+            part = part[:, :response_keep]
+        out[name] = part
+    return out
+
+
+def micro_batches(batch: dict[str, torch.Tensor], max_tokens: int) -> list[dict[str, torch.Tensor]]:
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    return [trim_padding(batch, rows) for rows in token_budget_split(lengths, max_tokens)]

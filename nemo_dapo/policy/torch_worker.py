@@ -1,0 +1,181 @@
+"""PolicyWorker on a Hugging Face transformers model (single process or data parallel over gloo).
+
+Data parallelism is explicit: every rank computes gradients of its shard with the
+mini-batch-wide token counts, then gradients are summed with ``all_reduce`` (no averaging),
+which makes the update exactly that of the un-split mini-batch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nemo_dapo.algo.correction import CorrectionSettings
+from nemo_dapo.algo.logprob import entropy_from_logits, log_probs_from_logits
+from nemo_dapo.config.schema import OptimConfig
+from nemo_dapo.policy.actor_loss import SUMMED_METRICS, actor_loss
+from nemo_dapo.policy.base import LossSettings, MiniBatch
+from nemo_dapo.policy.microbatch import micro_batches, prompt_width
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def lr_lambda(optim: OptimConfig, total_steps: int):
+    """Linear warm-up that starts at lr/warmup (never 0), then constant or cosine."""
+    warmup = max(optim.warmup_steps, 0)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if optim.lr_schedule == "constant" or total_steps <= warmup:
+            return 1.0
+        progress = min((step - warmup) / max(total_steps - warmup, 1), 1.0)
+        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def init_data_parallel(rank: int, world_size: int, rendezvous: str) -> None:
+    """gloo process group over a FileStore: no TCP listener at all."""
+    if world_size > 1 and not dist.is_initialized():
+        store = dist.FileStore(rendezvous, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+
+
+class TorchPolicyWorker:
+    def __init__(self, rank: int, world_size: int, rendezvous: str, model_path: str, optim: dict,
+                 dtype: str = "float32", total_steps: int = 1000, max_token_len: int = 16384,
+                 seed: int = 1, num_threads: int | None = None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.rank, self.world_size = rank, world_size
+        init_data_parallel(rank, world_size, rendezvous)
+        torch.manual_seed(seed + rank)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype])
+        self.model.config.use_cache = False
+        self.optim_cfg = OptimConfig(**optim)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.optim_cfg.lr,
+                                           betas=tuple(self.optim_cfg.betas), eps=self.optim_cfg.eps,
+                                           weight_decay=self.optim_cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.optim_cfg, total_steps))
+        self.max_token_len = max_token_len
+
+    def ready(self) -> bool:
+        return True
+
+    def _forward(self, micro: dict[str, torch.Tensor], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropy of the response tokens."""
+        logits = self.model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                            position_ids=micro["position_ids"]).logits
+        width = prompt_width(micro)
+        response_logits = logits[:, width - 1: -1]
+        return (log_probs_from_logits(response_logits, micro["responses"], temperature),
+                entropy_from_logits(response_logits, temperature))
+
+    @torch.no_grad()
+    def compute_log_prob(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> dict[str, torch.Tensor]:
+        self.model.eval()
+        width = batch["responses"].shape[1]
+        log_probs = torch.zeros(batch["responses"].shape)
+        entropy = torch.zeros(batch["responses"].shape)
+        start = 0
+        for micro in micro_batches(batch, self.max_token_len):
+            lp, ent = self._forward(micro, temperature)
+            rows = slice(start, start + lp.shape[0])
+            log_probs[rows, : lp.shape[1]], entropy[rows, : lp.shape[1]] = lp.float(), ent.float()
+            start += lp.shape[0]
+        mask = batch["response_mask"][:, :width].float()
+        return {"log_probs": log_probs * mask, "entropy": entropy * mask}
+
+    def update(self, mini_batches: list[MiniBatch], settings: LossSettings,
+               correction: CorrectionSettings | None = None) -> dict[str, list[float]]:
+        self.model.train()
+        metrics: dict[str, list[float]] = {}
+        for mini in mini_batches:
+            self.optimizer.zero_grad(set_to_none=True)
+            step_metrics: dict[str, list[float]] = {}
+            for micro in micro_batches(mini.data, self.max_token_len):
+                log_probs, entropy = self._forward(micro, settings.temperature)
+                loss, micro_metrics = actor_loss(log_probs, entropy, micro, settings, mini.global_token_count,
+                                                 mini.global_seq_count, correction)
+                loss.backward()
+                for key, value in micro_metrics.items():
+                    step_metrics.setdefault(key, []).append(value)
+            self._all_reduce_gradients()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.clip_grad)
+            if torch.isfinite(grad_norm):
+                self.optimizer.step()
+            self.scheduler.step()
+            for key, values in step_metrics.items():
+                value = float(np.sum(values)) if key in SUMMED_METRICS else float(np.mean(values))
+                metrics.setdefault(key, []).append(value)
+            metrics.setdefault("actor/grad_norm", []).append(float(grad_norm))
+            metrics.setdefault("actor/lr", []).append(self.scheduler.get_last_lr()[0])
+        return metrics
+
+    def _all_reduce_gradients(self) -> None:
+        if self.world_size == 1:
+            return
+        for param in self.model.parameters():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+
+    def export_weights(self, bucket_bytes: int = 512 << 20) -> list[list[tuple[str, torch.Tensor]]]:
+        buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+        used = 0
+        for name, tensor in self.model.state_dict().items():
+            size = tensor.numel() * tensor.element_size()
+            if buckets[-1] and used + size > bucket_bytes:
+                buckets.append([])
+                used = 0
+            buckets[-1].append((name, tensor.detach().clone()))
+            used += size
+        return buckets
+
+    def state(self) -> dict:
+        """Optimizer, scheduler and RNG state of this rank (weights are saved separately)."""
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}
+
+    def save(self, path: str) -> None:
+        """Rank 0 writes the HF weights and the (replicated) optimizer state; others write RNG only."""
+        os.makedirs(path, exist_ok=True)
+        state = self.state()
+        if self.rank == 0:
+            self.model.save_pretrained(os.path.join(path, "model"), safe_serialization=True)
+            torch.save({k: state[k] for k in ("optimizer", "scheduler")}, os.path.join(path, "optim.pt"))
+        torch.save(state["rng"], os.path.join(path, f"rng_rank{self.rank}.pt"))
+
+    def load(self, path: str) -> None:
+        """Load weights + optimizer; works for any number of DP ranks (the state is replicated)."""
+        from safetensors.torch import load_file
+
+        weights = {}
+        model_dir = os.path.join(path, "model")
+        for name in sorted(os.listdir(model_dir)):
+            if name.endswith(".safetensors"):
+                weights.update(load_file(os.path.join(model_dir, name)))
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        missing = [m for m in missing if m not in self._tied_names()]
+        if missing or unexpected:
+            raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+        state = torch.load(os.path.join(path, "optim.pt"), weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        rng_file = os.path.join(path, f"rng_rank{self.rank}.pt")
+        if os.path.exists(rng_file):  # absent when resuming with more ranks than were saved
+            rng = torch.load(rng_file, weights_only=False)
+            torch.set_rng_state(rng["torch"])
+            np.random.set_state(rng["numpy"])
+            random.setstate(rng["python"])
+
+    def _tied_names(self) -> set[str]:
+        return {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()

@@ -1,0 +1,1 @@
+"""Generation backends behind the RolloutWorker interface (vLLM)."""

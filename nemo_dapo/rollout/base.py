@@ -1,0 +1,36 @@
+"""The RolloutWorker interface: engine-agnostic generation with per-token log-probs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 512
+    seed: int | None = None
+
+
+@dataclass
+class Generation:
+    """The n samples of one prompt, in sample order."""
+
+    token_ids: list[list[int]] = field(default_factory=list)
+    log_probs: list[list[float]] = field(default_factory=list)  # of the sampled tokens, engine numerics
+    finish_reasons: list[str] = field(default_factory=list)  # stop | length | abort
+
+
+class RolloutWorker(Protocol):
+    def ready(self) -> bool: ...
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Generation]: ...
+
+    def update_weights(self, buckets: list[list[tuple]], version: int) -> int:
+        """Load HF-named tensors into the running engine; returns the engine's weight version."""
+
+    def weight_version(self) -> int: ...

@@ -1,0 +1,254 @@
+"""The synchronous DAPO trainer (SPEC 8): generate -> reward -> filter -> old_log_prob -> ref
+-> advantages -> update_actor -> weight sync, with validation and checkpoints.
+
+The trainer talks to a policy group and a rollout group through their interfaces only; it
+does not know whether they are Ray actors on a laptop or GPU processes on a cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from nemo_dapo.algo.batch import RolloutBatch
+from nemo_dapo.algo.correction import CorrectionSettings
+from nemo_dapo.algo.kl import build_kl_controller
+from nemo_dapo.algo.metrics import throughput_metrics, timing_metrics
+from nemo_dapo.algo.sampling import GroupAccumulator
+from nemo_dapo.config import Config, correction_settings, to_yaml
+from nemo_dapo.data import ResumableBatchSampler
+from nemo_dapo.policy.base import LossSettings
+from nemo_dapo.rollout.base import SamplingSettings
+from nemo_dapo.trainer.batching import build_rollout_batch
+from nemo_dapo.trainer.checkpoint import CheckpointManager
+from nemo_dapo.trainer.stages import add_advantages, add_rewards, add_rollout_correction, batch_metrics, score_batch
+from nemo_dapo.trainer.tracking import StageTimer, Tracker
+from nemo_dapo.trainer.validation import accuracy_metrics
+
+log = logging.getLogger(__name__)
+WEIGHT_BUCKET_BYTES = 512 << 20
+
+
+def loss_settings(cfg: Config, correction: CorrectionSettings) -> LossSettings:
+    actor = cfg.actor
+    return LossSettings(
+        clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c,
+        loss_agg_mode=actor.loss_agg_mode,
+        norm_constant=actor.loss_scale_factor or float(cfg.data.max_response_length),
+        entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
+        kl_loss_type=actor.kl_loss_type, loss_type=correction.loss_type, bypass_mode=correction.bypass_mode,
+        temperature=cfg.rollout.temperature)
+
+
+class DAPOTrainer:
+    def __init__(self, cfg: Config, policy, rollout, tokenizer, train_data, val_data, reward, ref_policy=None) -> None:
+        self.cfg, self.policy, self.rollout, self.ref_policy = cfg, policy, rollout, ref_policy
+        self.tokenizer, self.train_data, self.val_data, self.reward = tokenizer, train_data, val_data, reward
+        self.output_dir = Path(cfg.trainer.output_dir)
+        self.tracker = Tracker(self.output_dir, cfg.trainer.loggers, cfg.trainer.experiment_name)
+        self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", cfg.checkpoint.keep_last)
+        filtering = cfg.algorithm.filter_groups
+        prompts_per_round = cfg.data.effective_gen_batch_size if filtering.enable else cfg.data.train_batch_size
+        self.sampler = ResumableBatchSampler(len(train_data), prompts_per_round, seed=cfg.data.seed,
+                                             shuffle=cfg.data.shuffle)
+        self._sampler_iter = None
+        self.accumulator = (GroupAccumulator(cfg.data.train_batch_size, filtering.max_num_gen_batches,
+                                             filtering.carry_over, filtering.metric) if filtering.enable else None)
+        self.correction = correction_settings(cfg.algorithm.rollout_correction)
+        self.loss_settings = loss_settings(cfg, self.correction)
+        kl = cfg.algorithm.kl_ctrl
+        self.kl_controller = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.global_step = 0
+        self.weight_version = 0
+        self.initial_val: dict[str, float] = {}
+        self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(self.sampler)
+
+    # ----------------------------------------------------------------- generation
+    def _next_prompt_indices(self) -> list[int]:
+        if self._sampler_iter is None:
+            self._sampler_iter = iter(self.sampler)
+        try:
+            return next(self._sampler_iter)
+        except StopIteration:  # epoch finished: the next iterator starts the following epoch
+            self._sampler_iter = iter(self.sampler)
+            return next(self._sampler_iter)
+
+    def _sampling(self) -> SamplingSettings:
+        r = self.cfg.rollout
+        return SamplingSettings(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                max_tokens=self.cfg.data.max_response_length)
+
+    def _generate_round(self, timer: StageTimer, round_index: int) -> RolloutBatch:
+        indices = self._next_prompt_indices()
+        items = [self.train_data[i] for i in indices]
+        with timer("gen"):
+            generations = self.rollout.generate([it["prompt_ids"] for it in items], self._sampling())
+        fields = {"ground_truth": [it["ground_truth"] for it in items],
+                  "data_source": [it["data_source"] for it in items], "prompt_index": [it["index"] for it in items]}
+        batch = build_rollout_batch([it["prompt_ids"] for it in items], generations, fields,
+                                    f"s{self.global_step}r{round_index}", self.tokenizer.pad_token_id,
+                                    self.weight_version)
+        with timer("reward"):
+            score_batch(batch, self.reward, self.tokenizer)
+        return batch
+
+    def _collect_batch(self, timer: StageTimer) -> tuple[RolloutBatch, dict[str, float], list[int]]:
+        """One round, or (dynamic sampling) rounds until train_batch_size informative groups are held."""
+        consumed: list[int] = []
+        round_index = 0
+        while True:
+            batch = self._generate_round(timer, round_index)
+            consumed += sorted(set(batch["prompt_index"]))
+            round_index += 1
+            if self.accumulator is None:
+                return batch, {}, consumed
+            self.accumulator.add_round(batch)
+            if self.accumulator.is_full():
+                return self.accumulator.pop_batch(), self.accumulator.last_metrics, consumed
+            self.accumulator.check_limit()
+
+    # ----------------------------------------------------------------- one step
+    def train_step(self) -> dict[str, float]:
+        timer = StageTimer()
+        step_start = time.perf_counter()
+        batch, metrics, consumed = self._collect_batch(timer)
+        bypass = self.correction.bypass_mode
+        if not bypass:
+            with timer("old_log_prob"):
+                out = self.policy.compute_log_prob(batch, self.cfg.rollout.temperature)
+            batch.add("old_log_probs", out["log_probs"])
+            metrics["actor/entropy_old"] = float((out["entropy"] * batch["response_mask"]).sum()
+                                                 / batch["response_mask"].sum().clamp(min=1))
+        if self.ref_policy is not None:
+            with timer("ref"):
+                batch.add("ref_log_probs", self.ref_policy.compute_log_prob(batch, self.cfg.rollout.temperature)["log_probs"])
+        with timer("adv"):
+            metrics.update(add_rewards(batch, self.cfg, self.kl_controller))
+            if not bypass:
+                metrics.update(add_rollout_correction(batch, self.correction))
+            add_advantages(batch, self.cfg)
+        with timer("update_actor"):
+            metrics.update(self.policy.update(batch, self.loss_settings, self.cfg.actor.ppo_mini_batch_size,
+                                              self.cfg.actor.ppo_epochs, self.correction if bypass else None))
+        with timer("sync_weights"):
+            self.sync_weights()
+        metrics.update(batch_metrics(batch, self.cfg))
+        response_tokens = int(batch["response_mask"].sum())
+        total_tokens = response_tokens + int(batch["prompt_mask"].sum())
+        metrics.update(timing_metrics(timer.seconds, response_tokens, total_tokens))
+        metrics.update(throughput_metrics(total_tokens, time.perf_counter() - step_start, self._num_devices()))
+        self._record_prompts(consumed, batch)
+        return metrics
+
+    def _num_devices(self) -> int:
+        return max(self.cfg.trainer.nnodes * self.cfg.trainer.n_gpus_per_node, self.policy.world_size)
+
+    def sync_weights(self) -> None:
+        self.weight_version += 1
+        self.rollout.update_weights(self.policy.export_weights(WEIGHT_BUCKET_BYTES), self.weight_version)
+
+    def _record_prompts(self, consumed: list[int], batch: RolloutBatch) -> None:
+        """Which dataset rows each step drew and trained on (audit trail for resume)."""
+        with open(self.output_dir / "prompts.jsonl", "a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"step": self.global_step + 1, "consumed": consumed,
+                                     "trained": sorted(set(batch["prompt_index"]))}) + "\n")
+
+    # ----------------------------------------------------------------- validation
+    def validate(self) -> dict[str, float]:
+        if self.val_data is None:
+            return {}
+        val = self.cfg.rollout.val
+        items = [self.val_data[i] for i in range(len(self.val_data))]
+        sampling = SamplingSettings(n=val.n, temperature=val.temperature if val.do_sample else 0.0,
+                                    top_p=val.top_p if val.do_sample else 1.0,
+                                    max_tokens=self.cfg.data.max_response_length)
+        generations = self.rollout.generate([it["prompt_ids"] for it in items], sampling)
+        fields = {"ground_truth": [it["ground_truth"] for it in items],
+                  "data_source": [it["data_source"] for it in items], "prompt_index": [it["index"] for it in items]}
+        batch = build_rollout_batch([it["prompt_ids"] for it in items], generations, fields, "val",
+                                    self.tokenizer.pad_token_id, self.weight_version)
+        score_batch(batch, self.reward, self.tokenizer)
+        return accuracy_metrics(batch["acc"], batch["data_source"], batch["uid"], val.n)
+
+    def _val_acc(self, metrics: dict[str, float]) -> float | None:
+        accs = [v for k, v in metrics.items() if k.startswith("val-core/") and "/acc/mean@" in k]
+        return float(np.mean(accs)) if accs else None
+
+    # ----------------------------------------------------------------- checkpoints
+    def trainer_state(self) -> dict:
+        return {"global_step": self.global_step, "weight_version": self.weight_version,
+                "sampler": self.sampler.state_dict(),
+                "accumulator": self.accumulator.state_dict() if self.accumulator else None,
+                "kl_coef": self.kl_controller.value, "initial_val": self.initial_val,
+                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}
+
+    def save_checkpoint(self) -> Path:
+        def write(folder: Path) -> None:
+            self.policy.save(str(folder / "policy"))
+            torch.save(self.trainer_state(), folder / "trainer_state.pt")
+            (folder / "config.yaml").write_text(to_yaml(self.cfg))
+
+        path = self.checkpoints.save(self.global_step, write)
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def load_checkpoint(self, path: Path) -> None:
+        self.policy.load(str(path / "policy"))
+        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        self.global_step = state["global_step"]
+        self.sampler.load_state_dict(state["sampler"])
+        self._sampler_iter = None
+        if self.accumulator is not None and state["accumulator"] is not None:
+            self.accumulator.load_state_dict(state["accumulator"])
+        self.kl_controller.value = state["kl_coef"]
+        self.initial_val = state["initial_val"]
+        torch.set_rng_state(state["rng"]["torch"])
+        np.random.set_state(state["rng"]["numpy"])
+        random.setstate(state["rng"]["python"])
+        self.weight_version = state["weight_version"]
+        self.sync_weights()  # the engines started from the base model: give them the checkpoint's weights
+        log.info("resumed from %s at step %d", path, self.global_step)
+
+    # ----------------------------------------------------------------- the loop
+    def fit(self) -> dict:
+        start = time.time()
+        resume_from = self.checkpoints.resolve_resume(self.cfg.checkpoint.resume)
+        if resume_from is not None:
+            self.load_checkpoint(resume_from)
+        elif self.cfg.trainer.val_before_train:
+            self.initial_val = self.validate()
+            self.tracker.log(self.initial_val, self.global_step)
+        last_val = dict(self.initial_val)
+        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="DAPO", dynamic_ncols=True)
+        while self.global_step < self.total_steps:
+            metrics = self.train_step()
+            self.global_step += 1
+            done = self.global_step >= self.total_steps
+            if self._due(self.cfg.trainer.test_freq) or (done and self.val_data is not None):
+                last_val = self.validate()
+                metrics.update(last_val)
+            self.tracker.log(metrics, self.global_step)
+            if self._due(self.cfg.trainer.save_freq) or done:
+                self.save_checkpoint()
+            bar.update(1)
+            bar.set_postfix(score=f"{metrics.get('critic/score/mean', 0):.3f}", acc=f"{metrics.get('critic/acc/mean', 0):.3f}",
+                            val=f"{self._val_acc(last_val) or 0:.3f}")
+        bar.close()
+        self.tracker.close()
+        return self._write_summary(last_val, time.time() - start)
+
+    def _due(self, freq: int) -> bool:
+        return freq > 0 and self.global_step % freq == 0
+
+    def _write_summary(self, last_val: dict[str, float], wall_s: float) -> dict:
+        summary = {"initial_val_acc": self._val_acc(self.initial_val), "final_val_acc": self._val_acc(last_val),
+                   "steps": self.global_step, "wall_s": wall_s, "initial_val": self.initial_val, "final_val": last_val}
+        (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary

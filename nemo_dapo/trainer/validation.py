@@ -1,0 +1,33 @@
+"""Validation / evaluation: acc/mean@n and pass@k per data source (SPEC 12 reports acc/mean@32)."""
+
+from __future__ import annotations
+
+from math import comb
+from typing import Sequence
+
+import numpy as np
+
+from nemo_dapo.algo.batch import group_rows
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k: ``1 - C(n - c, k) / C(n, k)`` (Chen et al., 2021)."""
+    if num_samples - num_correct < k:
+        return 1.0
+    return 1.0 - comb(num_samples - num_correct, k) / comb(num_samples, k)
+
+
+def accuracy_metrics(accs: Sequence[bool], data_sources: Sequence[str], uids: Sequence, n: int,
+                     prefix: str = "val-core") -> dict[str, float]:
+    """``<prefix>/<source>/acc/mean@n`` and ``val-aux/<source>/pass@k`` for k = 1, 2, 4, ... <= n."""
+    metrics: dict[str, float] = {}
+    by_source: dict[str, list[list[bool]]] = {}
+    for rows in group_rows(uids).values():
+        by_source.setdefault(data_sources[rows[0]], []).append([bool(accs[r]) for r in rows])
+    for source, groups in sorted(by_source.items()):
+        metrics[f"{prefix}/{source}/acc/mean@{n}"] = float(np.mean([np.mean(g) for g in groups]))
+        k = 1
+        while k <= n:
+            metrics[f"val-aux/{source}/pass@{k}"] = float(np.mean([pass_at_k(len(g), sum(g), k) for g in groups]))
+            k *= 2
+    return metrics

