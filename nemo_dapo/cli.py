@@ -7,7 +7,14 @@ import json
 import logging
 import sys
 
+from importlib import import_module
+
 from nemo_dapo.config import DEFAULT_PRESET, ConfigError, list_presets, load_config, to_yaml
+from nemo_dapo.trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
+
+# Sub-commands that live in their own light modules, each exposing ``add_parser(subparsers)``
+# (heavy imports stay inside their handlers so `nemo-dapo --help` stays fast).
+PLUGIN_COMMANDS = ("nemo_dapo.launch.plan", "nemo_dapo.launch.plot")
 
 
 def _cmd_selfcheck(args: argparse.Namespace) -> int:
@@ -83,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.clip_ratio_high=0.3")
     config.set_defaults(fn=_cmd_config)
     sub.add_parser("presets", help="list the presets in conf/").set_defaults(fn=_cmd_presets)
+    for module in PLUGIN_COMMANDS:
+        import_module(module).add_parser(sub)
     return parser
 
 
@@ -94,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"nemo-dapo: {err}", file=sys.stderr)
         return 2
+    except Preempted as stop:  # a checkpoint was saved: the batch script requeues the job
+        print(f"nemo-dapo: {stop}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
 
 
 if __name__ == "__main__":

@@ -132,3 +132,15 @@ def test_eval_on_aime_prints_acc(tiny_model_dir):
     accuracy = float(lines["eval/math_dapo/acc/mean@2"]) if "eval/math_dapo/acc/mean@2" in lines else None
     assert accuracy is not None, done.stdout
     assert 0.0 <= accuracy <= 1.0 and "val-aux/math_dapo/pass@2" in lines
+
+
+def test_megatron_tp2_run_learns(workdir):
+    pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
+    out = workdir / "megatron"
+    done = train(out, "actor.backend=megatron", "actor.num_workers=2", "actor.megatron.tensor_model_parallel_size=2",
+                 "trainer.total_training_steps=40", "trainer.test_freq=20", "trainer.save_freq=40")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_val_acc"] > summary["initial_val_acc"] + 0.05, summary
+    assert (out / "hf_export" / "model.safetensors").is_file()
+    assert (out / "checkpoints" / "global_step_40" / "policy" / "megatron").is_dir()  # sharded, reshardable state

@@ -12,41 +12,58 @@ from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.algo.metrics import reduce_metrics
 from nemo_dapo.cluster.worker_group import WorkerGroup
+from nemo_dapo.policy.actor_loss import SUMMED_METRICS
 from nemo_dapo.policy.base import LossSettings
 from nemo_dapo.rollout.base import Generation, SamplingSettings
 from nemo_dapo.trainer.batching import mini_batches_per_rank, shard, worker_inputs
 
 
 class PolicyGroup:
+    """Training ranks addressed as one: rows are sharded over data-parallel replicas.
+
+    Ranks of one replica (its tensor/pipeline-parallel peers) receive the same rows; results
+    are read from the first rank of each replica.
+    """
+
     def __init__(self, workers: WorkerGroup) -> None:
         self.workers = workers
+        layout = workers.call_all("data_parallel_layout")
+        self.dp_size = layout[0][1]
+        self._dp_rank = [dp_rank for dp_rank, _ in layout]
+        self._leaders = [self._dp_rank.index(r) for r in range(self.dp_size)]
 
     @property
     def world_size(self) -> int:
         return self.workers.world_size
 
+    def _per_worker(self, per_replica: list) -> list:
+        return [per_replica[dp_rank] for dp_rank in self._dp_rank]
+
     def compute_log_prob(self, batch: RolloutBatch, temperature: float) -> dict[str, torch.Tensor]:
-        shards = shard(worker_inputs(batch), self.world_size)
-        results = self.workers.call_each("compute_log_prob", [(s, temperature) for s in shards])
+        shards = shard(worker_inputs(batch), self.dp_size)
+        results = self.workers.call_each("compute_log_prob", [(s, temperature) for s in self._per_worker(shards)])
         width = batch["responses"].shape[1]
-        return {key: torch.cat([r[key][:, :width] for r in results]) for key in results[0]}
+        leaders = [results[i] for i in self._leaders]
+        return {key: torch.cat([r[key][:, :width] for r in leaders]) for key in leaders[0]}
 
     def update(self, batch: RolloutBatch, settings: LossSettings, prompts_per_mini_batch: int, ppo_epochs: int,
                correction: CorrectionSettings | None = None) -> dict[str, float]:
-        per_rank = mini_batches_per_rank(batch, prompts_per_mini_batch, self.world_size, ppo_epochs)
-        results = self.workers.call_each("update", [(mbs, settings, correction) for mbs in per_rank])
+        per_replica = mini_batches_per_rank(batch, prompts_per_mini_batch, self.dp_size, ppo_epochs)
+        results = self.workers.call_each("update", [(mbs, settings, correction)
+                                                    for mbs in self._per_worker(per_replica)])
         merged: dict[str, list[float]] = {}
-        for rank_metrics in results:
+        for rank_metrics in (results[i] for i in self._leaders):
             for key, values in rank_metrics.items():
                 merged.setdefault(key, []).extend(values)
         reduced = reduce_metrics(merged)
-        for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):  # rank shares of one mini-batch value
+        for key in SUMMED_METRICS:  # each replica holds its share of one mini-batch value
             if key in reduced:
-                reduced[key] *= self.world_size
+                reduced[key] *= self.dp_size
         return reduced
 
     def export_weights(self, bucket_bytes: int):
-        return self.workers.call_rank0("export_weights", bucket_bytes)
+        """Collective on every rank (gathers over TP/PP); rank 0's copy is returned."""
+        return self.workers.call_all("export_weights", bucket_bytes)[0]
 
     def save(self, path: str) -> None:
         self.workers.call_all("save", path)
@@ -60,10 +77,26 @@ class RolloutGroup:
         self.workers = workers
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Generation]:
+        return self.collect(self.submit(prompts, sampling))
+
+    def submit(self, prompts: list[list[int]], sampling: SamplingSettings) -> list:
+        """Start generating without waiting (the async trainer overlaps it with training)."""
         size = self.workers.world_size
         bounds = [len(prompts) * r // size for r in range(size + 1)]
-        parts = self.workers.call_each("generate", [(prompts[bounds[r]: bounds[r + 1]], sampling) for r in range(size)])
-        return [generation for part in parts for generation in part]
+        return [worker.generate.remote(prompts[bounds[r]: bounds[r + 1]], sampling)
+                for r, worker in enumerate(self.workers.workers)]
+
+    @staticmethod
+    def is_done(handles: list) -> bool:
+        import ray
+
+        return len(ray.wait(handles, num_returns=len(handles), timeout=0)[0]) == len(handles)
+
+    @staticmethod
+    def collect(handles: list) -> list[Generation]:
+        import ray
+
+        return [generation for part in ray.get(handles) for generation in part]
 
     def update_weights(self, buckets, version: int) -> None:
         import ray

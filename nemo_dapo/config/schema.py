@@ -90,6 +90,26 @@ class OptimConfig:
 
 
 @dataclass
+class MegatronConfig:
+    """Parallel layout and precision of the megatron policy backend (ignored by ``torch``).
+
+    DP is what is left of the world: world / (TP x PP x CP); experts are laid out as
+    TP x EP x PP with expert DP = world / (TP x EP x PP) (expert tensor parallelism = TP).
+    """
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None  # interleaved 1F1B chunks per stage; None = off
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True  # shard fp32 master weights + Adam moments over DP
+    fp8: Optional[str] = None  # None | hybrid | e4m3 (TransformerEngine, GPU only)
+    fp8_recipe: str = "delayed"  # delayed | tensorwise | blockwise | mxfp8
+    recompute_granularity: Optional[str] = None  # None | full | selective
+
+
+@dataclass
 class ActorConfig:
     backend: str = "torch"  # torch | megatron
     num_workers: int = 1  # data-parallel training processes (torch backend)
@@ -106,6 +126,7 @@ class ActorConfig:
     ppo_mini_batch_size: int = 32  # prompts per optimizer step
     max_token_len_per_micro_batch: int = 16384
     optim: OptimConfig = field(default_factory=OptimConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
 
 @dataclass
@@ -154,6 +175,8 @@ class CheckpointConfig:
 @dataclass
 class TrainerConfig:
     mode: str = "sync"  # sync | async
+    parameter_sync_step: int = 1  # async: local updates between two weight syncs
+    max_staleness: int = 1  # async: oldest policy lag (versions) a trajectory may have; older ones are dropped
     project_name: str = "nemo-dapo"
     experiment_name: str = "dapo"
     output_dir: str = "outputs/dapo"

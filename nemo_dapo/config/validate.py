@@ -91,6 +91,60 @@ def _check_actor(cfg: Config, problems: _Problems) -> None:
                      optim.betas, "two numbers in [0, 1)")
 
 
+FP8_FORMATS = (None, "hybrid", "e4m3")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+
+
+def training_world_size(cfg: Config) -> int:
+    """Training ranks: every GPU of the job, or ``actor.num_workers`` processes without GPUs."""
+    if cfg.trainer.n_gpus_per_node > 0:
+        return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    return cfg.actor.num_workers
+
+
+def _nullable_choice(problems: _Problems, key: str, value, choices) -> None:
+    names = ["null" if c is None else c for c in choices]
+    problems.require(value in choices, key, value, f"choose one of {names}")
+
+
+def _check_megatron(cfg: Config, problems: _Problems) -> None:
+    """Layouts Megatron would reject at start-up, after the cluster is already allocated."""
+    if cfg.actor.backend != "megatron":
+        return
+    mg, key = cfg.actor.megatron, "actor.megatron"
+    tp, pp, cp, ep = (mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, mg.context_parallel_size,
+                      mg.expert_model_parallel_size)
+    sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "context_parallel_size": cp,
+             "expert_model_parallel_size": ep}
+    for name, size in sizes.items():
+        problems.require(size >= 1, f"{key}.{name}", size, "must be >= 1")
+    if min(sizes.values()) < 1:
+        return
+    vpp = mg.virtual_pipeline_model_parallel_size
+    problems.require(vpp is None or (vpp >= 2 and pp >= 2), f"{key}.virtual_pipeline_model_parallel_size", vpp,
+                     f"interleaving needs >= 2 chunks and pipeline_model_parallel_size >= 2 (it is {pp}); null turns it off")
+    world = training_world_size(cfg)
+    if world % (tp * pp * cp):
+        problems.append(f"{key}: TP={tp} x PP={pp} x CP={cp} = {tp * pp * cp} must divide the {world} training "
+                        "ranks (trainer.nnodes x trainer.n_gpus_per_node); DP is the quotient")
+    if world % (tp * ep * pp):
+        problems.append(f"{key}: TP={tp} x EP={ep} x PP={pp} = {tp * ep * pp} must divide the {world} training "
+                        "ranks (the expert layout; expert DP is the quotient)")
+    problems.require(not mg.sequence_parallel or tp > 1, f"{key}.sequence_parallel", mg.sequence_parallel,
+                     "needs tensor_model_parallel_size > 1 (it splits the sequence over the TP group)")
+    problems.require(ep == 1 or tp == 1 or mg.sequence_parallel, f"{key}.sequence_parallel", mg.sequence_parallel,
+                     "must be true when experts (EP > 1) are combined with tensor parallelism (TP > 1)")
+    _nullable_choice(problems, f"{key}.fp8", mg.fp8, FP8_FORMATS)
+    problems.choice(f"{key}.fp8_recipe", mg.fp8_recipe, FP8_RECIPES)
+    _nullable_choice(problems, f"{key}.recompute_granularity", mg.recompute_granularity, RECOMPUTE_GRANULARITIES)
+    if world % (tp * pp * cp) == 0:
+        dp = world // (tp * pp * cp)
+        sequences = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+        problems.require(sequences % dp == 0, "actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size,
+                         f"x rollout.n = {sequences} sequences per optimizer step must split evenly over DP = {dp}")
+
+
 def _check_data_and_rollout(cfg: Config, problems: _Problems) -> None:
     data, rollout = cfg.data, cfg.rollout
     problems.require(data.max_prompt_length > 0, "data.max_prompt_length", data.max_prompt_length, "must be > 0")
@@ -122,6 +176,9 @@ def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
                          "must be >= 0")
     trainer = cfg.trainer
     problems.choice("trainer.mode", trainer.mode, ("sync", "async"))
+    problems.require(trainer.parameter_sync_step >= 1, "trainer.parameter_sync_step", trainer.parameter_sync_step,
+                     "must be >= 1")
+    problems.require(trainer.max_staleness >= 0, "trainer.max_staleness", trainer.max_staleness, "must be >= 0")
     problems.require(trainer.total_epochs >= 1, "trainer.total_epochs", trainer.total_epochs, "must be >= 1")
     problems.require(trainer.total_training_steps is None or trainer.total_training_steps >= 1,
                      "trainer.total_training_steps", trainer.total_training_steps, "must be >= 1 or null")
@@ -137,7 +194,8 @@ def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
 def validate(cfg: Config) -> Config:
     """Raise :class:`ConfigError` listing every impossible value; return ``cfg`` if none."""
     problems = _Problems()
-    for check in (_check_data_and_rollout, _check_algorithm, _check_actor, _check_reward_and_trainer):
+    for check in (_check_data_and_rollout, _check_algorithm, _check_actor, _check_megatron,
+                  _check_reward_and_trainer):
         check(cfg, problems)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

@@ -21,6 +21,7 @@ from nemo_dapo.config.schema import OptimConfig
 from nemo_dapo.policy.actor_loss import SUMMED_METRICS, actor_loss
 from nemo_dapo.policy.base import LossSettings, MiniBatch
 from nemo_dapo.policy.microbatch import micro_batches, prompt_width
+from nemo_dapo.policy.weights import bucketize
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -128,17 +129,12 @@ class TorchPolicyWorker:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
 
+    def data_parallel_layout(self) -> tuple[int, int]:
+        """(dp_rank, dp_size): every rank is its own data-parallel replica here."""
+        return self.rank, self.world_size
+
     def export_weights(self, bucket_bytes: int = 512 << 20) -> list[list[tuple[str, torch.Tensor]]]:
-        buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
-        used = 0
-        for name, tensor in self.model.state_dict().items():
-            size = tensor.numel() * tensor.element_size()
-            if buckets[-1] and used + size > bucket_bytes:
-                buckets.append([])
-                used = 0
-            buckets[-1].append((name, tensor.detach().clone()))
-            used += size
-        return buckets
+        return bucketize(((n, t.detach().clone()) for n, t in self.model.state_dict().items()), bucket_bytes)
 
     def state(self) -> dict:
         """Optimizer, scheduler and RNG state of this rank (weights are saved separately)."""

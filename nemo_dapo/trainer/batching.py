@@ -27,12 +27,14 @@ def _pad_rows(rows: Sequence[Sequence], width: int, value, dtype, left: bool = F
 
 
 def build_rollout_batch(prompt_ids: Sequence[Sequence[int]], generations: Sequence[Generation], fields: dict[str, list],
-                        uid_prefix: str, pad_token_id: int, policy_version: int) -> RolloutBatch:
+                        uid_prefix: str, pad_token_id: int, policy_version: int | Sequence[int]) -> RolloutBatch:
     """One row per sample; prompt-level ``fields`` (ground truth, data source...) are repeated n times.
 
     Rows of one prompt share ``uid`` ``<uid_prefix>:<prompt position>``, the group id GRPO and
-    dynamic sampling work on.
+    dynamic sampling work on. ``policy_version``: the weights that generated each prompt's
+    samples (one number for all, or one per prompt).
     """
+    versions = [policy_version] * len(prompt_ids) if isinstance(policy_version, int) else list(policy_version)
     rows_prompt, rows_response, rows_logprob, uids, finish, source = [], [], [], [], [], []
     for position, (prompt, generation) in enumerate(zip(prompt_ids, generations)):
         for tokens, log_probs, reason in zip(generation.token_ids, generation.log_probs, generation.finish_reasons):
@@ -51,7 +53,7 @@ def build_rollout_batch(prompt_ids: Sequence[Sequence[int]], generations: Sequen
     tensors = {
         "prompts": prompts, "prompt_mask": prompt_mask, "responses": responses, "response_mask": response_mask,
         "rollout_log_probs": _pad_rows(rows_logprob, response_width, 0.0, torch.float32),
-        "policy_version": torch.full((len(uids),), policy_version, dtype=torch.long),
+        "policy_version": torch.tensor([versions[p] for p in source], dtype=torch.long),
         "aborted": torch.tensor([reason == "abort" for reason in finish]),
     }
     repeated = {name: [values[p] for p in source] for name, values in fields.items()}

@@ -28,6 +28,7 @@ from nemo_dapo.policy.base import LossSettings
 from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.trainer.batching import build_rollout_batch
 from nemo_dapo.trainer.checkpoint import CheckpointManager
+from nemo_dapo.trainer.preemption import Preempted, PreemptionSignals, record_preemption
 from nemo_dapo.trainer.stages import add_advantages, add_rewards, add_rollout_correction, batch_metrics, score_batch
 from nemo_dapo.trainer.tracking import StageTimer, Tracker
 from nemo_dapo.trainer.validation import accuracy_metrics
@@ -85,7 +86,8 @@ class DAPOTrainer:
         return SamplingSettings(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                 max_tokens=self.cfg.data.max_response_length)
 
-    def _generate_round(self, timer: StageTimer, round_index: int) -> RolloutBatch:
+    def _next_round(self, timer: StageTimer, round_index: int) -> RolloutBatch:
+        """One generation round, scored (the async trainer takes it from the data plane instead)."""
         indices = self._next_prompt_indices()
         items = [self.train_data[i] for i in indices]
         with timer("gen"):
@@ -104,7 +106,7 @@ class DAPOTrainer:
         consumed: list[int] = []
         round_index = 0
         while True:
-            batch = self._generate_round(timer, round_index)
+            batch = self._next_round(timer, round_index)
             consumed += sorted(set(batch["prompt_index"]))
             round_index += 1
             if self.accumulator is None:
@@ -116,9 +118,20 @@ class DAPOTrainer:
 
     # ----------------------------------------------------------------- one step
     def train_step(self) -> dict[str, float]:
+        """One step of SPEC 8's synchronous order, then the weight sync."""
         timer = StageTimer()
         step_start = time.perf_counter()
         batch, metrics, consumed = self._collect_batch(timer)
+        metrics.update(self.train_on_batch(batch, timer))
+        with timer("sync_weights"):
+            self.sync_weights()
+        self._finish_step_metrics(batch, metrics, timer, step_start)
+        self._record_prompts(consumed, batch)
+        return metrics
+
+    def train_on_batch(self, batch: RolloutBatch, timer: StageTimer) -> dict[str, float]:
+        """old_log_prob -> ref -> advantages -> update_actor: shared by the sync and async loops."""
+        metrics: dict[str, float] = {}
         bypass = self.correction.bypass_mode
         if not bypass:
             with timer("old_log_prob"):
@@ -128,7 +141,8 @@ class DAPOTrainer:
                                                  / batch["response_mask"].sum().clamp(min=1))
         if self.ref_policy is not None:
             with timer("ref"):
-                batch.add("ref_log_probs", self.ref_policy.compute_log_prob(batch, self.cfg.rollout.temperature)["log_probs"])
+                ref = self.ref_policy.compute_log_prob(batch, self.cfg.rollout.temperature)
+            batch.add("ref_log_probs", ref["log_probs"])
         with timer("adv"):
             metrics.update(add_rewards(batch, self.cfg, self.kl_controller))
             if not bypass:
@@ -137,15 +151,14 @@ class DAPOTrainer:
         with timer("update_actor"):
             metrics.update(self.policy.update(batch, self.loss_settings, self.cfg.actor.ppo_mini_batch_size,
                                               self.cfg.actor.ppo_epochs, self.correction if bypass else None))
-        with timer("sync_weights"):
-            self.sync_weights()
         metrics.update(batch_metrics(batch, self.cfg))
+        return metrics
+
+    def _finish_step_metrics(self, batch: RolloutBatch, metrics: dict, timer: StageTimer, step_start: float) -> None:
         response_tokens = int(batch["response_mask"].sum())
         total_tokens = response_tokens + int(batch["prompt_mask"].sum())
         metrics.update(timing_metrics(timer.seconds, response_tokens, total_tokens))
         metrics.update(throughput_metrics(total_tokens, time.perf_counter() - step_start, self._num_devices()))
-        self._record_prompts(consumed, batch)
-        return metrics
 
     def _num_devices(self) -> int:
         return max(self.cfg.trainer.nnodes * self.cfg.trainer.n_gpus_per_node, self.policy.world_size)
@@ -157,8 +170,10 @@ class DAPOTrainer:
     def _record_prompts(self, consumed: list[int], batch: RolloutBatch) -> None:
         """Which dataset rows each step drew and trained on (audit trail for resume)."""
         with open(self.output_dir / "prompts.jsonl", "a", encoding="utf-8") as handle:
-            handle.write(json.dumps({"step": self.global_step + 1, "consumed": consumed,
-                                     "trained": sorted(set(batch["prompt_index"]))}) + "\n")
+            record = {"step": self.global_step + 1, "consumed": consumed, "trained": sorted(set(batch["prompt_index"]))}
+            if "prompt_key" in batch:  # async: which issued prompt, and which attempt of it, was trained
+                record["prompt_keys"] = sorted({f"{k}#{a}" for k, a in zip(batch["prompt_key"], batch["attempt"])})
+            handle.write(json.dumps(record) + "\n")
 
     # ----------------------------------------------------------------- validation
     def validate(self) -> dict[str, float]:
@@ -218,6 +233,10 @@ class DAPOTrainer:
 
     # ----------------------------------------------------------------- the loop
     def fit(self) -> dict:
+        with PreemptionSignals() as preemption:
+            return self._fit(preemption)
+
+    def _fit(self, preemption: PreemptionSignals) -> dict:
         start = time.time()
         resume_from = self.checkpoints.resolve_resume(self.cfg.checkpoint.resume)
         if resume_from is not None:
@@ -240,9 +259,20 @@ class DAPOTrainer:
             bar.update(1)
             bar.set_postfix(score=f"{metrics.get('critic/score/mean', 0):.3f}", acc=f"{metrics.get('critic/acc/mean', 0):.3f}",
                             val=f"{self._val_acc(last_val) or 0:.3f}")
+            if preemption.requested and not done:
+                self._stop_preempted(preemption.received, bar)
         bar.close()
         self.tracker.close()
         return self._write_summary(last_val, time.time() - start)
+
+    def _stop_preempted(self, signal_name: str, bar: tqdm) -> None:
+        """Checkpoint (unless this step just did) and leave: the requeued job resumes from here."""
+        if not self._due(self.cfg.trainer.save_freq):
+            self.save_checkpoint()
+        bar.close()
+        self.tracker.close()
+        record_preemption(self.output_dir, self.global_step, signal_name)
+        raise Preempted(self.global_step, signal_name)
 
     def _due(self, freq: int) -> bool:
         return freq > 0 and self.global_step % freq == 0

@@ -23,14 +23,22 @@ def resolve_paths(cfg: Config) -> Config:
 def _policy_group(cfg: Config, name: str, total_optimizer_steps: int):
     from nemo_dapo.cluster.groups import PolicyGroup
     from nemo_dapo.cluster.worker_group import WorkerGroup
-    from nemo_dapo.policy.torch_worker import TorchPolicyWorker
 
-    if cfg.actor.backend != "torch":
-        raise NotImplementedError(f"actor.backend={cfg.actor.backend!r} is not available yet; use actor.backend=torch")
     kwargs = {"model_path": cfg.model.path, "optim": asdict(cfg.actor.optim), "dtype": cfg.model.dtype,
               "total_steps": total_optimizer_steps, "max_token_len": cfg.actor.max_token_len_per_micro_batch,
               "seed": cfg.trainer.seed}
-    return PolicyGroup(WorkerGroup(TorchPolicyWorker, cfg.actor.num_workers, name=name, worker_kwargs=kwargs))
+    if cfg.actor.backend == "megatron":
+        from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker as worker_cls
+
+        layout = cfg.actor.megatron
+        kwargs.update(tensor_parallel_size=layout.tensor_model_parallel_size,
+                      pipeline_parallel_size=layout.pipeline_model_parallel_size,
+                      expert_parallel_size=layout.expert_model_parallel_size)
+    else:
+        from nemo_dapo.policy.torch_worker import TorchPolicyWorker as worker_cls
+    gpus = 1 if cfg.trainer.n_gpus_per_node > 0 else 0
+    return PolicyGroup(WorkerGroup(worker_cls, cfg.actor.num_workers, name=name, num_gpus_per_worker=gpus,
+                                   worker_kwargs=kwargs))
 
 
 def _rollout_group(cfg: Config):
@@ -75,7 +83,14 @@ def run_training(cfg: Config) -> dict:
         policy = _policy_group(cfg, "actor", optimizer_steps)
         ref = _policy_group(cfg, "ref", 1) if needs_reference(cfg) else None
         rollout = _rollout_group(cfg)
-        trainer = DAPOTrainer(cfg, policy, rollout, tokenizer, train_data, val_data, reward, ref_policy=ref)
+        if cfg.trainer.mode == "async":
+            from nemo_dapo.trainer.async_fit import AsyncDAPOTrainer
+            from nemo_dapo.trainer.data_plane import DataPlane
+
+            trainer = AsyncDAPOTrainer(cfg, policy, rollout, tokenizer, train_data, val_data, reward, ref_policy=ref,
+                                       plane=DataPlane())
+        else:
+            trainer = DAPOTrainer(cfg, policy, rollout, tokenizer, train_data, val_data, reward, ref_policy=ref)
         summary = trainer.fit()
         export_dir = Path(cfg.trainer.output_dir) / "hf_export"
         export_hf(trainer.checkpoints.step_folders()[0][1], cfg.model.path, export_dir)

@@ -1,0 +1,94 @@
+"""Where does a training step's time go? Per-stage seconds, generation share, weight-sync time,
+tokens/s and peak memory of the tiny preset (or any preset) on this machine.
+
+    .venv/bin/python bench/step_breakdown.py [--config tiny_cpu] [--steps 30] [key=value ...]
+
+Runs the real trainer for ``--steps`` steps (first 3 dropped as warm-up), samples the memory
+of the whole process tree (driver, Ray, vLLM, policy workers) every 0.2 s, prints a table and
+writes ``step_breakdown.json`` into the run's output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from nemo_dapo.config import load_config
+from nemo_dapo.trainer.launch import run_training
+
+STAGES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "sync_weights")
+
+
+class TreeMemory(threading.Thread):
+    """Peak resident memory of this process and all its descendants."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak_bytes = 0
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        me = psutil.Process()
+        while not self._stop_event.is_set():
+            total = 0
+            for proc in [me, *me.children(recursive=True)]:
+                try:
+                    total += proc.memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak_bytes = max(self.peak_bytes, total)
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+def summarise(metrics_file: Path, skip: int) -> dict:
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    steps = [r for r in rows if "perf/time_per_step" in r][skip:]
+    per_stage = {s: statistics.mean(r.get(f"timing_s/{s}", 0.0) for r in steps) for s in STAGES}
+    step_s = statistics.mean(r["perf/time_per_step"] for r in steps)
+    tokens = statistics.mean(r["perf/total_num_tokens"] for r in steps)
+    response_tokens = statistics.mean(r["response_length/mean"] for r in steps)
+    return {"steps_measured": len(steps), "step_s": step_s, "stage_s": per_stage,
+            "gen_share": per_stage["gen"] / step_s, "weight_sync_s": per_stage["sync_weights"],
+            "tokens_per_s": tokens / step_s, "tokens_per_step": tokens, "response_length_mean": response_tokens,
+            "gen_rounds_per_step": statistics.mean(r.get("dapo/num_gen_batches", 1.0) for r in steps)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="tiny_cpu")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    output = Path("outputs/bench_step_breakdown")
+    overrides = [f"trainer.total_training_steps={args.steps}", "trainer.test_freq=0", "trainer.val_before_train=false",
+                 f"trainer.save_freq={args.steps}", "checkpoint.resume=disable", f"trainer.output_dir={output}",
+                 *args.overrides]
+    (output / "metrics.jsonl").unlink(missing_ok=True)
+    memory = TreeMemory()
+    memory.start()
+    started = time.time()
+    run_training(load_config(args.config, overrides))
+    memory.stop()
+    report = summarise(output / "metrics.jsonl", skip=3)
+    report.update({"wall_s": time.time() - started, "peak_rss_gib": memory.peak_bytes / 2**30, "config": args.config,
+                   "overrides": args.overrides})
+    (output / "step_breakdown.json").write_text(json.dumps(report, indent=1))
+    print(f"step {report['step_s']:.3f} s over {report['steps_measured']} steps "
+          f"({report['gen_rounds_per_step']:.2f} generation rounds/step, {report['tokens_per_step']:.0f} tokens/step)")
+    for stage, seconds in report["stage_s"].items():
+        print(f"  {stage:<13} {seconds:7.3f} s  {100 * seconds / report['step_s']:5.1f} %")
+    print(f"generation share {100 * report['gen_share']:.1f} %, weight sync {1000 * report['weight_sync_s']:.1f} ms, "
+          f"{report['tokens_per_s']:.0f} tokens/s, peak memory (all processes) {report['peak_rss_gib']:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()

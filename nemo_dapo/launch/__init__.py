@@ -1,0 +1,1 @@
+"""Production launch: capacity planning, metric plots (and the cluster launchers)."""

@@ -1,0 +1,178 @@
+"""`nemo-dapo plan CONFIG`: will this model and layout fit, before 128 GPUs are queued?
+
+Prints parameters and memory per GPU for the training update and for generation (formulas
+in :mod:`nemo_dapo.launch.capacity`) and exits 1, listing every reason, when a layout cannot
+work: more memory than the GPU has, no room for one full-length sequence in the KV cache, or
+heads / layers / experts that do not split evenly over TP / PP / EP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+
+from nemo_dapo.config import ConfigError, load_config
+from nemo_dapo.config.schema import Config
+from nemo_dapo.launch.architectures import Architecture, resolve_architecture
+from nemo_dapo.launch.capacity import (GenerationMemory, Layout, TrainingMemory, generation_memory, layout_of,
+                                       training_memory)
+
+
+def _divides(problems: list[str], size: int, count: int, what: str, key: str) -> None:
+    if count % size:
+        problems.append(f"{key}={size} does not divide the model's {count} {what}")
+
+
+def training_layout_problems(arch: Architecture, layout: Layout) -> list[str]:
+    """What Megatron cannot shard: heads and FFN widths over TP, layers over PP, experts over EP."""
+    problems: list[str] = []
+    key = "actor.megatron"
+    _divides(problems, layout.tp, arch.num_attention_heads, "attention heads", f"{key}.tensor_model_parallel_size")
+    _divides(problems, layout.tp, arch.num_kv_heads, "KV heads (query groups)", f"{key}.tensor_model_parallel_size")
+    if arch.is_moe:
+        _divides(problems, layout.tp, arch.moe_intermediate_size, "expert FFN width", f"{key}.tensor_model_parallel_size")
+        _divides(problems, layout.ep, arch.num_experts, "experts", f"{key}.expert_model_parallel_size")
+    else:
+        _divides(problems, layout.tp, arch.intermediate_size, "FFN width", f"{key}.tensor_model_parallel_size")
+        if layout.ep > 1:
+            problems.append(f"{key}.expert_model_parallel_size={layout.ep}: {arch.name} is dense (no experts)")
+    _divides(problems, layout.pp * (layout.vpp or 1), arch.num_layers, "layers",
+             f"{key}.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size")
+    return problems
+
+
+def rollout_layout_problems(cfg: Config, arch: Architecture) -> list[str]:
+    """vLLM's own constraints, and engines that need more GPUs than the job has."""
+    tp, problems = cfg.rollout.tensor_parallel_size, []
+    _divides(problems, tp, arch.num_attention_heads, "attention heads", "rollout.tensor_parallel_size")
+    if arch.num_kv_heads % tp and tp % arch.num_kv_heads:
+        problems.append(f"rollout.tensor_parallel_size={tp}: neither divides nor is a multiple of the model's "
+                        f"{arch.num_kv_heads} KV heads")
+    gpus = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    engines_gpus = cfg.rollout.num_workers * tp
+    if cfg.trainer.n_gpus_per_node > 0 and engines_gpus > gpus:
+        problems.append(f"rollout.num_workers x rollout.tensor_parallel_size = {engines_gpus} GPUs, "
+                        f"the job has {gpus}")
+    return problems
+
+
+def memory_problems(training: TrainingMemory, generation: GenerationMemory, gpu_memory_gib: float) -> list[str]:
+    problems = []
+    if training.total > gpu_memory_gib:
+        problems.append(f"training needs {training.total:.1f} GiB per GPU, the GPU has {gpu_memory_gib:g} GiB: raise "
+                        "TP / PP / CP (CP splits long sequences), or turn on recompute_granularity=full or the "
+                        "distributed optimizer")
+    if generation.full_sequences < 1:
+        problems.append(f"vLLM: {generation.kv_cache:.1f} GiB left for the KV cache holds {generation.kv_tokens} "
+                        f"tokens, less than one {generation.sequence_tokens}-token sequence: raise "
+                        "rollout.tensor_parallel_size or rollout.gpu_memory_utilization")
+    return problems
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: str
+    arch: Architecture
+    layout: Layout
+    training: TrainingMemory
+    generation: GenerationMemory
+    gpu_memory_gib: float
+    engines: int
+    sequences_per_round: int
+    problems: list[str]
+
+    def as_dict(self) -> dict:
+        """Machine-readable plan (``--json``); memory in GiB."""
+        training, generation = self.training, self.generation
+        return {
+            "config": self.config, "model": self.arch.name, "params_total": self.arch.total_params(),
+            "params_per_gpu": round(training.params), "world": self.layout.world, "dp": self.layout.dp,
+            "expert_dp": self.layout.expert_dp, "gpu_memory_gib": self.gpu_memory_gib,
+            "training": {"weights": training.weights, "gradients": training.gradients, "optimizer": training.optimizer,
+                         "activations": training.activations, "recompute": training.recompute,
+                         "logits": training.logits, "reserve": training.reserve, "total": training.total},
+            "generation": {"budget": generation.budget, "weights": generation.weights, "reserve": generation.reserve,
+                           "kv_cache": generation.kv_cache, "kv_bytes_per_token": generation.kv_bytes_per_token,
+                           "kv_tokens": generation.kv_tokens, "full_sequences": generation.full_sequences},
+            "fits": not self.problems, "problems": self.problems,
+        }
+
+
+def make_plan(cfg: Config, config_name: str, gpu_memory_gib: float, reserve_gib: float) -> Plan:
+    try:
+        arch = resolve_architecture(cfg.model.path)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    layout = layout_of(cfg)
+    training = training_memory(cfg, arch, reserve_gib)
+    generation = generation_memory(cfg, arch, gpu_memory_gib, reserve_gib)
+    problems = training_layout_problems(arch, layout) if cfg.actor.backend == "megatron" else []
+    problems += rollout_layout_problems(cfg, arch) + memory_problems(training, generation, gpu_memory_gib)
+    engines = cfg.rollout.num_workers
+    return Plan(config=config_name, arch=arch, layout=layout, training=training, generation=generation,
+                gpu_memory_gib=gpu_memory_gib, engines=engines,
+                sequences_per_round=cfg.data.effective_gen_batch_size * cfg.rollout.n, problems=problems)
+
+
+def _describe_model(arch: Architecture) -> str:
+    kind = f"MoE {arch.num_experts} experts top-{arch.experts_per_token}" if arch.is_moe else "dense"
+    return (f"{arch.name}: {arch.total_params() / 1e9:.2f} B parameters, {arch.num_layers} layers, hidden "
+            f"{arch.hidden_size}, {arch.num_attention_heads} heads / {arch.num_kv_heads} KV heads, {kind}")
+
+
+def _describe_layout(layout: Layout) -> str:
+    flags = f"SP={'on' if layout.sequence_parallel else 'off'} " \
+            f"distributed optimizer={'on' if layout.distributed_optimizer else 'off'}"
+    return (f"TP={layout.tp} PP={layout.pp} CP={layout.cp} EP={layout.ep} VPP={layout.vpp or '-'} {flags} "
+            f"-> DP={layout.dp}, expert DP={layout.expert_dp} over {layout.world} ranks")
+
+
+def render(plan: Plan) -> str:
+    t, g = plan.training, plan.generation
+    acts = " / ".join(f"{t.activations[k]:.2f}" for k in ("none", "selective", "full"))
+    lines = [
+        f"plan for {plan.config}",
+        f"model       {_describe_model(plan.arch)}",
+        f"training    {_describe_layout(plan.layout)}",
+        f"  parameters per GPU                 {t.params / 1e9:.3f} B (heaviest pipeline stage)",
+        f"  weights                            {t.weights:7.2f} GiB",
+        f"  gradients (fp32)                   {t.gradients:7.2f} GiB",
+        f"  optimizer (fp32 master + Adam)     {t.optimizer:7.2f} GiB",
+        f"  activations none/selective/full    {acts} GiB (recompute: {t.recompute})",
+        f"  logits (last stage)                {t.logits:7.2f} GiB",
+        f"  reserve                            {t.reserve:7.2f} GiB",
+        f"  total per GPU                      {t.total:7.2f} GiB of {plan.gpu_memory_gib:g}",
+        f"generation  {plan.engines} vLLM engines, {g.budget:.1f} GiB per GPU for vLLM",
+        f"  weights                            {g.weights:7.2f} GiB",
+        f"  KV cache                           {g.kv_cache:7.2f} GiB = {g.kv_tokens} tokens "
+        f"({g.kv_bytes_per_token / 1024:.1f} KiB per token per GPU)",
+        f"  full-length sequences at once      {g.full_sequences} of {g.sequence_tokens} tokens per engine",
+        f"  sequences per generation round     {plan.sequences_per_round} "
+        f"({plan.sequences_per_round / max(plan.engines, 1):.0f} per engine)",
+    ]
+    verdict = "fits" if not plan.problems else "REFUSED:\n  - " + "\n  - ".join(plan.problems)
+    return "\n".join(lines + [f"verdict     {verdict}"])
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    plan = make_plan(cfg, args.config, args.gpu_memory_gib, args.reserve_gib)
+    print(json.dumps(plan.as_dict(), indent=1) if args.json else render(plan))
+    if plan.problems:
+        print(f"nemo-dapo plan: {args.config} cannot run as configured ({len(plan.problems)} problem(s))",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("plan", help="per-GPU memory of a preset's layout; refuses layouts that cannot fit")
+    parser.add_argument("config", help="preset name in conf/ or a YAML path")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.megatron.tensor_model_parallel_size=4")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H800: 80, H20: 96)")
+    parser.add_argument("--reserve-gib", type=float, default=4.0,
+                        help="per GPU and phase: CUDA context, NCCL buffers, fragmentation")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(fn=run_plan)

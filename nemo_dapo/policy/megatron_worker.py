@@ -1,0 +1,232 @@
+"""PolicyWorker on Megatron-core (TP / PP / EP / DP, distributed optimizer), loaded from an HF folder.
+
+Numerically it is the torch worker's twin: the same log-prob / entropy functions, the same
+actor loss with mini-batch-wide token counts (gradients are summed over micro-batches, pipeline
+schedules and data-parallel ranks, never averaged), AdamW with the same warm-up, the same
+gradient clipping. Every rank of a data-parallel group (its TP x PP ranks) must be given the
+same rows; ``dp_rank`` / ``dp_size`` say how the driver should shard.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nemo_dapo.algo.correction import CorrectionSettings
+from nemo_dapo.algo.logprob import entropy_from_logits, log_probs_from_logits
+from nemo_dapo.config.schema import OptimConfig
+from nemo_dapo.policy import megatron_model as mm
+from nemo_dapo.policy.actor_loss import SUMMED_METRICS, actor_loss
+from nemo_dapo.policy.base import LossSettings, MiniBatch
+from nemo_dapo.policy.megatron_convert import ModelShape
+from nemo_dapo.policy.megatron_cpu_compat import enable_cpu_compat
+from nemo_dapo.policy.microbatch import micro_batches, prompt_width
+from nemo_dapo.policy.torch_worker import DTYPES, lr_lambda
+from nemo_dapo.policy.weights import bucketize
+
+
+def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Megatron's boolean mask (True = blocked): causal, and padding keys blocked."""
+    width = attention_mask.shape[1]
+    causal = torch.triu(torch.ones(width, width, dtype=torch.bool), diagonal=1)
+    return causal[None, None] | (attention_mask == 0)[:, None, None, :]
+
+
+def finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs) -> None:
+    """Megatron's grad finalisation (DP reduce, tied-embedding sync) minus its 1/num_tokens scaling:
+    the actor loss already divides by the mini-batch-wide token count."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, None, **kwargs)
+
+
+class MegatronPolicyWorker:
+    def __init__(self, rank: int, world_size: int, rendezvous: str, model_path: str, optim: dict,
+                 dtype: str = "float32", total_steps: int = 1000, max_token_len: int = 16384, seed: int = 1,
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, expert_parallel_size: int = 1,
+                 num_threads: int | None = None) -> None:
+        from transformers import AutoConfig
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        enable_cpu_compat()
+        self.rank, self.world_size = rank, world_size
+        self.parallel = mm.Parallelism(tensor_parallel_size, pipeline_parallel_size, expert_parallel_size)
+        mm.init_distributed(rank, world_size, rendezvous, self.parallel, seed)
+        torch.manual_seed(seed + rank)
+        self.hf_config = AutoConfig.from_pretrained(model_path)
+        self.shape = ModelShape.from_hf_config(self.hf_config)
+        self.config = mm.transformer_config(self.hf_config, self.parallel, DTYPES[dtype])
+        self.config.finalize_model_grads_func = finalize_grads_without_token_scaling
+        self.optim_cfg = OptimConfig(**optim)
+        self.lr_factor = lr_lambda(self.optim_cfg, total_steps)
+        self.max_token_len = max_token_len
+        self.steps_done = 0
+        self.model = self._build(model_path)
+        self.optimizer = self._build_optimizer()
+
+    def _build(self, model_path: str):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        model = mm.build_gpt_model(self.hf_config, self.config)
+        mm.load_local_weights(model, mm.local_weights(mm.read_hf_weights(model_path), self.shape, self.parallel.tensor))
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+        return DistributedDataParallel(self.config, ddp_config, model)
+
+    def _build_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        cfg = self.optim_cfg
+        config = OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.betas[0],
+            adam_beta2=cfg.betas[1], adam_eps=cfg.eps, clip_grad=cfg.clip_grad, use_distributed_optimizer=True,
+            params_dtype=self.config.params_dtype, bf16=self.config.bf16, fp16=self.config.fp16)
+        # config_overrides={}: weight decay on every parameter, as torch.optim.AdamW in the torch worker
+        return get_megatron_optimizer(config, [self.model], config_overrides={})
+
+    @property
+    def dp_rank(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank()
+
+    @property
+    def dp_size(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_world_size()
+
+    def ready(self) -> bool:
+        return True
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    def _response_stats(self, micro: dict[str, torch.Tensor], logits: torch.Tensor, temperature: float):
+        """Log-probs and entropy of the response tokens (padded vocabulary rows dropped)."""
+        width = prompt_width(micro)
+        response_logits = logits[:, width - 1: -1, : self.shape.vocab_size]
+        return (log_probs_from_logits(response_logits, micro["responses"], temperature),
+                entropy_from_logits(response_logits, temperature))
+
+    def _run_schedule(self, micros: list[dict[str, torch.Tensor]], loss_fn, forward_only: bool) -> None:
+        """Megatron's forward(-backward) schedule (pipelined when PP > 1) over the micro-batches."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            micro = next(data_iterator)
+            output = model(micro["input_ids"], micro["position_ids"], attention_mask_4d(micro["attention_mask"]))
+            return output, functools.partial(loss_fn, micro)
+
+        longest = max(m["input_ids"].shape[1] for m in micros)
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micros), model=[self.model],
+            num_microbatches=len(micros), seq_length=longest, micro_batch_size=micros[0]["input_ids"].shape[0],
+            forward_only=forward_only)
+
+    @torch.no_grad()
+    def compute_log_prob(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> dict[str, torch.Tensor]:
+        self.model.eval()
+        micros = micro_batches(batch, self.max_token_len)
+        results: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def collect(micro, logits):
+            results.append(self._response_stats(micro, logits, temperature))
+            return logits.new_zeros(()), torch.tensor(0, dtype=torch.int), {}
+
+        self._run_schedule(micros, collect, forward_only=True)
+        log_probs = torch.zeros(batch["responses"].shape)
+        entropy = torch.zeros(batch["responses"].shape)
+        start = 0
+        for lp, ent in results:
+            rows = slice(start, start + lp.shape[0])
+            log_probs[rows, : lp.shape[1]], entropy[rows, : lp.shape[1]] = lp.float(), ent.float()
+            start += lp.shape[0]
+        log_probs, entropy = self._from_last_stage(log_probs), self._from_last_stage(entropy)
+        mask = batch["response_mask"].float()
+        return {"log_probs": log_probs * mask, "entropy": entropy * mask}
+
+    def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Only the last pipeline stage sees logits: broadcast its result to the other stages."""
+        from megatron.core import parallel_state
+
+        if self.parallel.pipeline == 1:
+            return tensor
+        group = parallel_state.get_pipeline_model_parallel_group()
+        dist.broadcast(tensor, src=parallel_state.get_pipeline_model_parallel_last_rank(), group=group)
+        return tensor
+
+    # ---- update ----------------------------------------------------------------------------
+
+    def update(self, mini_batches: list[MiniBatch], settings: LossSettings,
+               correction: CorrectionSettings | None = None) -> dict[str, list[float]]:
+        self.model.train()
+        metrics: dict[str, list[float]] = {}
+        for mini in mini_batches:
+            step_metrics = self._train_step(mini, settings, correction)
+            for key, values in step_metrics.items():
+                value = float(np.sum(values)) if key in SUMMED_METRICS else float(np.mean(values))
+                metrics.setdefault(key, []).append(value)
+        return metrics
+
+    def _train_step(self, mini: MiniBatch, settings: LossSettings,
+                    correction: CorrectionSettings | None) -> dict[str, list[float]]:
+        """One optimizer step: gradients of every micro-batch summed, clipped, AdamW at this step's lr."""
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        step_metrics: dict[str, list[float]] = {}
+
+        def loss_fn(micro, logits):
+            log_probs, entropy = self._response_stats(micro, logits, settings.temperature)
+            loss, micro_metrics = actor_loss(log_probs, entropy, micro, settings, mini.global_token_count,
+                                             mini.global_seq_count, correction)
+            for key, value in micro_metrics.items():
+                step_metrics.setdefault(key, []).append(value)
+            return loss, micro["response_mask"].sum().int(), {}
+
+        self._run_schedule(micro_batches(mini.data, self.max_token_len), loss_fn, forward_only=False)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.optim_cfg.lr * self.lr_factor(self.steps_done)
+        _, grad_norm, _ = self.optimizer.step()
+        self.steps_done += 1
+        step_metrics = self._share_metrics(step_metrics)
+        step_metrics["actor/grad_norm"] = [float(grad_norm)]
+        step_metrics["actor/lr"] = [self.optim_cfg.lr * self.lr_factor(self.steps_done)]
+        return step_metrics
+
+    def _share_metrics(self, step_metrics: dict[str, list[float]]) -> dict[str, list[float]]:
+        """Loss metrics exist on the last pipeline stage only; give every stage the same values."""
+        from megatron.core import parallel_state
+
+        if self.parallel.pipeline == 1:
+            return step_metrics
+        shared = [step_metrics]
+        dist.broadcast_object_list(shared, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                   group=parallel_state.get_pipeline_model_parallel_group())
+        return shared[0]
+
+    # ---- weights and checkpoints -----------------------------------------------------------
+
+    def data_parallel_layout(self) -> tuple[int, int]:
+        """(dp_rank, dp_size): the TP x PP ranks of one replica must get the same rows."""
+        return self.dp_rank, self.dp_size
+
+    def export_weights(self, bucket_bytes: int = 512 << 20) -> list[list[tuple[str, torch.Tensor]]]:
+        """HF-named tensors, gathered over TP and PP, in buckets of at most ``bucket_bytes``; collective."""
+        return bucketize(mm.gather_hf_weights(self.model.module, self.shape).items(), bucket_bytes)
+
+    def save(self, path: str) -> None:
+        from nemo_dapo.policy.megatron_checkpoint import save_checkpoint
+
+        save_checkpoint(self, path)
+
+    def load(self, path: str) -> None:
+        from nemo_dapo.policy.megatron_checkpoint import load_checkpoint
+
+        load_checkpoint(self, path)
+
+    def rng_state(self) -> dict:
+        return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}

@@ -1,0 +1,239 @@
+"""Megatron-core policy worker: weight conversion, and parity with the torch worker at TP=1 / TP=2.
+
+Megatron ranks run in spawned processes (gloo over a FileStore): its global parallel state and
+the CPU compatibility patches never touch the pytest process.
+"""
+
+import importlib.util
+import os
+from dataclasses import asdict
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.megatron,
+    pytest.mark.skipif(importlib.util.find_spec("megatron") is None
+                       or importlib.util.find_spec("megatron.core") is None,
+                       reason="megatron-core is not installed (optional 'megatron' extra)"),
+]
+
+LR = 1e-2
+WARMUP = 2  # first step runs at lr / 2
+
+
+def optim_settings() -> dict:
+    from nemo_dapo.config.schema import OptimConfig
+
+    return asdict(OptimConfig(lr=LR, warmup_steps=WARMUP))
+
+
+def make_batch(seed: int = 0, rows: int = 6, prompt: int = 5, response: int = 7, vocab: int = 494) -> dict:
+    """Left-padded prompts + right-padded responses of random tokens, as the trainer builds them."""
+    gen = torch.Generator().manual_seed(seed)
+    width = prompt + response
+    attention = torch.ones(rows, width, dtype=torch.long)
+    for row in range(rows):
+        attention[row, : int(torch.randint(0, prompt - 1, (1,), generator=gen))] = 0
+        attention[row, width - int(torch.randint(0, response - 1, (1,), generator=gen)):] = 0
+    ids = torch.randint(3, vocab, (rows, width), generator=gen) * attention
+    return {"input_ids": ids, "attention_mask": attention, "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+            "responses": ids[:, prompt:], "response_mask": attention[:, prompt:]}
+
+
+def add_training_fields(batch: dict, old_log_probs: torch.Tensor) -> dict:
+    rows = batch["input_ids"].shape[0]
+    return {**batch, "old_log_probs": old_log_probs,
+            "advantages": torch.linspace(-1, 1, rows)[:, None] * batch["response_mask"]}
+
+
+def run_megatron_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, tp: int, out_dir: str) -> None:
+    """One Megatron rank: log-probs, one update (two micro-batches), exported weights -> out_dir."""
+    from nemo_dapo.policy.base import LossSettings, MiniBatch
+    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
+
+    torch.set_num_threads(1)
+    worker = MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, optim_settings(), max_token_len=40,
+                                  tensor_parallel_size=tp)
+    batch = make_batch()
+    before = worker.compute_log_prob(batch)
+    full = add_training_fields(batch, before["log_probs"])
+    metrics = worker.update([MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))],
+                            LossSettings())
+    weights = dict(worker.export_weights(1 << 30)[0])
+    if rank == 0:
+        torch.save({"before": before, "metrics": metrics, "weights": weights}, os.path.join(out_dir, "result.pt"))
+
+
+def spawn(fn, world_size: int, *args) -> None:
+    import torch.multiprocessing as mp
+
+    mp.start_processes(fn, args=(world_size, *args), nprocs=world_size, start_method="spawn", join=True)
+
+
+def torch_reference(model_dir) -> dict:
+    from nemo_dapo.policy.base import LossSettings, MiniBatch
+    from nemo_dapo.policy.torch_worker import TorchPolicyWorker
+
+    worker = TorchPolicyWorker(0, 1, "", str(model_dir), optim_settings(), max_token_len=40)
+    batch = make_batch()
+    before = worker.compute_log_prob(batch)
+    full = add_training_fields(batch, before["log_probs"])
+    metrics = worker.update([MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))],
+                            LossSettings())
+    return {"before": before, "metrics": metrics, "weights": dict(worker.export_weights(1 << 30)[0])}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    return torch_reference(tiny_model_dir)
+
+
+def megatron_result(tmp_path, model_dir, tp: int) -> dict:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    spawn(run_megatron_rank, tp, str(tmp_path / "rendezvous"), str(model_dir), tp, str(tmp_path))
+    return torch.load(tmp_path / "result.pt", weights_only=False)
+
+
+def test_hf_to_megatron_to_hf_is_bit_exact(tiny_model_dir):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from nemo_dapo.policy import megatron_convert as convert
+
+    hf = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    shape = convert.ModelShape.from_hf_config(AutoConfig.from_pretrained(tiny_model_dir))
+    full = convert.hf_to_megatron(hf, shape)
+    # TP=2 x PP=2 split and re-assembly on the way back
+    stages = [convert.stage_state(full, shape, pp, 2) for pp in range(2)]
+    regathered = [{k: convert.unshard(k, [convert.shard(k, v, r, 2) for r in range(2)]) for k, v in stage.items()}
+                  for stage in stages]
+    back = convert.megatron_to_hf(convert.unstage_state(regathered, shape), shape)
+    assert list(back) and set(back) == set(hf)
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+    # one KV group per TP rank: rank 1's fused QKV is exactly group 1's q heads, k and v
+    qkv1 = convert.shard("decoder.layers.0.self_attention.linear_qkv.weight",
+                         full["decoder.layers.0.self_attention.linear_qkv.weight"], 1, 2)
+    q, k, v = (hf[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    per_group = shape.head_dim * shape.num_heads // shape.num_kv_heads
+    expected = torch.cat([q[per_group:], k[shape.head_dim:], v[shape.head_dim:]])
+    assert torch.equal(qkv1, expected)
+
+
+def assert_matches_torch(result: dict, reference: dict) -> None:
+    mask = reference["before"]["log_probs"] != 0
+    for key in ("log_probs", "entropy"):
+        assert (result["before"][key] - reference["before"][key]).abs().max().item() < 1e-5, key
+    assert mask.any()
+    ours, theirs = result["metrics"], reference["metrics"]
+    assert ours["actor/pg_loss"][0] == pytest.approx(theirs["actor/pg_loss"][0], abs=1e-5)
+    assert ours["actor/grad_norm"][0] == pytest.approx(theirs["actor/grad_norm"][0], rel=1e-5)
+    assert ours["actor/lr"] == pytest.approx(theirs["actor/lr"])
+    assert set(result["weights"]) == set(reference["weights"])
+    # Adam's first step is ~lr * g / |g| per element: rounding in near-zero gradients (k biases get
+    # exactly zero gradient in exact arithmetic) moves single elements, so compare against the step size
+    step = LR / WARMUP
+    diffs = [(result["weights"][k] - reference["weights"][k]).abs() for k in reference["weights"]]
+    assert max(d.max().item() for d in diffs) < 0.1 * step
+    assert sum(d.sum().item() for d in diffs) / sum(d.numel() for d in diffs) < 1e-3 * step
+
+
+def test_tp1_matches_torch_worker(tmp_path, tiny_model_dir, reference):
+    assert_matches_torch(megatron_result(tmp_path, tiny_model_dir, tp=1), reference)
+
+
+def test_tp2_matches_torch_worker(tmp_path, tiny_model_dir, reference):
+    assert_matches_torch(megatron_result(tmp_path, tiny_model_dir, tp=2), reference)
+
+
+def train_step(worker, seed: int) -> dict:
+    """One update on batch ``seed`` with the worker's own current log-probs as the old ones."""
+    from nemo_dapo.policy.base import LossSettings, MiniBatch
+
+    batch = make_batch(seed)
+    full = add_training_fields(batch, worker.compute_log_prob(batch)["log_probs"])
+    return worker.update([MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))],
+                         LossSettings())
+
+
+def run_resume_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, checkpoint: str,
+                    out_file: str, resume: bool) -> None:
+    """Uninterrupted (save after step 1, then step 2) or resumed (load, then step 2) run."""
+    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
+
+    torch.set_num_threads(1)
+    worker = MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, optim_settings(), max_token_len=40,
+                                  tensor_parallel_size=world_size)
+    if resume:
+        worker.load(checkpoint)
+    else:
+        train_step(worker, seed=0)
+        worker.save(checkpoint)
+    metrics = train_step(worker, seed=1)
+    weights = dict(worker.export_weights(1 << 30)[0])
+    if rank == 0:
+        torch.save({"metrics": metrics, "weights": weights, "steps_done": worker.steps_done}, out_file)
+
+
+def test_save_at_tp2_load_at_tp1_continues_like_uninterrupted_run(tmp_path, tiny_model_dir):
+    checkpoint = str(tmp_path / "ckpt")
+    spawn(run_resume_rank, 2, str(tmp_path / "rdv2"), str(tiny_model_dir), checkpoint, str(tmp_path / "a.pt"), False)
+    spawn(run_resume_rank, 1, str(tmp_path / "rdv1"), str(tiny_model_dir), checkpoint, str(tmp_path / "b.pt"), True)
+    straight, resumed = (torch.load(tmp_path / name, weights_only=False) for name in ("a.pt", "b.pt"))
+    assert straight["steps_done"] == resumed["steps_done"] == 2
+    assert resumed["metrics"]["actor/lr"] == pytest.approx(straight["metrics"]["actor/lr"])
+    assert resumed["metrics"]["actor/grad_norm"][0] == pytest.approx(straight["metrics"]["actor/grad_norm"][0], rel=1e-4)
+    diffs = [(resumed["weights"][k] - straight["weights"][k]).abs() for k in straight["weights"]]
+    # a wrong Adam step count after resume changes the bias correction: whole-step differences (~lr)
+    assert max(d.max().item() for d in diffs) < 0.1 * LR
+    assert sum(d.sum().item() for d in diffs) / sum(d.numel() for d in diffs) < 1e-3 * LR
+
+
+# One check per CPU workaround in megatron_cpu_compat: each fails if its workaround is removed.
+COMPAT_CHECKS = {
+    "current_device": "from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding\n"
+                      "assert RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(4).shape[0] == 4",
+    "device_literal": "assert torch.zeros(1, device='cuda').device.type == 'cpu'",
+    "tensor_cuda": "t = torch.ones(2)\nassert t.cuda() is t",
+    "type_string": "assert torch.ones(2).type() == 'torch.cuda.FloatTensor'",
+    "synchronize": "torch.cuda.synchronize()",
+    "rng_tracker": "from megatron.core.tensor_parallel.random import get_cuda_rng_tracker\n"
+                   "tracker = get_cuda_rng_tracker()\ntracker.add('x', 5)\n"
+                   "with tracker.fork('x'):\n    forked = torch.rand(3)\n"
+                   "torch.manual_seed(5)\nassert torch.equal(forked, torch.rand(3))",
+}
+COMPAT_RUNNER = """
+import json, sys, torch, traceback
+from nemo_dapo.policy.megatron_cpu_compat import enable_cpu_compat
+assert enable_cpu_compat()
+results = {}
+for name, code in json.loads(sys.argv[1]).items():
+    try:
+        exec(code, {"torch": torch})
+        results[name] = "ok"
+    except Exception:
+        results[name] = traceback.format_exc()
+print("RESULTS" + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def compat_results():
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run([sys.executable, "-c", COMPAT_RUNNER, json.dumps(COMPAT_CHECKS)], capture_output=True,
+                         text=True, env=env, timeout=120)
+    line = [line for line in run.stdout.splitlines() if line.startswith("RESULTS")]
+    assert line, run.stderr[-3000:]
+    return json.loads(line[0][len("RESULTS"):])
+
+
+@pytest.mark.parametrize("check", sorted(COMPAT_CHECKS))
+def test_cpu_compat_workaround(compat_results, check):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU compatibility layer is inactive with a GPU")
+    assert compat_results[check] == "ok", compat_results[check]

@@ -1,0 +1,131 @@
+"""`nemo-dapo plan`: the production preset fits, impossible layouts are refused, formulas match a hand count."""
+
+import json
+
+import pytest
+
+from nemo_dapo.cli import main
+from nemo_dapo.config import load_config
+from nemo_dapo.launch.architectures import KNOWN_ARCHITECTURES, resolve_architecture
+from nemo_dapo.launch.capacity import GIB
+from nemo_dapo.launch.plan import make_plan
+
+
+def run_plan(capsys, *args):
+    code = main(["plan", *args, "--json"])
+    out = capsys.readouterr()
+    return code, json.loads(out.out), out.err
+
+
+def test_known_architectures_match_published_parameter_counts():
+    # Qwen2.5-32B: 32,763,876,352 (its config.json: 64 x 487,605,248 + 2 x 152064 x 5120 + 5120)
+    assert KNOWN_ARCHITECTURES["qwen2.5-32b"].total_params() == 32_763_876_352
+    assert KNOWN_ARCHITECTURES["qwen3-30b-a3b"].total_params() == pytest.approx(30.5e9, rel=0.01)
+    assert resolve_architecture("/models/Qwen2.5-32B-Instruct/").name == "Qwen2.5-32B"
+    assert resolve_architecture("Qwen/Qwen3-30B-A3B-Base").is_moe
+
+
+def test_32b_preset_fits_80gb(capsys):
+    code, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b")
+    assert code == 0 and plan["fits"] and plan["problems"] == []
+    assert plan["dp"] == 8 and plan["world"] == 128
+    training = plan["training"]
+    assert training["total"] < 80
+    assert training["weights"] == pytest.approx(plan["params_per_gpu"] * 2 / GIB)
+    assert training["activations"]["full"] < training["activations"]["none"] / 10  # recompute is what makes room
+    assert plan["generation"]["full_sequences"] >= 1
+
+
+def test_text_report_states_memory_and_verdict(capsys):
+    assert main(["plan", "dapo_qwen2.5_32b"]) == 0
+    report = capsys.readouterr().out
+    assert "total per GPU" in report and "of 80" in report and "KV cache" in report
+    assert report.rstrip().endswith("fits")
+
+
+def test_moe_preset_fits(capsys):
+    code, plan, _ = run_plan(capsys, "dapo_qwen3_30b_a3b")
+    assert code == 0 and plan["expert_dp"] == 8 and plan["training"]["total"] < 80
+
+
+def test_no_model_parallelism_for_32b_is_refused(capsys):
+    code, plan, err = run_plan(capsys, "dapo_qwen2.5_32b", "actor.megatron.tensor_model_parallel_size=1",
+                               "actor.megatron.pipeline_model_parallel_size=1", "actor.megatron.sequence_parallel=false")
+    assert code == 1 and not plan["fits"]
+    assert plan["training"]["total"] > 80
+    assert any("training needs" in p and "the GPU has 80 GiB" in p for p in plan["problems"])
+    assert "cannot run as configured" in err
+
+
+def test_gpu_memory_flag_decides(capsys):
+    code, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "--gpu-memory-gib", "20")
+    assert code == 1 and any("the GPU has 20 GiB" in p for p in plan["problems"])
+
+
+def test_tp_not_dividing_heads_is_refused(capsys):
+    # 3 nodes = 24 GPUs, so TP=3 passes the world-size check and reaches the model's shape
+    code, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "trainer.nnodes=3", "rollout.num_workers=6",
+                             "actor.megatron.tensor_model_parallel_size=3", "actor.megatron.pipeline_model_parallel_size=1")
+    assert code == 1
+    assert "actor.megatron.tensor_model_parallel_size=3 does not divide the model's 40 attention heads" in plan["problems"]
+
+
+def test_layers_experts_and_rollout_shapes_are_checked(capsys):
+    _, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "actor.megatron.pipeline_model_parallel_size=4",
+                          "actor.megatron.virtual_pipeline_model_parallel_size=3", "rollout.tensor_parallel_size=3",
+                          "rollout.num_workers=8")
+    problems = " | ".join(plan["problems"])
+    assert "does not divide the model's 64 layers" in problems
+    assert "rollout.tensor_parallel_size=3 does not divide the model's 40 attention heads" in problems
+    _, plan, _ = run_plan(capsys, "dapo_qwen3_30b_a3b", "trainer.nnodes=3", "rollout.num_workers=6", "rollout.n=3",
+                          "actor.megatron.expert_model_parallel_size=3")
+    assert "actor.megatron.expert_model_parallel_size=3 does not divide the model's 128 experts" in plan["problems"]
+    _, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "actor.megatron.expert_model_parallel_size=2")
+    assert any("is dense (no experts)" in p for p in plan["problems"])
+    _, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "rollout.num_workers=64")
+    assert "rollout.num_workers x rollout.tensor_parallel_size = 256 GPUs, the job has 128" in plan["problems"]
+
+
+def test_kv_cache_without_room_is_refused(capsys):
+    code, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "rollout.tensor_parallel_size=1", "rollout.num_workers=128")
+    assert code == 1 and plan["generation"]["kv_cache"] < 0
+    assert any("vLLM" in p and "less than one 22528-token sequence" in p for p in plan["problems"])
+
+
+def test_unknown_model_is_a_config_error(capsys):
+    assert main(["plan", "dapo_qwen2.5_32b", "model.path=/nowhere/SomeModel-7B"]) == 2
+    assert "not a known architecture" in capsys.readouterr().err
+
+
+TINY = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 4, "intermediate_size": 16, "vocab_size": 10,
+        "tie_word_embeddings": False, "attention_bias": False}
+
+
+def test_numbers_match_a_hand_calculation(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    cfg = load_config("dapo", [f"model.path={tmp_path}", "actor.backend=megatron", "trainer.n_gpus_per_node=4",
+                               "actor.megatron.tensor_model_parallel_size=2", "actor.megatron.sequence_parallel=true",
+                               "data.max_prompt_length=4", "data.max_response_length=12", "reward.overlong_buffer.len=4",
+                               "actor.max_token_len_per_micro_batch=32", "rollout.tensor_parallel_size=2"])
+    plan = make_plan(cfg, "tiny", gpu_memory_gib=1.0, reserve_gib=0.0)
+    # per layer: attention 8*(8+4+4) + 8*8 = 192, MLP 3*8*16 = 384, norms 2*8 = 16 -> 592
+    # total: 2*592 + embedding 80 + head 80 + final norm 8 = 1352
+    assert plan.arch.total_params() == 1352
+    # TP=2: per layer (192+384)/2 + 16 = 304; 2 layers + (80+80)/2 + 8 = 696 per GPU; DP = 4/2 = 2
+    t = plan.training
+    assert t.params == 696 and plan.layout.dp == 2
+    assert t.weights * GIB == pytest.approx(696 * 2)  # bf16
+    assert t.gradients * GIB == pytest.approx(696 * 4)  # fp32 grads
+    assert t.optimizer * GIB == pytest.approx(696 * 12 / 2)  # master + m + v over DP=2
+    # 32 tokens per micro-batch; per token per layer: 4h/TP (SP) = 16 + (2*8 + 2*4 + 3*16)/2 = 36
+    # -> 52 elements = 104 bytes
+    assert t.activations["none"] * GIB == pytest.approx(2 * 32 * 104)
+    # full: each layer keeps its input, 32 tokens * 8 / 2 * 2 bytes = 256, plus one layer recomputed
+    assert t.activations["full"] * GIB == pytest.approx(2 * 256 + 32 * 104)
+    assert t.logits * GIB == pytest.approx(32 * 10 / 2 * (2 + 4 + 4))
+    # vLLM TP=2 with 1 KV head: replicated; 2 layers * 1 head * 4 dims * (K, V) * 2 bytes = 32 bytes/token
+    g = plan.generation
+    assert g.kv_bytes_per_token == 32 and g.weights * GIB == pytest.approx(1352 * 2 / 2)
+    assert g.kv_tokens == int((0.8 * GIB - 1352) // 32)
+    assert g.full_sequences == g.kv_tokens // 16
