@@ -31,9 +31,16 @@ LOG_DIR=${LOG_DIR:-logs}
 
 # Connects to the cluster once and says whether it is complete: exit 0 when every node and GPU is
 # there, 1 (with what is missing) otherwise. Polled by ray_cluster_wait until RAY_START_TIMEOUT.
+# The port probe comes first because ray.init retries for minutes while the head is starting.
 RAY_CLUSTER_CHECK_PY='
-import os, sys, ray
+import os, socket, sys
 nodes, gpus, cpus = (float(x) for x in sys.argv[1:4])
+host, port = os.environ["RAY_ADDRESS"].rsplit(":", 1)
+try:
+    socket.create_connection((host, int(port)), timeout=5).close()
+except OSError as err:
+    sys.exit(f"no Ray head answering at {host}:{port} yet ({err})")
+import ray
 ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
 alive = sum(1 for node in ray.nodes() if node["Alive"])
 have_gpus, have_cpus = (ray.cluster_resources().get(name, 0) for name in ("GPU", "CPU"))
@@ -94,8 +101,18 @@ ray_cluster_settings() {
     export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}
 }
 
+# Runs `ray start ...` on NODES with SIGUSR1 ignored (inherited by every Ray process): with
+# `--signal=USR1@T` (no B:) Slurm signals all processes of all steps, and the signal is meant for
+# the trainer, which then needs Ray alive to save its checkpoint.
+ray_cluster_srun_ray() {
+    local nodes=$1 count=$2
+    shift 2
+    # shellcheck disable=SC2016  # "$@" belongs to the inner shell
+    ray_cluster_srun "$nodes" "$count" bash -c 'trap "" USR1; exec ray "$@"' ray "$@"
+}
+
 ray_cluster_start_head() {
-    ray_cluster_srun "$RAY_HEAD_NODE" 1 ray start --head --block --node-ip-address="$RAY_HEAD_IP" \
+    ray_cluster_srun_ray "$RAY_HEAD_NODE" 1 start --head --block --node-ip-address="$RAY_HEAD_IP" \
         --port="$RAY_PORT" --num-cpus="$RAY_CPUS_PER_NODE" --num-gpus="$RAY_GPUS_PER_NODE" \
         --temp-dir="$RAY_TEMP_DIR" --include-dashboard=false --disable-usage-stats \
         >>"$RAY_LOG_DIR/ray-head.$RAY_RUN_TAG.log" 2>&1 &
@@ -107,7 +124,7 @@ ray_cluster_start_workers() {
     [ "$RAY_NUM_NODES" -gt 1 ] || return 0
     local workers
     workers=$(IFS=,; echo "${RAY_NODES[*]:1}")
-    ray_cluster_srun "$workers" $((RAY_NUM_NODES - 1)) ray start --block --address="$RAY_ADDRESS" \
+    ray_cluster_srun_ray "$workers" $((RAY_NUM_NODES - 1)) start --block --address="$RAY_ADDRESS" \
         --num-cpus="$RAY_CPUS_PER_NODE" --num-gpus="$RAY_GPUS_PER_NODE" --temp-dir="$RAY_TEMP_DIR" \
         --disable-usage-stats >>"$RAY_LOG_DIR/ray-workers.$RAY_RUN_TAG.log" 2>&1 &
     RAY_WORKERS_PID=$!
@@ -122,14 +139,15 @@ ray_cluster_wait() {
             || ray_cluster_die "the Ray head exited; see $RAY_LOG_DIR/ray-head.$RAY_RUN_TAG.log"
         [ -z "$RAY_WORKERS_PID" ] || kill -0 "$RAY_WORKERS_PID" 2>/dev/null \
             || ray_cluster_die "a Ray worker exited; see $RAY_LOG_DIR/ray-workers.$RAY_RUN_TAG.log"
-        if state=$(ray_cluster_run python3 -c "$RAY_CLUSTER_CHECK_PY" "${want[@]}" 2>"$RAY_LOG_DIR/ray-check.log"); then
+        if state=$(ray_cluster_run timeout 120 python3 -c "$RAY_CLUSTER_CHECK_PY" "${want[@]}" \
+            2>"$RAY_LOG_DIR/ray-check.log"); then
             echo "ray_cluster: ready at $RAY_ADDRESS: $state"
             return 0
         fi
         [ "$SECONDS" -lt "$deadline" ] || ray_cluster_die "after ${RAY_START_TIMEOUT}s the cluster has" \
             "${state:-no head answering at $RAY_ADDRESS}; wanted nodes ${want[0]}, GPU ${want[1]}, CPU ${want[2]};" \
             "see $RAY_LOG_DIR/ (ray-check.log: the last check's errors)"
-        sleep 5
+        sleep 2
     done
 }
 

@@ -83,12 +83,18 @@ def test_environment_sets_model_and_data_paths(monkeypatch):
      r"must be true when experts"),
     (["actor.megatron.tensor_model_parallel_size=1", "actor.megatron.pipeline_model_parallel_size=1",
       "actor.megatron.sequence_parallel=false", "actor.ppo_mini_batch_size=1", "rollout.n=1",
-      "data.train_batch_size=1", "data.gen_batch_size=1"], r"1 sequences per optimizer step must split evenly over DP = 128"),
+      "data.train_batch_size=1", "data.gen_batch_size=1"],
+     r"1 sequences per optimizer step must split evenly over DP = 128"),
     (["actor.megatron.context_parallel_size=0"], r"actor\.megatron\.context_parallel_size=0: must be >= 1"),
 ])
 def test_impossible_megatron_layouts_fail_with_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config("dapo_qwen2.5_32b", overrides)
+
+
+def test_more_training_ranks_than_gpus_fail():
+    with pytest.raises(ConfigError, match=r"actor\.num_workers=256: one training rank per GPU: the job has 128"):
+        load_config("dapo_qwen2.5_32b", ["actor.num_workers=256"])
 
 
 def test_megatron_fields_are_ignored_by_the_torch_backend():

@@ -47,22 +47,35 @@ def add_training_fields(batch: dict, old_log_probs: torch.Tensor) -> dict:
             "advantages": torch.linspace(-1, 1, rows)[:, None] * batch["response_mask"]}
 
 
-def run_megatron_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, tp: int, out_dir: str) -> None:
-    """One Megatron rank: log-probs, one update (two micro-batches), exported weights -> out_dir."""
+def run_megatron_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, tp: int, pp: int,
+                      out_dir: str) -> None:
+    """One Megatron rank: log-probs, one update (two micro-batches), exported weights -> out_dir.
+
+    With world_size > tp * pp the data-parallel ranks each take their contiguous share of the rows
+    and the mini-batch-wide token / sequence counts of the whole batch; log-probs are collected
+    from every rank, so the result is that of the whole batch.
+    """
     from nemo_dapo.policy.base import LossSettings, MiniBatch
     from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
 
     torch.set_num_threads(1)
     worker = MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, optim_settings(), max_token_len=40,
-                                  tensor_parallel_size=tp)
+                                  tensor_parallel_size=tp, pipeline_parallel_size=pp)
     batch = make_batch()
-    before = worker.compute_log_prob(batch)
-    full = add_training_fields(batch, before["log_probs"])
+    dp_rank, dp_size = worker.data_parallel_layout()
+    rows = len(batch["input_ids"]) // dp_size
+    # advantages of the whole batch (they depend on the row index), then this replica's rows
+    whole = add_training_fields(batch, torch.zeros_like(batch["responses"], dtype=torch.float))
+    share = {k: v[dp_rank * rows: (dp_rank + 1) * rows] for k, v in whole.items()}
+    before = worker.compute_log_prob(share)
+    full = {**share, "old_log_probs": before["log_probs"]}
     metrics = worker.update([MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))],
                             LossSettings())
     weights = dict(worker.export_weights(1 << 30)[0])
-    if rank == 0:
-        torch.save({"before": before, "metrics": metrics, "weights": weights}, os.path.join(out_dir, "result.pt"))
+    optimizer_numel = sum(p.numel() for group in worker.optimizer.param_groups for p in group["params"])
+    torch.save({"before": before, "metrics": metrics, "weights": weights, "dp": (dp_rank, dp_size),
+                "optimizer_numel": optimizer_numel},
+               os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def spawn(fn, world_size: int, *args) -> None:
@@ -89,10 +102,23 @@ def reference(tiny_model_dir):
     return torch_reference(tiny_model_dir)
 
 
-def megatron_result(tmp_path, model_dir, tp: int) -> dict:
+def megatron_result(tmp_path, model_dir, tp: int = 1, pp: int = 1, world_size: int | None = None) -> dict:
+    """Rank 0's result, with log-probs and summed loss metrics assembled over the data-parallel ranks."""
+    world_size = world_size or tp * pp
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    spawn(run_megatron_rank, tp, str(tmp_path / "rendezvous"), str(model_dir), tp, str(tmp_path))
-    return torch.load(tmp_path / "result.pt", weights_only=False)
+    spawn(run_megatron_rank, world_size, str(tmp_path / "rendezvous"), str(model_dir), tp, pp, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+    replicas = {r["dp"][0]: r for r in ranks}  # one rank per data-parallel replica
+    result = dict(ranks[0])
+    if len(replicas) > 1:
+        ordered = [replicas[i] for i in sorted(replicas)]
+        result["before"] = {k: torch.cat([r["before"][k] for r in ordered]) for k in ranks[0]["before"]}
+        result["metrics"] = {**ranks[0]["metrics"],
+                             "actor/pg_loss": [sum(r["metrics"]["actor/pg_loss"][0] for r in ordered)]}
+    # every rank must hold the same full weights after the update
+    for other in ranks[1:]:
+        assert all(torch.equal(other["weights"][k], result["weights"][k]) for k in result["weights"])
+    return result
 
 
 def test_hf_to_megatron_to_hf_is_bit_exact(tiny_model_dir):
@@ -120,6 +146,31 @@ def test_hf_to_megatron_to_hf_is_bit_exact(tiny_model_dir):
     assert torch.equal(qkv1, expected)
 
 
+def test_transformer_engine_names_round_trip():
+    """The TE layer spec fuses the pre-norms into the linears: loading renames, exporting renames back."""
+    from nemo_dapo.policy import megatron_model as mm
+
+    local = {"decoder.layers.3.input_layernorm.weight": torch.ones(1),
+             "decoder.layers.3.pre_mlp_layernorm.weight": torch.ones(2),
+             "decoder.layers.3.self_attention.linear_qkv.weight": torch.ones(3),
+             "decoder.final_layernorm.weight": torch.ones(4)}
+    te = mm.to_te_names(local)
+    assert set(te) == {"decoder.layers.3.self_attention.linear_qkv.layer_norm_weight",
+                       "decoder.layers.3.mlp.linear_fc1.layer_norm_weight",
+                       "decoder.layers.3.self_attention.linear_qkv.weight", "decoder.final_layernorm.weight"}
+    assert mm.uses_fused_norms(te) and not mm.uses_fused_norms(local)
+    assert mm.to_local_names(te) == local
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusals")
+@pytest.mark.parametrize("impl, fp8", [("transformer_engine", None), ("local", "hybrid"), ("te", None)])
+def test_gpu_only_options_are_refused_on_cpu(impl, fp8):
+    from nemo_dapo.policy import megatron_model as mm
+
+    with pytest.raises(ValueError):
+        mm.check_transformer_impl(impl, fp8)
+
+
 def assert_matches_torch(result: dict, reference: dict) -> None:
     mask = reference["before"]["log_probs"] != 0
     for key in ("log_probs", "entropy"):
@@ -138,12 +189,48 @@ def assert_matches_torch(result: dict, reference: dict) -> None:
     assert sum(d.sum().item() for d in diffs) / sum(d.numel() for d in diffs) < 1e-3 * step
 
 
-def test_tp1_matches_torch_worker(tmp_path, tiny_model_dir, reference):
-    assert_matches_torch(megatron_result(tmp_path, tiny_model_dir, tp=1), reference)
+@pytest.fixture(scope="module")
+def single_rank(tmp_path_factory, tiny_model_dir):
+    """TP = PP = DP = 1: the Megatron layout every parallel one is compared with."""
+    return megatron_result(tmp_path_factory.mktemp("single"), tiny_model_dir)
+
+
+def assert_same_update(result: dict, single: dict) -> None:
+    """Same log-probs, loss, gradient norm and updated weights as the single-rank Megatron run."""
+    for key in ("log_probs", "entropy"):
+        assert (result["before"][key] - single["before"][key]).abs().max().item() < 1e-5, key
+    assert result["metrics"]["actor/pg_loss"][0] == pytest.approx(single["metrics"]["actor/pg_loss"][0], abs=1e-6)
+    assert result["metrics"]["actor/grad_norm"][0] == pytest.approx(single["metrics"]["actor/grad_norm"][0], rel=1e-5)
+    assert set(result["weights"]) == set(single["weights"])
+    step = LR / WARMUP  # see assert_matches_torch: single near-zero-gradient elements may move by rounding
+    diffs = [(result["weights"][k] - single["weights"][k]).abs() for k in single["weights"]]
+    assert max(d.max().item() for d in diffs) < 0.1 * step
+    assert sum(d.sum().item() for d in diffs) / sum(d.numel() for d in diffs) < 1e-4 * step
+
+
+def test_tp1_matches_torch_worker(single_rank, reference):
+    assert_matches_torch(single_rank, reference)
 
 
 def test_tp2_matches_torch_worker(tmp_path, tiny_model_dir, reference):
     assert_matches_torch(megatron_result(tmp_path, tiny_model_dir, tp=2), reference)
+
+
+def test_pp2_matches_torch_worker_and_single_rank(tmp_path, tiny_model_dir, reference, single_rank):
+    """Two pipeline stages (one layer each, tied embedding split between the first and last stage)."""
+    result = megatron_result(tmp_path, tiny_model_dir, pp=2)
+    assert_matches_torch(result, reference)
+    assert_same_update(result, single_rank)
+
+
+def test_dp2_distributed_optimizer_matches_single_rank(tmp_path, tiny_model_dir, reference, single_rank):
+    """Two data-parallel replicas, each with half the rows and the whole mini-batch's counts; the
+    distributed optimizer holds half of the parameters' optimizer state on each rank."""
+    result = megatron_result(tmp_path, tiny_model_dir, world_size=2)
+    assert result["dp"] == (0, 2)
+    assert 0 < result["optimizer_numel"] < single_rank["optimizer_numel"]
+    assert_same_update(result, single_rank)
+    assert_matches_torch(result, reference)
 
 
 def train_step(worker, seed: int) -> dict:

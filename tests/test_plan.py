@@ -11,6 +11,10 @@ from nemo_dapo.launch.capacity import GIB
 from nemo_dapo.launch.plan import make_plan
 
 
+# 24 GPUs: divisible by 3, so TP=3 / EP=3 pass the config's world-size check and reach the model's shape
+THREE_NODES = ("trainer.nnodes=3", "actor.num_workers=24", "rollout.num_workers=6")
+
+
 def run_plan(capsys, *args):
     code = main(["plan", *args, "--json"])
     out = capsys.readouterr()
@@ -50,7 +54,8 @@ def test_moe_preset_fits(capsys):
 
 def test_no_model_parallelism_for_32b_is_refused(capsys):
     code, plan, err = run_plan(capsys, "dapo_qwen2.5_32b", "actor.megatron.tensor_model_parallel_size=1",
-                               "actor.megatron.pipeline_model_parallel_size=1", "actor.megatron.sequence_parallel=false")
+                               "actor.megatron.pipeline_model_parallel_size=1",
+                               "actor.megatron.sequence_parallel=false")
     assert code == 1 and not plan["fits"]
     assert plan["training"]["total"] > 80
     assert any("training needs" in p and "the GPU has 80 GiB" in p for p in plan["problems"])
@@ -63,11 +68,11 @@ def test_gpu_memory_flag_decides(capsys):
 
 
 def test_tp_not_dividing_heads_is_refused(capsys):
-    # 3 nodes = 24 GPUs, so TP=3 passes the world-size check and reaches the model's shape
-    code, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "trainer.nnodes=3", "rollout.num_workers=6",
-                             "actor.megatron.tensor_model_parallel_size=3", "actor.megatron.pipeline_model_parallel_size=1")
+    code, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", *THREE_NODES, "actor.megatron.tensor_model_parallel_size=3",
+                             "actor.megatron.pipeline_model_parallel_size=1")
     assert code == 1
-    assert "actor.megatron.tensor_model_parallel_size=3 does not divide the model's 40 attention heads" in plan["problems"]
+    heads = "actor.megatron.tensor_model_parallel_size=3 does not divide the model's 40 attention heads"
+    assert heads in plan["problems"]
 
 
 def test_layers_experts_and_rollout_shapes_are_checked(capsys):
@@ -77,7 +82,7 @@ def test_layers_experts_and_rollout_shapes_are_checked(capsys):
     problems = " | ".join(plan["problems"])
     assert "does not divide the model's 64 layers" in problems
     assert "rollout.tensor_parallel_size=3 does not divide the model's 40 attention heads" in problems
-    _, plan, _ = run_plan(capsys, "dapo_qwen3_30b_a3b", "trainer.nnodes=3", "rollout.num_workers=6", "rollout.n=3",
+    _, plan, _ = run_plan(capsys, "dapo_qwen3_30b_a3b", *THREE_NODES, "rollout.n=3",
                           "actor.megatron.expert_model_parallel_size=3")
     assert "actor.megatron.expert_model_parallel_size=3 does not divide the model's 128 experts" in plan["problems"]
     _, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "actor.megatron.expert_model_parallel_size=2")
@@ -105,8 +110,10 @@ TINY = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 2, "num_at
 def test_numbers_match_a_hand_calculation(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     cfg = load_config("dapo", [f"model.path={tmp_path}", "actor.backend=megatron", "trainer.n_gpus_per_node=4",
+                               "actor.num_workers=4",
                                "actor.megatron.tensor_model_parallel_size=2", "actor.megatron.sequence_parallel=true",
-                               "data.max_prompt_length=4", "data.max_response_length=12", "reward.overlong_buffer.len=4",
+                               "data.max_prompt_length=4", "data.max_response_length=12",
+                               "reward.overlong_buffer.len=4",
                                "actor.max_token_len_per_micro_batch=32", "rollout.tensor_parallel_size=2"])
     plan = make_plan(cfg, "tiny", gpu_memory_gib=1.0, reserve_gib=0.0)
     # per layer: attention 8*(8+4+4) + 8*8 = 192, MLP 3*8*16 = 384, norms 2*8 = 16 -> 592

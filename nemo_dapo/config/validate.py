@@ -97,9 +97,7 @@ RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 
 
 def training_world_size(cfg: Config) -> int:
-    """Training ranks: every GPU of the job, or ``actor.num_workers`` processes without GPUs."""
-    if cfg.trainer.n_gpus_per_node > 0:
-        return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    """Training ranks the launcher starts: ``actor.num_workers`` (one GPU each on a GPU cluster)."""
     return cfg.actor.num_workers
 
 
@@ -123,11 +121,14 @@ def _check_megatron(cfg: Config, problems: _Problems) -> None:
         return
     vpp = mg.virtual_pipeline_model_parallel_size
     problems.require(vpp is None or (vpp >= 2 and pp >= 2), f"{key}.virtual_pipeline_model_parallel_size", vpp,
-                     f"interleaving needs >= 2 chunks and pipeline_model_parallel_size >= 2 (it is {pp}); null turns it off")
-    world = training_world_size(cfg)
+                     f"interleaving needs >= 2 chunks and pipeline_model_parallel_size >= 2 (it is {pp}); "
+                     "null turns it off")
+    world, gpus = training_world_size(cfg), cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    problems.require(gpus == 0 or world <= gpus, "actor.num_workers", world,
+                     f"one training rank per GPU: the job has {gpus} (trainer.nnodes x trainer.n_gpus_per_node)")
     if world % (tp * pp * cp):
         problems.append(f"{key}: TP={tp} x PP={pp} x CP={cp} = {tp * pp * cp} must divide the {world} training "
-                        "ranks (trainer.nnodes x trainer.n_gpus_per_node); DP is the quotient")
+                        "ranks (actor.num_workers); DP is the quotient")
     if world % (tp * ep * pp):
         problems.append(f"{key}: TP={tp} x EP={ep} x PP={pp} = {tp * ep * pp} must divide the {world} training "
                         "ranks (the expert layout; expert DP is the quotient)")

@@ -32,7 +32,8 @@ def training_layout_problems(arch: Architecture, layout: Layout) -> list[str]:
     _divides(problems, layout.tp, arch.num_attention_heads, "attention heads", f"{key}.tensor_model_parallel_size")
     _divides(problems, layout.tp, arch.num_kv_heads, "KV heads (query groups)", f"{key}.tensor_model_parallel_size")
     if arch.is_moe:
-        _divides(problems, layout.tp, arch.moe_intermediate_size, "expert FFN width", f"{key}.tensor_model_parallel_size")
+        _divides(problems, layout.tp, arch.moe_intermediate_size, "expert FFN width",
+                 f"{key}.tensor_model_parallel_size")
         _divides(problems, layout.ep, arch.num_experts, "experts", f"{key}.expert_model_parallel_size")
     else:
         _divides(problems, layout.tp, arch.intermediate_size, "FFN width", f"{key}.tensor_model_parallel_size")
@@ -170,7 +171,8 @@ def run_plan(args: argparse.Namespace) -> int:
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("plan", help="per-GPU memory of a preset's layout; refuses layouts that cannot fit")
     parser.add_argument("config", help="preset name in conf/ or a YAML path")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.megatron.tensor_model_parallel_size=4")
+    parser.add_argument("overrides", nargs="*",
+                        help="dotted overrides, e.g. actor.megatron.tensor_model_parallel_size=4")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H800: 80, H20: 96)")
     parser.add_argument("--reserve-gib", type=float, default=4.0,
                         help="per GPU and phase: CUDA context, NCCL buffers, fragmentation")

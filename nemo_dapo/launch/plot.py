@@ -136,8 +136,11 @@ def run_plot(args: argparse.Namespace) -> int:
     except FileNotFoundError as err:
         print(f"nemo-dapo plot: {err}", file=sys.stderr)
         return 1
+    if not written:
+        print(f"nemo-dapo plot: no known metric in {args.run_dir}/metrics.jsonl", file=sys.stderr)
+        return 1
     print("\n".join(str(path) for path in written))
-    return 0 if written else 1
+    return 0
 
 
 def add_parser(subparsers) -> None:

@@ -49,8 +49,26 @@ def rope_theta(hf_config) -> float:
     return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
 
-def transformer_config(hf_config, parallel: Parallelism, dtype: torch.dtype):
-    """The TransformerConfig equivalent of a Qwen2 / Llama HF config (local spec, no fusions)."""
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+
+
+def check_transformer_impl(transformer_impl: str, fp8: str | None) -> None:
+    """TransformerEngine (and so FP8) needs a GPU and the ``transformer_engine`` package."""
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(f"transformer_impl must be one of {TRANSFORMER_IMPLS}, not {transformer_impl!r}")
+    if transformer_impl == "transformer_engine" and not torch.cuda.is_available():
+        raise ValueError("transformer_impl='transformer_engine' needs a GPU; use 'local' on the CPU")
+    if fp8 and transformer_impl != "transformer_engine":
+        raise ValueError("fp8 training needs transformer_impl='transformer_engine'")
+
+
+def transformer_config(hf_config, parallel: Parallelism, dtype: torch.dtype, fp8: str | None = None,
+                       fp8_recipe: str = "delayed"):
+    """The TransformerConfig equivalent of a Qwen2 / Llama HF config (no fusions).
+
+    ``fp8`` ('hybrid' or 'e4m3', TransformerEngine layer spec only) turns on FP8 GEMMs with
+    ``fp8_recipe`` scaling; weights and optimizer state stay in ``dtype`` / fp32.
+    """
     from megatron.core.transformer import TransformerConfig
 
     shape = convert.ModelShape.from_hf_config(hf_config)
@@ -68,23 +86,32 @@ def transformer_config(hf_config, parallel: Parallelism, dtype: torch.dtype):
         # the actor loss is already normalised by the mini-batch-wide token count: gradients are summed
         calculate_per_token_loss=True,
         variable_seq_lengths=parallel.pipeline > 1,  # micro-batches are trimmed to their own width
+        moe_token_dispatcher_type="alltoall",  # the only dispatcher that accepts variable sequence lengths
         use_cpu_initialization=on_cpu, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
-        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        fp8=fp8, fp8_recipe=fp8_recipe)
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // tp_size) * tp_size
 
 
-def build_gpt_model(hf_config, config):
+def layer_spec(transformer_impl: str):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if transformer_impl == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_gpt_model(hf_config, config, transformer_impl: str = "local"):
     """GPTModel for this rank's pipeline stage; logits gathered over TP (``parallel_output=False``)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     shape = convert.ModelShape.from_hf_config(hf_config)
     return GPTModel(
-        config, get_gpt_layer_local_spec(normalization="RMSNorm"),
+        config, layer_spec(transformer_impl),
         vocab_size=padded_vocab_size(shape.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
@@ -118,9 +145,40 @@ def local_weights(hf: dict[str, torch.Tensor], shape: convert.ModelShape, tp_siz
     return {k: convert.shard(k, v, tp_rank, tp_size) for k, v in stage.items()}
 
 
+# The TransformerEngine spec fuses each pre-norm into the linear layer after it.
+TE_FUSED_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                  "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+
+def _rename_layer_suffixes(state: dict[str, torch.Tensor], renames: dict[str, str]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in state.items():
+        match = convert.MEGATRON_LAYER.fullmatch(name)
+        if match and match.group(2) in renames:
+            name = f"decoder.layers.{match.group(1)}.{renames[match.group(2)]}"
+        out[name] = tensor
+    return out
+
+
+def uses_fused_norms(names) -> bool:
+    return any(name.endswith(TE_FUSED_NORMS["input_layernorm.weight"]) for name in names)
+
+
+def to_te_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Local-spec parameter names -> TransformerEngine-spec names (norms fused into the linears)."""
+    return _rename_layer_suffixes(state, TE_FUSED_NORMS)
+
+
+def to_local_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`to_te_names`."""
+    return _rename_layer_suffixes(state, {v: k for k, v in TE_FUSED_NORMS.items()})
+
+
 def load_local_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """Copy into the existing parameters (keeps DDP's contiguous buffers intact)."""
     params = dict(model.named_parameters())
+    if uses_fused_norms(params):
+        weights = to_te_names(weights)
     missing = set(params) - set(weights)
     unexpected = set(weights) - set(params)
     if missing or unexpected:
@@ -148,13 +206,13 @@ def gather_hf_weights(model: torch.nn.Module, shape: convert.ModelShape) -> dict
             dist.all_gather(shards, param.detach().contiguous(), group=tp_group)
         else:
             shards = [param.detach().clone()]
-        stage[name] = convert.unshard(name, shards)
+        stage[name] = convert.unshard(name, shards).cpu()  # HF copies live on the CPU, as the torch worker's
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     stages = [stage]
     if pp_size > 1:
         stages = [None] * pp_size
         dist.all_gather_object(stages, stage, group=parallel_state.get_pipeline_model_parallel_group())
-    full = convert.unstage_state(stages, shape)
+    full = to_local_names(convert.unstage_state(stages, shape))
     full = {k: v[: shape.vocab_size] if k in VOCAB_ROWS else v for k, v in full.items()}
     hf = convert.megatron_to_hf(full, shape)
     if shape.tied_embeddings:

@@ -5,6 +5,14 @@ actor loss with mini-batch-wide token counts (gradients are summed over micro-ba
 schedules and data-parallel ranks, never averaged), AdamW with the same warm-up, the same
 gradient clipping. Every rank of a data-parallel group (its TP x PP ranks) must be given the
 same rows; ``dp_rank`` / ``dp_size`` say how the driver should shard.
+
+Without a GPU it runs on the CPU (gloo, local layer spec, :mod:`megatron_cpu_compat`). With one,
+batches move to this rank's GPU, process groups use NCCL, the CPU shims stay off, and
+``transformer_impl`` picks the local or the TransformerEngine layer spec (``fp8`` needs the
+latter). Caveat: the TransformerEngine spec masks attention causally only, ignoring the padding
+mask, so left-padded prompts are not masked out as they are with the local spec (and in the torch
+worker) - use it with unpadded or packed rows. The GPU path is exercised only by
+``bench/gpu_megatron_smoke.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from nemo_dapo.policy.weights import bucketize
 def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
     """Megatron's boolean mask (True = blocked): causal, and padding keys blocked."""
     width = attention_mask.shape[1]
-    causal = torch.triu(torch.ones(width, width, dtype=torch.bool), diagonal=1)
+    causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=attention_mask.device), diagonal=1)
     return causal[None, None] | (attention_mask == 0)[:, None, None, :]
 
 
@@ -48,19 +56,24 @@ class MegatronPolicyWorker:
     def __init__(self, rank: int, world_size: int, rendezvous: str, model_path: str, optim: dict,
                  dtype: str = "float32", total_steps: int = 1000, max_token_len: int = 16384, seed: int = 1,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, expert_parallel_size: int = 1,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, transformer_impl: str = "local", fp8: str | None = None,
+                 fp8_recipe: str = "delayed") -> None:
         from transformers import AutoConfig
 
         if num_threads:
             torch.set_num_threads(num_threads)
-        enable_cpu_compat()
+        mm.check_transformer_impl(transformer_impl, fp8)
+        self.transformer_impl = transformer_impl
+        enable_cpu_compat()  # no-op when a GPU is present
         self.rank, self.world_size = rank, world_size
         self.parallel = mm.Parallelism(tensor_parallel_size, pipeline_parallel_size, expert_parallel_size)
         mm.init_distributed(rank, world_size, rendezvous, self.parallel, seed)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
         torch.manual_seed(seed + rank)
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.shape = ModelShape.from_hf_config(self.hf_config)
-        self.config = mm.transformer_config(self.hf_config, self.parallel, DTYPES[dtype])
+        self.config = mm.transformer_config(self.hf_config, self.parallel, DTYPES[dtype], fp8, fp8_recipe)
         self.config.finalize_model_grads_func = finalize_grads_without_token_scaling
         self.optim_cfg = OptimConfig(**optim)
         self.lr_factor = lr_lambda(self.optim_cfg, total_steps)
@@ -72,7 +85,7 @@ class MegatronPolicyWorker:
     def _build(self, model_path: str):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        model = mm.build_gpt_model(self.hf_config, self.config)
+        model = mm.build_gpt_model(self.hf_config, self.config, self.transformer_impl)
         mm.load_local_weights(model, mm.local_weights(mm.read_hf_weights(model_path), self.shape, self.parallel.tensor))
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
         return DistributedDataParallel(self.config, ddp_config, model)
@@ -117,7 +130,7 @@ class MegatronPolicyWorker:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
-            micro = next(data_iterator)
+            micro = {k: v.to(self.device, non_blocking=True) for k, v in next(data_iterator).items()}
             output = model(micro["input_ids"], micro["position_ids"], attention_mask_4d(micro["attention_mask"]))
             return output, functools.partial(loss_fn, micro)
 
@@ -134,7 +147,7 @@ class MegatronPolicyWorker:
         results: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def collect(micro, logits):
-            results.append(self._response_stats(micro, logits, temperature))
+            results.append(tuple(t.float().cpu() for t in self._response_stats(micro, logits, temperature)))
             return logits.new_zeros(()), torch.tensor(0, dtype=torch.int), {}
 
         self._run_schedule(micros, collect, forward_only=True)
@@ -156,8 +169,9 @@ class MegatronPolicyWorker:
         if self.parallel.pipeline == 1:
             return tensor
         group = parallel_state.get_pipeline_model_parallel_group()
-        dist.broadcast(tensor, src=parallel_state.get_pipeline_model_parallel_last_rank(), group=group)
-        return tensor
+        on_device = tensor.to(self.device)  # NCCL broadcasts device tensors only
+        dist.broadcast(on_device, src=parallel_state.get_pipeline_model_parallel_last_rank(), group=group)
+        return on_device.cpu()
 
     # ---- update ----------------------------------------------------------------------------
 

@@ -1,0 +1,196 @@
+"""GPU smoke test of the Megatron policy worker: a few DAPO updates of a ~0.5B Qwen2-shaped model.
+
+UNTESTED UNTIL IT HAS RUN ON A GPU. Written and checked on a CPU-only machine: the worker's
+GPU path (CUDA device, NCCL, TransformerEngine spec, FP8) has not been executed yet. Treat the
+first run's failures as bugs to fix, not as results.
+
+What it does, on ONE GPU (an H200 is what it is sized for; <= 8 minutes, never in CI):
+
+1. writes a Qwen2.5-0.5B-shaped config and random-init weights into a local folder (no hub);
+2. builds ``MegatronPolicyWorker`` on it (TP = PP = DP = 1, bf16 weights, distributed optimizer):
+   TransformerEngine layer spec with FP8 (format 'hybrid', 'delayed' scaling recipe) when
+   ``transformer_engine`` imports, else the local spec in plain bf16;
+3. checks that the CPU shims of ``megatron_cpu_compat`` are inactive;
+4. runs ``compute_log_prob`` then ``--steps`` DAPO updates (clip-higher PPO loss, token-mean over
+   the mini-batch) on synthetic unpadded rows, and prints per-step tokens/s, MFU and peak memory.
+
+MFU = 6 * N * tokens_per_s / peak, where N counts every parameter (embeddings included, tied
+once) and attention-score FLOPs are left out, so it is the usual "6N" model-FLOPs estimate. The
+peak is the H200's dense BF16 tensor-core peak, 989e12 FLOP/s (``--peak-flops`` to change it).
+FP8 runs are reported against the same BF16 peak (not the ~1979e12 dense FP8 peak), so their MFU
+compares directly with a BF16 run's. Only the update (forward + backward + optimizer) is timed;
+the old-log-prob forward is timed separately (``logprob_s``). Step 0 is warm-up and left out.
+
+Rows are unpadded on purpose: the TransformerEngine spec masks attention causally only (see the
+worker's docstring), and FP8 GEMMs need token counts divisible by 16.
+
+Exit status: 0 when every step ran and produced finite numbers, non-zero otherwise; 2 when no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+H200_BF16_DENSE_PEAK = 989e12  # FLOP/s, NVIDIA H200 SXM spec sheet, dense (no sparsity)
+
+# Qwen2.5-0.5B's shape (about 494M parameters with tied embeddings)
+QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
+                 rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1000000.0)
+
+
+def die(message: str, code: int = 1) -> None:
+    print(f"ERROR: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def write_random_model(folder: str, layers: int) -> int:
+    """Config + random-init safetensors, made on the GPU (fast) and saved as an HF folder."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**{**QWEN2_05B, "num_hidden_layers": layers}, dtype="bfloat16")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    n_params = sum(p.numel() for p in model.parameters())  # tied weights counted once
+    model.save_pretrained(folder, safe_serialization=True)
+    del model
+    torch.cuda.empty_cache()
+    return n_params
+
+
+def synthetic_batch(rows: int, prompt: int, response: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    """Unpadded rows in the trainer's layout (prompt + response), with DAPO-style +-1 advantages."""
+    gen = torch.Generator().manual_seed(seed)
+    width = prompt + response
+    ids = torch.randint(0, vocab, (rows, width), generator=gen)
+    attention = torch.ones(rows, width, dtype=torch.long)
+    response_mask = attention[:, prompt:].clone()
+    signs = torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0)
+    return {"input_ids": ids, "attention_mask": attention, "position_ids": torch.arange(width).expand(rows, -1).clone(),
+            "responses": ids[:, prompt:], "response_mask": response_mask,
+            "advantages": signs[:, None] * response_mask.float()}
+
+
+def check_cpu_shims_inactive() -> None:
+    from nemo_dapo.policy import megatron_cpu_compat
+
+    if megatron_cpu_compat.enable_cpu_compat() or megatron_cpu_compat._ENABLED:
+        die("the CPU compatibility shims are active although CUDA is present")
+    if not isinstance(torch.cuda.current_device(), int):
+        die("torch.cuda.current_device is patched (CPU shim leaked into a GPU process)")
+    if torch.zeros(1, device="cuda").device.type != "cuda":
+        die("device='cuda' is redirected to the CPU (CudaToCpuMode leaked into a GPU process)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5, help="DAPO updates; the first is warm-up, not timed")
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--response", type=int, default=768)
+    parser.add_argument("--max-token-len", type=int, default=16384, help="tokens per micro-batch")
+    parser.add_argument("--layers", type=int, default=QWEN2_05B["num_hidden_layers"])
+    parser.add_argument("--impl", choices=["auto", "local", "transformer_engine"], default="auto")
+    parser.add_argument("--no-fp8", action="store_true", help="bf16 even with TransformerEngine")
+    parser.add_argument("--peak-flops", type=float, default=H200_BF16_DENSE_PEAK)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+
+    if not torch.cuda.is_available():
+        die("no CUDA GPU visible (torch.cuda.is_available() is False): this smoke test needs one GPU "
+            "and is never run in CI", code=2)
+    if (args.prompt + args.response) % 16:
+        die("prompt + response must be a multiple of 16 (FP8 GEMM shapes)")
+    check_cpu_shims_inactive()
+
+    have_te = importlib.util.find_spec("transformer_engine") is not None
+    impl = ("transformer_engine" if have_te else "local") if args.impl == "auto" else args.impl
+    fp8 = "hybrid" if impl == "transformer_engine" and not args.no_fp8 else None
+    device_name = torch.cuda.get_device_name()
+    print(f"device: {device_name}; torch {torch.__version__}; transformer_engine importable: {have_te}")
+    print(f"layer spec: {impl}; precision: {'fp8 hybrid / delayed scaling' if fp8 else 'bf16'}", flush=True)
+
+    from nemo_dapo.config.schema import OptimConfig
+    from nemo_dapo.policy.base import LossSettings, MiniBatch
+    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
+    from dataclasses import asdict
+
+    work = tempfile.mkdtemp(prefix="megatron_smoke_")
+    model_dir = os.path.join(work, "model")
+    t0 = time.perf_counter()
+    n_params = write_random_model(model_dir, args.layers)
+    print(f"random Qwen2 model: {n_params / 1e6:.1f}M parameters, {args.layers} layers, written in "
+          f"{time.perf_counter() - t0:.1f}s to {model_dir}", flush=True)
+
+    t0 = time.perf_counter()
+    worker = MegatronPolicyWorker(0, 1, os.path.join(work, "rendezvous"), model_dir,
+                                  asdict(OptimConfig(lr=1e-6, warmup_steps=0)), dtype="bfloat16",
+                                  max_token_len=args.max_token_len, transformer_impl=impl, fp8=fp8)
+    print(f"worker built in {time.perf_counter() - t0:.1f}s; device {worker.device}; "
+          f"backend {torch.distributed.get_backend()}", flush=True)
+    if worker.device.type != "cuda" or torch.distributed.get_backend() != "nccl":
+        die("the worker did not take the GPU path (device cuda, nccl)")
+    check_cpu_shims_inactive()
+
+    vocab = QWEN2_05B["vocab_size"]
+    tokens_per_step = args.rows * (args.prompt + args.response)
+    settings = LossSettings()  # DAPO clip-higher (0.2 / 0.28), token-mean
+    results = []
+    for step in range(args.steps):
+        batch = synthetic_batch(args.rows, args.prompt, args.response, vocab, seed=step)
+        torch.cuda.synchronize()
+        t_lp = time.perf_counter()
+        old = worker.compute_log_prob(batch)
+        torch.cuda.synchronize()
+        t_upd = time.perf_counter()
+        mini = MiniBatch({**batch, "old_log_probs": old["log_probs"]}, float(batch["response_mask"].sum()),
+                         float(args.rows))
+        metrics = worker.update([mini], settings)
+        torch.cuda.synchronize()
+        t_end = time.perf_counter()
+        update_s = t_end - t_upd
+        tokens_s = tokens_per_step / update_s
+        row = {"step": step, "logprob_s": t_upd - t_lp, "update_s": update_s, "update_tokens_per_s": tokens_s,
+               "mfu": 6 * n_params * tokens_s / args.peak_flops,
+               "mean_old_log_prob": float(old["log_probs"].sum() / batch["response_mask"].sum()),
+               "pg_loss": metrics["actor/pg_loss"][0], "grad_norm": metrics["actor/grad_norm"][0],
+               "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        bad = [k for k in ("mean_old_log_prob", "pg_loss", "grad_norm") if not math.isfinite(row[k])]
+        if bad:
+            die(f"step {step}: non-finite {bad}")
+
+    timed = results[1:] or results
+    update_s = sum(r["update_s"] for r in timed) / len(timed)
+    tokens_s = tokens_per_step / update_s
+    summary = {"device": device_name, "layer_spec": impl, "fp8": fp8, "n_params": n_params,
+               "tokens_per_step": tokens_per_step, "timed_steps": len(timed),
+               "update_tokens_per_s": tokens_s, "mfu": 6 * n_params * tokens_s / args.peak_flops,
+               "peak_flops_used": args.peak_flops,
+               "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30}
+    print("SUMMARY " + json.dumps(summary), flush=True)
+    print(f"update throughput {tokens_s:,.0f} tokens/s; MFU {100 * summary['mfu']:.1f}% of "
+          f"{args.peak_flops / 1e12:.0f} TFLOP/s (6N estimate); peak memory "
+          f"{summary['max_memory_allocated_gib']:.1f} GiB")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"summary": summary, "steps": results}, handle, indent=1)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
