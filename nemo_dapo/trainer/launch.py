@@ -8,7 +8,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from nemo_dapo.config import Config
-from nemo_dapo.model.tiny import TINY_MODEL, resolve_builtin
+from nemo_dapo.model.tiny import resolve_builtin
 
 log = logging.getLogger(__name__)
 
