@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = [REPO / "slurm" / "ray_cluster.sh", REPO / "slurm" / "dapo_32b.sbatch", REPO / "slurm" / "dapo_tiny_cpu.sbatch",
            REPO / "tests" / "slurm" / "setup_local_slurm.sh", REPO / "tools" / "install_slurm.sh"]
 SLURM_DIR = Path(os.environ.get("SLURM_LOCAL_DIR", "/tmp/nemo-dapo-slurm"))
-TOTAL_STEPS = 16
+TOTAL_STEPS = 40  # long enough that the resumed run is still going when the test requeues it
 TRAIN_OVERRIDES = [f"trainer.total_training_steps={TOTAL_STEPS}", "trainer.save_freq=2", "data.train_batch_size=8",
                    "data.gen_batch_size=12", "actor.ppo_mini_batch_size=4", "trainer.val_before_train=false",
                    "trainer.test_freq=0"]
@@ -132,6 +132,11 @@ def submit_tiny_job(env: dict, tmp_path: Path) -> Job:
     return Job(env, output, submitted.stdout.strip().split(";")[0])
 
 
+def newest_checkpoint(ckpt: Path) -> int:
+    folders = (ckpt / "checkpoints").glob("global_step_*")
+    return max((int(p.name.rsplit("_", 1)[1]) for p in folders if p.is_dir()), default=0)
+
+
 def resumed_step(log: str, restart: int) -> int:
     """The step the given restart resumed from (its "resumed from ... at step N" line)."""
     runs = log.split("dapo: restart ")
@@ -159,8 +164,9 @@ def test_tiny_job_survives_stop_signal_and_requeue(slurm_env, tmp_path):
         job.wait_for("resume after USR1", lambda: "resumed from" in job.log())
         assert resumed_step(job.log(), restart=1) == stop["step"]
         next_save = stop["step"] + 2
-        job.wait_for("a checkpoint after the resume",
-                     lambda: (ckpt / "checkpoints" / f"global_step_{next_save}").is_dir())
+        # any checkpoint at or past next_save: with keep_last a given folder may already be pruned
+        job.wait_for("a checkpoint after the resume", lambda: newest_checkpoint(ckpt) >= next_save)
+        assert job.field("JobState") == "RUNNING", "the resumed run finished before it could be requeued"
         job.run("scontrol", "requeue", job.id)
         job.release_requeued(restarts=2)
         # 3. the second restart resumes from the newest checkpoint and completes the run
