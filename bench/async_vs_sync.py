@@ -8,10 +8,11 @@ Each mode runs ``--steps`` steps (first 3 dropped as warm-up); trained samples p
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
+
+from _common import bench_parser
 
 from nemo_dapo.config import load_config
 from nemo_dapo.trainer.launch import run_training
@@ -33,11 +34,7 @@ def measure(config: str, mode: str, steps: int, overrides: list[str], root: Path
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="tiny_cpu")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    args = bench_parser(__doc__).parse_args()
     root = Path("outputs/bench_async_vs_sync")
     result = {mode: measure(args.config, mode, args.steps, args.overrides, root) for mode in ("sync", "async")}
     result["speedup"] = result["sync"]["step_s"] / result["async"]["step_s"]

@@ -10,7 +10,6 @@ writes ``step_breakdown.json`` into the run's output folder.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import threading
@@ -18,6 +17,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from _common import bench_parser
 
 from nemo_dapo.config import load_config
 from nemo_dapo.trainer.launch import run_training
@@ -63,11 +64,7 @@ def summarise(metrics_file: Path, skip: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="tiny_cpu")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    args = bench_parser(__doc__).parse_args()
     output = Path("outputs/bench_step_breakdown")
     overrides = [f"trainer.total_training_steps={args.steps}", "trainer.test_freq=0", "trainer.val_before_train=false",
                  f"trainer.save_freq={args.steps}", "checkpoint.resume=disable", f"trainer.output_dir={output}",

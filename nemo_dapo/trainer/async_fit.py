@@ -80,20 +80,25 @@ class AsyncDAPOTrainer(DAPOTrainer):
         self.plane.kv_update_tags(keys, {"status": "done"}, PARTITION)
 
     def _take_done_groups(self, round_index: int) -> RolloutBatch:
-        """Read and remove the finished prompts with their trajectories; drop the stale ones."""
+        """Read and remove the finished prompts with their trajectories (a few store calls per
+        round, not per prompt); drop the stale ones."""
         done = self.plane.kv_list(PARTITION, {"is_prompt": True, "status": "done"})
+        trajectories = self.plane.kv_list(PARTITION, {"is_prompt": False, "prompt_id": done.keys})
         prompt_fields = self.plane.kv_batch_get(done.keys, list(PROMPT_FIELDS), PARTITION)
+        samples = self.plane.kv_batch_get(trajectories.keys, list(TRAJECTORY_FIELDS), PARTITION)
+        self.plane.kv_clear([*done.keys, *trajectories.keys], PARTITION)
+        per_prompt: dict[str, list[int]] = {key: [] for key in done.keys}
+        for row, tags in enumerate(trajectories.tags):
+            per_prompt[tags["prompt_id"]].append(row)
         rows, generations, versions = [], [], []
         for i, key in enumerate(done.keys):
-            trajectories = self.plane.kv_list(PARTITION, {"is_prompt": False, "prompt_id": key})
-            samples = self.plane.kv_batch_get(trajectories.keys, list(TRAJECTORY_FIELDS), PARTITION)
-            self.plane.kv_clear([key, *trajectories.keys], PARTITION)
-            version = trajectories.tags[0]["policy_version"]
+            mine = per_prompt[key]
+            version = trajectories.tags[mine[0]]["policy_version"]
             if self.weight_version - version > self.cfg.trainer.max_staleness:
                 self.dropped_stale += 1
                 continue
             rows.append(i)
-            generations.append(Generation(samples["token_ids"], samples["log_probs"], samples["finish_reason"]))
+            generations.append(Generation(*([samples[name][r] for r in mine] for name in TRAJECTORY_FIELDS)))
             versions.append(version)
         fields = {name: [prompt_fields[name][i] for i in rows] for name in ("ground_truth", "data_source", "prompt_index")}
         fields["prompt_key"] = [done.keys[i] for i in rows]

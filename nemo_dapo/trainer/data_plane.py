@@ -81,9 +81,9 @@ class KVStore:
     def kv_list(self, partition: str = "default", tag_filter: dict | None = None) -> KVMeta:
         """Keys whose tags match every ``tag_filter`` item (a list value means 'any of')."""
         meta = KVMeta(partition)
+        wanted = {k: frozenset(v) if isinstance(v, (list, tuple, set)) else v for k, v in (tag_filter or {}).items()}
         for key, tags in self._tags.get(partition, {}).items():
-            if all(tags.get(k) in v if isinstance(v, (list, tuple, set)) else tags.get(k) == v
-                   for k, v in (tag_filter or {}).items()):
+            if all(tags.get(k) in v if isinstance(v, frozenset) else tags.get(k) == v for k, v in wanted.items()):
                 meta.keys.append(key)
                 meta.tags.append(dict(tags))
         return meta
