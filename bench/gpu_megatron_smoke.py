@@ -84,6 +84,37 @@ def synthetic_batch(rows: int, prompt: int, response: int, vocab: int, seed: int
             "advantages": signs[:, None] * response_mask.float()}
 
 
+def _prepend(batch: dict[str, torch.Tensor], extra: torch.Tensor, attention: torch.Tensor) -> dict[str, torch.Tensor]:
+    out = {"input_ids": torch.cat([extra, batch["input_ids"]], 1),
+           "attention_mask": torch.cat([attention, batch["attention_mask"]], 1),
+           "responses": batch["responses"], "response_mask": batch["response_mask"]}
+    out["position_ids"] = (out["attention_mask"].cumsum(1) - 1).clamp(min=0)
+    return out
+
+
+def check_padding_is_masked(worker, batch: dict[str, torch.Tensor]) -> float:
+    """Left padding must not change a row's log-probs (TE attention with ``padding_causal``).
+
+    Row 0 gets 8 padding tokens (the other rows 8 more prompt tokens, so the padding is not
+    trimmed); the change must be small next to what the same 8 tokens do when attended to.
+    """
+    rows, pad = batch["input_ids"].shape[0], 8
+    extra = torch.randint(1, int(batch["input_ids"].max()) + 1, (rows, pad), generator=torch.Generator().manual_seed(7))
+    padding = torch.ones(rows, pad, dtype=torch.long)
+    padding[0] = 0
+    mask = batch["response_mask"][0].bool()
+    base = worker.compute_log_prob(batch)["log_probs"][0]
+
+    def change(variant):
+        return float((worker.compute_log_prob(variant)["log_probs"][0] - base)[mask].abs().mean())
+
+    masked, attended = change(_prepend(batch, extra, padding)), change(_prepend(batch, extra, torch.ones_like(padding)))
+    print(f"left padding: mean |log-prob change| {masked:.2e} masked, {attended:.2e} if attended", flush=True)
+    if masked > 0.2 * attended:
+        die(f"left padding changed the log-probs by {masked:.3f} ({attended:.3f} when attended): it is not masked")
+    return masked
+
+
 def check_cpu_shims_inactive() -> None:
     from nemo_dapo.policy import megatron_cpu_compat
 
@@ -174,13 +205,20 @@ def main() -> None:
         if bad:
             die(f"step {step}: non-finite {bad}")
 
+    padding_gap = check_padding_is_masked(worker, synthetic_batch(args.rows, args.prompt, args.response, vocab, 99))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    exported = sum(t.numel() * t.element_size() for bucket in worker.export_weights(512 << 20) for _, t in bucket)
+    export_s = time.perf_counter() - t0
+    print(f"streamed export of {exported / 2**30:.2f} GiB of HF weights in {export_s:.2f}s", flush=True)
+
     timed = results[1:] or results
     update_s = sum(r["update_s"] for r in timed) / len(timed)
     tokens_s = tokens_per_step / update_s
     summary = {"device": device_name, "layer_spec": impl, "fp8": fp8, "n_params": n_params,
                "tokens_per_step": tokens_per_step, "timed_steps": len(timed),
                "update_tokens_per_s": tokens_s, "mfu": 6 * n_params * tokens_s / args.peak_flops,
-               "peak_flops_used": args.peak_flops,
+               "peak_flops_used": args.peak_flops, "padding_logprob_gap": padding_gap, "export_s": export_s,
                "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30}
     print("SUMMARY " + json.dumps(summary), flush=True)
     print(f"update throughput {tokens_s:,.0f} tokens/s; MFU {100 * summary['mfu']:.1f}% of "

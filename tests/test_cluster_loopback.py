@@ -68,6 +68,8 @@ def test_placement_that_cannot_fit_fails_clearly(ray_cluster, tiny_model_dir):
 
 
 def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(ray_cluster, tiny_model_dir, tiny_tokenizer):
+    import ray
+
     rollout = rollout_group(tiny_model_dir)
     policy1 = policy_group(tiny_model_dir, dp=1)
     policy2 = policy_group(tiny_model_dir, dp=2)
@@ -84,11 +86,17 @@ def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(ray_cluster, tiny_
     m2 = policy2.update(batch, LossSettings(), prompts_per_mini_batch=4, ppo_epochs=1)
     assert m1["actor/pg_loss"] == pytest.approx(m2["actor/pg_loss"], abs=1e-6)
     assert m1["actor/grad_norm"] == pytest.approx(m2["actor/grad_norm"], rel=1e-5)
-    w1 = dict(policy1.export_weights(1 << 30)[0])
-    w2 = dict(policy2.export_weights(1 << 30)[0])
+    w1 = {name: t for ref in policy1.export_weights(1 << 30) for name, t in ray.get(ref)}
+    w2 = {name: t for ref in policy2.export_weights(1 << 30) for name, t in ray.get(ref)}
     # Adam's first step is ~lr * g / |g| per element (1e-2 here): rounding in tiny gradients moves it a
     # little, so the weights agree to 1% of one step, not bit-exactly
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4
+    # the updated weights streamed into the engine in many small buckets: it now samples from the policy
+    rollout.update_weights(policy2.export_weights(1 << 14), version=1)
+    fresh = build_rollout_batch(ids, rollout.generate(ids, SamplingSettings(n=2, max_tokens=12)), {}, "g",
+                                tiny_tokenizer.pad_token_id, 0)
+    gap = (fresh["rollout_log_probs"] - policy2.compute_log_prob(fresh, 1.0)["log_probs"]) * fresh["response_mask"]
+    assert gap.abs().max().item() < 1e-4
     listeners = our_listeners()
     assert len(listeners) >= 3  # Ray's GCS, raylet, workers... the check sees real sockets
     assert [who for ip, who in listeners if not is_loopback(ip)] == []

@@ -33,7 +33,7 @@ def test_greedy_output_after_megatron_export_equals_hf(tiny_model_dir, tiny_toke
         expected.append(out[0, len(ids):].tolist())
 
     worker = MegatronPolicyWorker(0, 1, str(tmp_path / "store"), str(tiny_model_dir), asdict(OptimConfig()))
-    exported = worker.export_weights(bucket_bytes=1 << 16)
+    exported = list(worker.export_weights(bucket_bytes=1 << 16))
     hf_state = hf.state_dict()
     assert {name for bucket in exported for name, _ in bucket} == set(hf_state)
     assert all(torch.equal(tensor, hf_state[name]) for bucket in exported for name, tensor in bucket)

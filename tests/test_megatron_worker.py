@@ -48,7 +48,7 @@ def add_training_fields(batch: dict, old_log_probs: torch.Tensor) -> dict:
 
 
 def run_megatron_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, tp: int, pp: int,
-                      out_dir: str) -> None:
+                      out_dir: str, options: dict) -> None:
     """One Megatron rank: log-probs, one update (two micro-batches), exported weights -> out_dir.
 
     With world_size > tp * pp the data-parallel ranks each take their contiguous share of the rows
@@ -60,7 +60,7 @@ def run_megatron_rank(rank: int, world_size: int, rendezvous: str, model_dir: st
 
     torch.set_num_threads(1)
     worker = MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, optim_settings(), max_token_len=40,
-                                  tensor_parallel_size=tp, pipeline_parallel_size=pp)
+                                  tensor_parallel_size=tp, pipeline_parallel_size=pp, **options)
     batch = make_batch()
     dp_rank, dp_size = worker.data_parallel_layout()
     rows = len(batch["input_ids"]) // dp_size
@@ -68,14 +68,19 @@ def run_megatron_rank(rank: int, world_size: int, rendezvous: str, model_dir: st
     whole = add_training_fields(batch, torch.zeros_like(batch["responses"], dtype=torch.float))
     share = {k: v[dp_rank * rows: (dp_rank + 1) * rows] for k, v in whole.items()}
     before = worker.compute_log_prob(share)
+    loaded = exported(worker, 1 << 12)  # small buckets: many, streamed one layer at a time
     full = {**share, "old_log_probs": before["log_probs"]}
     metrics = worker.update([MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))],
                             LossSettings())
-    weights = dict(worker.export_weights(1 << 30)[0])
     optimizer_numel = sum(p.numel() for group in worker.optimizer.param_groups for p in group["params"])
-    torch.save({"before": before, "metrics": metrics, "weights": weights, "dp": (dp_rank, dp_size),
-                "optimizer_numel": optimizer_numel},
+    torch.save({"before": before, "metrics": metrics, "loaded": loaded, "weights": exported(worker),
+                "dp": (dp_rank, dp_size), "optimizer_numel": optimizer_numel},
                os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def exported(worker, bucket_bytes: int = 1 << 30) -> dict:
+    """This rank's share of the exported HF weights."""
+    return {name: tensor for bucket in worker.export_weights(bucket_bytes) for name, tensor in bucket}
 
 
 def spawn(fn, world_size: int, *args) -> None:
@@ -94,7 +99,7 @@ def torch_reference(model_dir) -> dict:
     full = add_training_fields(batch, before["log_probs"])
     metrics = worker.update([MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))],
                             LossSettings())
-    return {"before": before, "metrics": metrics, "weights": dict(worker.export_weights(1 << 30)[0])}
+    return {"before": before, "metrics": metrics, "weights": exported(worker)}
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +107,12 @@ def reference(tiny_model_dir):
     return torch_reference(tiny_model_dir)
 
 
-def megatron_result(tmp_path, model_dir, tp: int = 1, pp: int = 1, world_size: int | None = None) -> dict:
+def megatron_result(tmp_path, model_dir, tp: int = 1, pp: int = 1, world_size: int | None = None,
+                    **options) -> dict:
     """Rank 0's result, with log-probs and summed loss metrics assembled over the data-parallel ranks."""
     world_size = world_size or tp * pp
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    spawn(run_megatron_rank, world_size, str(tmp_path / "rendezvous"), str(model_dir), tp, pp, str(tmp_path))
+    spawn(run_megatron_rank, world_size, str(tmp_path / "rendezvous"), str(model_dir), tp, pp, str(tmp_path), options)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
     replicas = {r["dp"][0]: r for r in ranks}  # one rank per data-parallel replica
     result = dict(ranks[0])
@@ -115,9 +121,12 @@ def megatron_result(tmp_path, model_dir, tp: int = 1, pp: int = 1, world_size: i
         result["before"] = {k: torch.cat([r["before"][k] for r in ordered]) for k in ranks[0]["before"]}
         result["metrics"] = {**ranks[0]["metrics"],
                              "actor/pg_loss": [sum(r["metrics"]["actor/pg_loss"][0] for r in ordered)]}
-    # every rank must hold the same full weights after the update
-    for other in ranks[1:]:
-        assert all(torch.equal(other["weights"][k], result["weights"][k]) for k in result["weights"])
+    # the ranks' exports are disjoint and together the whole model (one exporter per pipeline stage)
+    for key in ("loaded", "weights"):
+        names = [name for r in ranks for name in r[key]]
+        assert len(names) == len(set(names)), f"{key}: a tensor exported twice"
+        assert sum(1 for r in ranks if r[key]) == pp
+        result[key] = {name: t for r in ranks for name, t in r[key].items()}
     return result
 
 
@@ -163,12 +172,40 @@ def test_transformer_engine_names_round_trip():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusals")
-@pytest.mark.parametrize("impl, fp8", [("transformer_engine", None), ("local", "hybrid"), ("te", None)])
-def test_gpu_only_options_are_refused_on_cpu(impl, fp8):
+@pytest.mark.parametrize("options, tp, message", [
+    ({"transformer_impl": "transformer_engine"}, 1, "needs a GPU"),
+    ({"fp8": "hybrid"}, 1, "fp8 training needs"), ({"transformer_impl": "te"}, 1, "must be one of"),
+    ({"sequence_parallel": True}, 2, "sequence_parallel needs"),
+])
+def test_gpu_only_options_are_refused_on_cpu(options, tp, message):
     from nemo_dapo.policy import megatron_model as mm
 
-    with pytest.raises(ValueError):
-        mm.check_transformer_impl(impl, fp8)
+    with pytest.raises(ValueError, match=message):
+        mm.TrainingOptions(**options).check(tp)
+
+
+def test_recompute_fields():
+    from nemo_dapo.policy import megatron_model as mm
+
+    assert mm.TrainingOptions(recompute_granularity="full").transformer_fields()["recompute_method"] == "uniform"
+    assert "recompute_granularity" not in mm.TrainingOptions().transformer_fields()
+
+
+def test_right_padding_to_a_multiple_changes_no_log_prob(tmp_path, tiny_model_dir):
+    """Sequence parallelism pads each micro-batch to a multiple of TP: masked columns after every
+    real token, positions continued, and the response slice unchanged."""
+    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker, attention_mask_4d, pad_width
+
+    worker = MegatronPolicyWorker(0, 1, str(tmp_path / "store"), str(tiny_model_dir), optim_settings())
+    micro = make_batch(rows=3)
+    stats = []
+    with torch.no_grad():
+        for multiple in (1, 5):
+            tokens, positions, mask = pad_width(micro, multiple)
+            assert tokens.shape[1] % multiple == 0 and (tokens.shape[1] > micro["input_ids"].shape[1]) == (multiple > 1)
+            logits = worker.model(tokens, positions, attention_mask_4d(mask))
+            stats.append(worker._response_stats(micro, logits, 1.0)[0] * micro["response_mask"])
+    assert (stats[0] - stats[1]).abs().max().item() < 1e-6
 
 
 def assert_matches_torch(result: dict, reference: dict) -> None:
@@ -233,6 +270,14 @@ def test_dp2_distributed_optimizer_matches_single_rank(tmp_path, tiny_model_dir,
     assert_matches_torch(result, reference)
 
 
+@pytest.mark.parametrize("options", [{"recompute_granularity": "full"}, {"recompute_granularity": "selective"},
+                                     {"use_distributed_optimizer": False}])
+def test_recompute_and_plain_optimizer_give_the_same_update(tmp_path, tiny_model_dir, single_rank, options):
+    """Activation recompute replays the forward in the backward; the plain optimizer keeps whole
+    state per rank: neither may change the numbers."""
+    assert_same_update(megatron_result(tmp_path, tiny_model_dir, **options), single_rank)
+
+
 def train_step(worker, seed: int) -> dict:
     """One update on batch ``seed`` with the worker's own current log-probs as the old ones."""
     from nemo_dapo.policy.base import LossSettings, MiniBatch
@@ -257,7 +302,7 @@ def run_resume_rank(rank: int, world_size: int, rendezvous: str, model_dir: str,
         train_step(worker, seed=0)
         worker.save(checkpoint)
     metrics = train_step(worker, seed=1)
-    weights = dict(worker.export_weights(1 << 30)[0])
+    weights = exported(worker)
     if rank == 0:
         torch.save({"metrics": metrics, "weights": weights, "steps_done": worker.steps_done}, out_file)
 
@@ -276,6 +321,29 @@ def test_save_at_tp2_load_at_tp1_continues_like_uninterrupted_run(tmp_path, tiny
     assert sum(d.sum().item() for d in diffs) / sum(d.numel() for d in diffs) < 1e-3 * LR
 
 
+def run_save_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, checkpoint: str) -> None:
+    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
+
+    torch.set_num_threads(1)
+    worker = MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, optim_settings(),
+                                  pipeline_parallel_size=world_size)
+    worker.save(checkpoint)
+
+
+def test_pp2_checkpoint_writes_one_hf_shard_per_stage(tmp_path, tiny_model_dir):
+    """Each stage writes its own layers (no rank gathers the model); transformers loads the shards."""
+    from transformers import AutoModelForCausalLM
+
+    spawn(run_save_rank, 2, str(tmp_path / "rdv"), str(tiny_model_dir), str(tmp_path / "ckpt"))
+    folder = tmp_path / "ckpt" / "model"
+    assert sorted(p.name for p in folder.glob("*.safetensors")) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    loaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert loaded.keys() == original.keys()
+    assert all(torch.equal(loaded[name], original[name]) for name in original)
+
+
 # One check per CPU workaround in megatron_cpu_compat: each fails if its workaround is removed.
 COMPAT_CHECKS = {
     "current_device": "from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding\n"
@@ -288,6 +356,21 @@ COMPAT_CHECKS = {
                    "tracker = get_cuda_rng_tracker()\ntracker.add('x', 5)\n"
                    "with tracker.fork('x'):\n    forked = torch.rand(3)\n"
                    "torch.manual_seed(5)\nassert torch.equal(forked, torch.rand(3))",
+    "recompute_rng": "from megatron.core.tensor_parallel.random import _fork_rng\n"
+                     "torch.manual_seed(3)\nwith _fork_rng():\n    torch.rand(2)\n"
+                     "torch.manual_seed(3)\nexpected = torch.rand(2)\ntorch.manual_seed(3)\n"
+                     "with _fork_rng():\n    torch.rand(5)\nassert torch.equal(torch.rand(2), expected)",
+    # the MoE token dispatcher and router
+    "cuda_stream": "stream = torch.cuda.Stream()\nif torch.cuda.current_stream() != stream:\n"
+                   "    stream.wait_stream(torch.cuda.current_stream())\n"
+                   "with torch.cuda.stream(stream):\n    pass\nstream.record_event().synchronize()",
+    "split_sizes": "from megatron.core.transformer.moe import token_dispatcher\n"
+                   "sizes = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([2, 1]), as_numpy=True)\n"
+                   "assert not torch.is_tensor(sizes) and list(sizes) == [2, 1]",
+    "router_gemm": "from nemo_dapo.policy.megatron_cpu_compat import define_router_gemm_without_te\n"
+                   "from megatron.core.transformer.moe.moe_utils import router_gating_linear\n"
+                   "define_router_gemm_without_te()\nx, w = torch.randn(3, 4), torch.randn(2, 4)\n"
+                   "assert torch.allclose(router_gating_linear(x, w, None, torch.float32), x @ w.t())",
 }
 COMPAT_RUNNER = """
 import json, sys, torch, traceback
@@ -304,19 +387,24 @@ print("RESULTS" + json.dumps(results))
 """
 
 
-@pytest.fixture(scope="module")
-def compat_results():
+def run_compat_checks(checks: dict[str, str]) -> dict[str, str]:
+    """Each check's outcome ('ok' or its traceback) in a fresh process with the CPU layer on."""
     import json
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run([sys.executable, "-c", COMPAT_RUNNER, json.dumps(COMPAT_CHECKS)], capture_output=True,
+    run = subprocess.run([sys.executable, "-c", COMPAT_RUNNER, json.dumps(checks)], capture_output=True,
                          text=True, env=env, timeout=120)
     line = [line for line in run.stdout.splitlines() if line.startswith("RESULTS")]
     assert line, run.stderr[-3000:]
     return json.loads(line[0][len("RESULTS"):])
+
+
+@pytest.fixture(scope="module")
+def compat_results():
+    return run_compat_checks(COMPAT_CHECKS)
 
 
 @pytest.mark.parametrize("check", sorted(COMPAT_CHECKS))

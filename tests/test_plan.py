@@ -76,9 +76,8 @@ def test_tp_not_dividing_heads_is_refused(capsys):
 
 
 def test_layers_experts_and_rollout_shapes_are_checked(capsys):
-    _, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "actor.megatron.pipeline_model_parallel_size=4",
-                          "actor.megatron.virtual_pipeline_model_parallel_size=3", "rollout.tensor_parallel_size=3",
-                          "rollout.num_workers=8")
+    _, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", *THREE_NODES, "actor.megatron.pipeline_model_parallel_size=3",
+                          "rollout.tensor_parallel_size=3")
     problems = " | ".join(plan["problems"])
     assert "does not divide the model's 64 layers" in problems
     assert "rollout.tensor_parallel_size=3 does not divide the model's 40 attention heads" in problems
@@ -89,6 +88,23 @@ def test_layers_experts_and_rollout_shapes_are_checked(capsys):
     assert any("is dense (no experts)" in p for p in plan["problems"])
     _, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "rollout.num_workers=64")
     assert "rollout.num_workers x rollout.tensor_parallel_size = 256 GPUs, the job has 128" in plan["problems"]
+
+
+def test_colocated_peak_is_the_larger_phase(capsys):
+    """Colocated, generation runs beside the resident training state; separate groups have no such figure."""
+    _, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b")
+    training, colocated = plan["training"], plan["colocated"]
+    resident = training["weights"] + training["gradients"] + training["optimizer"]
+    assert colocated["training_phase"] == pytest.approx(training["total"])
+    assert colocated["generation_phase"] == pytest.approx(resident + 0.8 * 80)
+    assert colocated["peak"] == max(colocated["training_phase"], colocated["generation_phase"]) < 80
+    code, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "rollout.gpu_memory_utilization=0.9")
+    assert code == 1 and plan["colocated"]["generation_phase"] > 80
+    assert any(p.startswith("colocated generation needs") and "rollout.gpu_memory_utilization to <= 0.81" in p
+               for p in plan["problems"])
+    code, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "rollout.gpu_memory_utilization=0.9", "trainer.colocate=false",
+                             "actor.num_workers=64", "rollout.num_workers=16")
+    assert code == 0 and plan["colocated"] is None
 
 
 def test_kv_cache_without_room_is_refused(capsys):
@@ -112,6 +128,7 @@ def test_numbers_match_a_hand_calculation(tmp_path):
     cfg = load_config("dapo", [f"model.path={tmp_path}", "actor.backend=megatron", "trainer.n_gpus_per_node=4",
                                "actor.num_workers=4",
                                "actor.megatron.tensor_model_parallel_size=2", "actor.megatron.sequence_parallel=true",
+                               "actor.megatron.transformer_impl=transformer_engine",
                                "data.max_prompt_length=4", "data.max_response_length=12",
                                "reward.overlong_buffer.len=4",
                                "actor.max_token_len_per_micro_batch=32", "rollout.tensor_parallel_size=2"])

@@ -76,7 +76,7 @@ def test_logprobs_match_before_and_after_weight_update(engines, tiny_tokenizer):
 
 def test_export_respects_bucket_size(engines):
     _, policy = engines
-    buckets = policy.export_weights(bucket_bytes=1 << 16)
+    buckets = list(policy.export_weights(bucket_bytes=1 << 16))
     names = [name for bucket in buckets for name, _ in bucket]
     assert len(buckets) > 1 and len(names) == len(set(names)) == len(policy.model.state_dict())
     for bucket in buckets:

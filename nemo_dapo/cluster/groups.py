@@ -6,6 +6,8 @@ actors on a laptop CPU or 128 GPU processes on a Slurm cluster.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 
 from nemo_dapo.algo.batch import RolloutBatch
@@ -16,6 +18,9 @@ from nemo_dapo.policy.actor_loss import SUMMED_METRICS
 from nemo_dapo.policy.base import LossSettings
 from nemo_dapo.rollout.base import Generation, SamplingSettings
 from nemo_dapo.trainer.batching import mini_batches_per_rank, shard, worker_inputs
+
+# Weight buckets a policy rank may gather ahead of the engines (and each engine's queue depth).
+EXPORT_BUCKETS_AHEAD = 2
 
 
 class PolicyGroup:
@@ -61,9 +66,18 @@ class PolicyGroup:
                 reduced[key] *= self.dp_size
         return reduced
 
-    def export_weights(self, bucket_bytes: int):
-        """Collective on every rank (gathers over TP/PP); rank 0's copy is returned."""
-        return self.workers.call_all("export_weights", bucket_bytes)[0]
+    def export_weights(self, bucket_bytes: int) -> Iterator:
+        """Object refs of the weight buckets in HF order, streamed while the ranks gather them.
+
+        Every rank runs its (collective) exporter as a Ray streaming generator; at most
+        ``EXPORT_BUCKETS_AHEAD`` buckets per rank wait unconsumed, so a rank never runs far ahead of
+        the engines. Ranks are read in rank order: pipeline stages come out first to last.
+        """
+        streams = [worker.export_weights.options(num_returns="streaming",
+                                                 _generator_backpressure_num_objects=EXPORT_BUCKETS_AHEAD)
+                   .remote(bucket_bytes) for worker in self.workers.workers]
+        for stream in streams:
+            yield from stream
 
     def save(self, path: str) -> None:
         self.workers.call_all("save", path)
@@ -75,6 +89,7 @@ class PolicyGroup:
 class RolloutGroup:
     def __init__(self, workers: WorkerGroup) -> None:
         self.workers = workers
+        self._queues: list | None = None
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Generation]:
         return self.collect(self.submit(prompts, sampling))
@@ -98,10 +113,48 @@ class RolloutGroup:
 
         return [generation for part in ray.get(handles) for generation in part]
 
-    def update_weights(self, buckets, version: int) -> None:
+    def sleep(self) -> None:
+        """Engines release their GPU memory to the colocated training ranks (no-op where they can't)."""
+        self.workers.call_all("sleep")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.workers.call_all("wake_up", tags)
+
+    def update_weights(self, bucket_refs: Iterable, version: int) -> None:
+        """Stream weight buckets (object refs) into every engine as they come, through a bounded
+        queue per engine: no process holds the whole model on the way."""
         import ray
 
-        handle = ray.put(buckets)  # one copy in the object store, read by every engine
-        versions = self.workers.call_all("update_weights", handle, version)
+        queues = self._weight_queues()
+        pending = [worker.receive_weights.remote(queue, version) for worker, queue in zip(self.workers.workers, queues)]
+        for ref in bucket_refs:
+            self._push(queues, pending, [ref])  # wrapped: the engine fetches the bucket itself
+        self._push(queues, pending, None)
+        versions = ray.get(pending)
         if set(versions) != {version}:
             raise RuntimeError(f"rollout engines report weight versions {versions}, expected {version}")
+
+    def _weight_queues(self) -> list:
+        from ray.util.queue import Queue
+
+        if self._queues is None:
+            self._queues = [Queue(maxsize=EXPORT_BUCKETS_AHEAD, actor_options={"num_cpus": 0})
+                            for _ in self.workers.workers]
+        return self._queues
+
+    @staticmethod
+    def _push(queues: list, pending: list, item) -> None:
+        """Put ``item`` on every queue; if an engine stopped reading (it failed), raise its error."""
+        import ray
+        from ray.util.queue import Full
+
+        for queue in queues:
+            while True:
+                try:
+                    queue.put(item, timeout=1.0)
+                    break
+                except Full:
+                    done, _ = ray.wait(pending, timeout=0)
+                    if done:
+                        ray.get(done)
+                        raise RuntimeError("a rollout engine finished its weight update before all buckets arrived")

@@ -32,8 +32,12 @@ def apply_loopback_env() -> None:
         os.environ.setdefault(key, value)
 
 
-def init_ray(num_cpus: int | None = None, namespace: str = "nemo_dapo"):
-    """``ray.init`` on loopback, or attach to ``$RAY_ADDRESS`` (a Slurm-started cluster)."""
+def init_ray(num_cpus: int | None = None, namespace: str = "nemo_dapo", num_gpus: int | None = None):
+    """``ray.init`` on loopback, or attach to ``$RAY_ADDRESS`` (a Slurm-started cluster).
+
+    ``num_gpus`` declares the local Ray's GPUs (None: detect them). Ray schedules on a declared
+    count even without devices, which lets GPU placement run on a CPU machine (tests).
+    """
     if not is_attached_to_cluster():
         apply_loopback_env()
     import ray
@@ -46,8 +50,8 @@ def init_ray(num_cpus: int | None = None, namespace: str = "nemo_dapo"):
     if is_attached_to_cluster():
         ray.init(address=os.environ["RAY_ADDRESS"], namespace=namespace, runtime_env=runtime_env, log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus, _node_ip_address=LOOPBACK, include_dashboard=False, namespace=namespace,
-                 runtime_env=runtime_env, log_to_driver=True, configure_logging=False)
+        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, _node_ip_address=LOOPBACK, include_dashboard=False,
+                 namespace=namespace, runtime_env=runtime_env, log_to_driver=True, configure_logging=False)
     return ray
 
 

@@ -1,8 +1,8 @@
 """A group of identical Ray actors that the driver addresses as one.
 
 Worker classes are plain Python classes (testable without Ray); the group wraps them in
-``ray.remote`` here, places them with a placement group, hands each its rank, and fans
-calls out / gathers results in rank order.
+``ray.remote`` here, places each on its :class:`~nemo_dapo.cluster.placement.Slot`, hands each
+its rank, and fans calls out / gathers results in rank order.
 """
 
 from __future__ import annotations
@@ -11,36 +11,34 @@ import os
 import tempfile
 from typing import Any, Sequence
 
+from nemo_dapo.cluster.placement import Slot, own_slots
+
 
 class WorkerGroup:
     def __init__(self, worker_cls: type, num_workers: int, *, name: str, num_cpus_per_worker: float = 1.0,
                  num_gpus_per_worker: float = 0.0, worker_kwargs: dict | None = None,
-                 placement_timeout_s: float = 300.0) -> None:
+                 placement_timeout_s: float = 300.0, slots: Sequence[Slot] | None = None) -> None:
+        """Without ``slots`` the group reserves a placement group of its own (one bundle of
+        ``num_cpus_per_worker`` CPUs and ``num_gpus_per_worker`` GPUs per worker) and frees it at
+        shutdown; with ``slots`` (one per worker, e.g. shares of GPUs colocated with another group)
+        it runs there and the placement group stays the caller's."""
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.name = name
         self.world_size = num_workers
-        bundle = {"CPU": num_cpus_per_worker, **({"GPU": num_gpus_per_worker} if num_gpus_per_worker else {})}
-        self._placement = placement_group([bundle] * num_workers, strategy="PACK")
-        try:
-            ray.get(self._placement.ready(), timeout=placement_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self._placement)
-            raise RuntimeError(
-                f"{name}: could not place {num_workers} workers of {bundle} within {placement_timeout_s:.0f} s; "
-                f"the cluster has {ray.available_resources()} free. Lower the worker counts or add resources."
-            ) from None
+        self._own_placement = None
+        if slots is None:
+            self._own_placement, slots = own_slots(name, num_workers, num_cpus_per_worker, num_gpus_per_worker,
+                                                   placement_timeout_s)
+        if len(slots) != num_workers:
+            raise ValueError(f"{name}: {len(slots)} slots for {num_workers} workers")
         self._rendezvous_dir = tempfile.mkdtemp(prefix=f"nemo_dapo_{name}_")
-        remote_cls = ray.remote(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker)(worker_cls)
+        remote_cls = ray.remote(worker_cls)
         self.workers = [
-            remote_cls.options(
-                name=f"{name}_{rank}_{os.getpid()}",
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._placement, placement_group_bundle_index=rank),
-            ).remote(rank=rank, world_size=num_workers, rendezvous=os.path.join(self._rendezvous_dir, "store"),
-                     **(worker_kwargs or {}))
-            for rank in range(num_workers)
+            remote_cls.options(name=f"{name}_{rank}_{os.getpid()}", **slot.actor_options()).remote(
+                rank=rank, world_size=num_workers, rendezvous=os.path.join(self._rendezvous_dir, "store"),
+                **(worker_kwargs or {}))
+            for rank, slot in enumerate(slots)
         ]
         self.call_all("ready")
 
@@ -63,6 +61,12 @@ class WorkerGroup:
 
         return ray.get(getattr(self.workers[0], method).remote(*args, **kwargs))
 
+    def gpu_ids(self) -> list[list]:
+        """``ray.get_gpu_ids()`` of every worker, in rank order (which GPUs Ray gave each)."""
+        import ray
+
+        return ray.get([w.__ray_call__.remote(lambda _: ray.get_gpu_ids()) for w in self.workers])
+
     def shutdown(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
@@ -70,4 +74,6 @@ class WorkerGroup:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         self.workers = []
-        remove_placement_group(self._placement)
+        if self._own_placement is not None:
+            remove_placement_group(self._own_placement)
+            self._own_placement = None

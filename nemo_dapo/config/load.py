@@ -50,8 +50,12 @@ def _read_preset(name_or_path: str, seen: tuple[str, ...] = ()) -> DictConfig:
     return OmegaConf.merge(merged, raw)
 
 
-def load_config(name_or_path: str | None = DEFAULT_PRESET, overrides: Sequence[str] = ()) -> Config:
-    """Typed, validated config; an unknown key or a wrong type names the key."""
+def load_config(name_or_path: str | None = DEFAULT_PRESET, overrides: Sequence[str] = (),
+                placement: bool = True) -> Config:
+    """Typed, validated config; an unknown key or a wrong type names the key.
+
+    ``placement=False``: see :func:`~nemo_dapo.config.validate.validate`.
+    """
     schema = OmegaConf.structured(Config)
     try:
         layers = [schema]
@@ -62,7 +66,7 @@ def load_config(name_or_path: str | None = DEFAULT_PRESET, overrides: Sequence[s
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ConfigError(f"config {name_or_path!r}: {err}") from None
-    return validate(cfg)
+    return validate(cfg, placement)
 
 
 def to_yaml(cfg: Config) -> str:

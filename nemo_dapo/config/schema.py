@@ -99,10 +99,11 @@ class MegatronConfig:
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: Optional[int] = None  # interleaved 1F1B chunks per stage; None = off
-    context_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None  # interleaved 1F1B chunks: not implemented yet
+    context_parallel_size: int = 1  # > 1 not implemented yet (needs sequence packing)
     expert_model_parallel_size: int = 1
-    sequence_parallel: bool = False
+    sequence_parallel: bool = False  # needs transformer_engine and TP > 1
+    transformer_impl: str = "local"  # local (CPU or GPU) | transformer_engine (GPU; fp8 and SP need it)
     use_distributed_optimizer: bool = True  # shard fp32 master weights + Adam moments over DP
     fp8: Optional[str] = None  # None | hybrid | e4m3 (TransformerEngine, GPU only)
     fp8_recipe: str = "delayed"  # delayed | tensorwise | blockwise | mxfp8
@@ -188,7 +189,10 @@ class TrainerConfig:
     seed: int = 1
     loggers: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
     nnodes: int = 1
-    n_gpus_per_node: int = 8
+    n_gpus_per_node: int = 8  # 0: CPU mode (workers are plain processes)
+    # GPU mode: training ranks and vLLM engines share every GPU and take turns (the engines sleep
+    # while the policy trains). false: each group gets GPUs of its own. Ignored in CPU mode.
+    colocate: bool = False
 
 
 @dataclass

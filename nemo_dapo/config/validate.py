@@ -123,9 +123,7 @@ def _check_megatron(cfg: Config, problems: _Problems) -> None:
     problems.require(vpp is None or (vpp >= 2 and pp >= 2), f"{key}.virtual_pipeline_model_parallel_size", vpp,
                      f"interleaving needs >= 2 chunks and pipeline_model_parallel_size >= 2 (it is {pp}); "
                      "null turns it off")
-    world, gpus = training_world_size(cfg), cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    problems.require(gpus == 0 or world <= gpus, "actor.num_workers", world,
-                     f"one training rank per GPU: the job has {gpus} (trainer.nnodes x trainer.n_gpus_per_node)")
+    world = training_world_size(cfg)
     if world % (tp * pp * cp):
         problems.append(f"{key}: TP={tp} x PP={pp} x CP={cp} = {tp * pp * cp} must divide the {world} training "
                         "ranks (actor.num_workers); DP is the quotient")
@@ -136,6 +134,15 @@ def _check_megatron(cfg: Config, problems: _Problems) -> None:
                      "needs tensor_model_parallel_size > 1 (it splits the sequence over the TP group)")
     problems.require(ep == 1 or tp == 1 or mg.sequence_parallel, f"{key}.sequence_parallel", mg.sequence_parallel,
                      "must be true when experts (EP > 1) are combined with tensor parallelism (TP > 1)")
+    te = mg.transformer_impl == "transformer_engine"
+    problems.choice(f"{key}.transformer_impl", mg.transformer_impl, ("local", "transformer_engine"))
+    problems.require(not mg.sequence_parallel or te, f"{key}.sequence_parallel", mg.sequence_parallel,
+                     "needs transformer_impl=transformer_engine (its norms handle sequence-split activations)")
+    problems.require(not mg.fp8 or te, f"{key}.fp8", mg.fp8, "needs transformer_impl=transformer_engine")
+    problems.require(cp == 1, f"{key}.context_parallel_size", cp,
+                     "context parallelism is not implemented yet (it needs sequence packing): use 1")
+    problems.require(vpp is None, f"{key}.virtual_pipeline_model_parallel_size", vpp,
+                     "interleaved pipeline stages are not implemented yet: use null")
     _nullable_choice(problems, f"{key}.fp8", mg.fp8, FP8_FORMATS)
     problems.choice(f"{key}.fp8_recipe", mg.fp8_recipe, FP8_RECIPES)
     _nullable_choice(problems, f"{key}.recompute_granularity", mg.recompute_granularity, RECOMPUTE_GRANULARITIES)
@@ -144,6 +151,80 @@ def _check_megatron(cfg: Config, problems: _Problems) -> None:
         sequences = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
         problems.require(sequences % dp == 0, "actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size,
                          f"x rollout.n = {sequences} sequences per optimizer step must split evenly over DP = {dp}")
+
+
+def cluster_gpus(cfg: Config) -> int:
+    """GPUs of the job: trainer.nnodes x trainer.n_gpus_per_node (0 in CPU mode)."""
+    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+
+
+def needs_reference(cfg: Config) -> bool:
+    """DAPO has no KL term and then builds no reference model."""
+    return cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
+
+
+def is_colocated(cfg: Config) -> bool:
+    """Training ranks and engines share the GPUs. CPU workers reserve no device, so there it means nothing."""
+    return cfg.trainer.colocate and cfg.trainer.n_gpus_per_node > 0
+
+
+def _check_placement(cfg: Config, problems: _Problems) -> None:
+    """What the two worker groups need of the job's GPUs (GPU mode only).
+
+    Colocated, GPU ``g`` hosts training rank ``g`` and a TP slice of engine ``g // TP``, so both
+    groups must cover every GPU exactly once and no engine may straddle two nodes.
+    """
+    gpus, world = cluster_gpus(cfg), training_world_size(cfg)
+    if gpus == 0:
+        return
+    tp, n_gpus = cfg.rollout.tensor_parallel_size, cfg.trainer.n_gpus_per_node
+    engine_gpus = cfg.rollout.num_workers * tp
+    problems.require(world <= gpus, "actor.num_workers", world,
+                     f"one training rank per GPU: the job has {gpus} (trainer.nnodes x trainer.n_gpus_per_node)")
+    if engine_gpus > gpus:
+        problems.append(f"rollout.num_workers x rollout.tensor_parallel_size = {engine_gpus} GPUs, the job has {gpus}")
+    if not is_colocated(cfg):
+        return
+    fix = "or set trainer.colocate=false to give each group GPUs of its own"
+    problems.require(cfg.trainer.mode != "async", "trainer.mode", cfg.trainer.mode,
+                     "the async trainer generates while it trains, so it cannot share GPUs with the engines "
+                     "(trainer.colocate=true): use trainer.mode=sync, or trainer.colocate=false with "
+                     "actor.num_workers + rollout.num_workers x rollout.tensor_parallel_size <= the job's GPUs")
+    problems.require(n_gpus % tp == 0, "rollout.tensor_parallel_size", tp,
+                     f"colocated engines must not span nodes: must divide trainer.n_gpus_per_node={n_gpus}")
+    problems.require(world >= gpus, "actor.num_workers", world,
+                     f"colocated, every GPU hosts one training rank: must be {gpus} "
+                     f"(trainer.nnodes x trainer.n_gpus_per_node), {fix}")
+    problems.require(engine_gpus >= gpus, "rollout.num_workers", cfg.rollout.num_workers,
+                     f"colocated, the engines must cover all {gpus} GPUs: rollout.num_workers x "
+                     f"rollout.tensor_parallel_size = {engine_gpus}; set rollout.num_workers={gpus // tp}, {fix}")
+
+
+def separate_groups_problems(cfg: Config) -> list[str]:
+    """Separate groups (GPU mode, not colocated) must fit the job side by side.
+
+    Checked when the job starts, before Ray (and listed by ``plan``), not when a config loads:
+    a base preset with made-up sizes still loads and plans.
+    """
+    gpus = cluster_gpus(cfg)
+    if gpus == 0 or is_colocated(cfg):
+        return []
+    training = training_world_size(cfg) * (2 if needs_reference(cfg) else 1)
+    engines = cfg.rollout.num_workers * cfg.rollout.tensor_parallel_size
+    if training + engines <= gpus:
+        return []
+    reference = " (x2: the reference model's ranks)" if needs_reference(cfg) else ""
+    return [f"trainer.colocate=false: actor.num_workers{reference} + rollout.num_workers x "
+            f"rollout.tensor_parallel_size = {training} + {engines} GPUs, the job has {gpus} "
+            "(trainer.nnodes x trainer.n_gpus_per_node): set trainer.colocate=true to share the GPUs, or "
+            "lower the worker counts"]
+
+
+def placement_problems(cfg: Config) -> list[str]:
+    """Every GPU-placement problem of ``cfg`` (what ``plan`` reports)."""
+    problems = _Problems()
+    _check_placement(cfg, problems)
+    return problems + separate_groups_problems(cfg)
 
 
 def _check_data_and_rollout(cfg: Config, problems: _Problems) -> None:
@@ -192,12 +273,20 @@ def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
     problems.choice("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
 
 
-def validate(cfg: Config) -> Config:
-    """Raise :class:`ConfigError` listing every impossible value; return ``cfg`` if none."""
-    problems = _Problems()
-    for check in (_check_data_and_rollout, _check_algorithm, _check_actor, _check_megatron,
-                  _check_reward_and_trainer):
-        check(cfg, problems)
+def raise_problems(problems: list[str]) -> None:
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def validate(cfg: Config, placement: bool = True) -> Config:
+    """Raise :class:`ConfigError` listing every impossible value; return ``cfg`` if none.
+
+    ``placement=False`` leaves the GPU placement to the caller: ``plan`` lists those problems
+    next to the memory figures instead of refusing to load.
+    """
+    problems = _Problems()
+    checks = [_check_data_and_rollout, _check_algorithm, _check_actor, _check_megatron, _check_reward_and_trainer]
+    for check in checks + ([_check_placement] if placement else []):
+        check(cfg, problems)
+    raise_problems(problems)
     return cfg

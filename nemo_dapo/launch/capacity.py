@@ -26,6 +26,10 @@ memory go" before a 128-GPU job is queued. Conventions (bytes; ``e`` = bytes of 
 - vLLM: weights / rollout TP, KV cache = layers x KV heads per GPU x head_dim x 2 (K and V) x e
   per token, in ``gpu_memory_utilization`` x GPU memory minus weights and the reserve.
 - ``reserve``: CUDA context, NCCL buffers and allocator fragmentation, per phase.
+- Colocated (``trainer.colocate``), the two phases take turns on each GPU: the update runs
+  while the engines sleep (level 1 frees their weights and KV cache), and generation runs
+  beside the training state that stays resident (weights, gradient buffers, optimizer; no
+  offload), so vLLM's ``gpu_memory_utilization`` share must fit next to it.
 """
 
 from __future__ import annotations
@@ -144,9 +148,13 @@ class TrainingMemory:
     reserve: float
 
     @property
+    def resident(self) -> float:
+        """What stays on the GPU between updates: weights, gradient buffers, optimizer state."""
+        return self.weights + self.gradients + self.optimizer
+
+    @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations[self.recompute] + self.logits + \
-            self.reserve
+        return self.resident + self.activations[self.recompute] + self.logits + self.reserve
 
 
 def training_memory(cfg: Config, arch: Architecture, reserve_gib: float) -> TrainingMemory:
@@ -201,3 +209,19 @@ def generation_memory(cfg: Config, arch: Architecture, gpu_memory_gib: float, re
                             weights=arch.total_params() * elt / rollout_tp / GIB, reserve=reserve_gib,
                             kv_bytes_per_token=kv_per_token,
                             sequence_tokens=cfg.data.max_prompt_length + cfg.data.max_response_length)
+
+
+@dataclass(frozen=True)
+class ColocatedMemory:
+    """GiB per GPU when training ranks and engines share it and take turns."""
+
+    training_phase: float  # the update; the engines sleep
+    generation_phase: float  # the engines awake beside the resident training state
+
+    @property
+    def peak(self) -> float:
+        return max(self.training_phase, self.generation_phase)
+
+
+def colocated_memory(training: TrainingMemory, generation: GenerationMemory) -> ColocatedMemory:
+    return ColocatedMemory(training_phase=training.total, generation_phase=training.resident + generation.budget)

@@ -2,22 +2,26 @@
 
 Prints parameters and memory per GPU for the training update and for generation (formulas
 in :mod:`nemo_dapo.launch.capacity`) and exits 1, listing every reason, when a layout cannot
-work: more memory than the GPU has, no room for one full-length sequence in the KV cache, or
-heads / layers / experts that do not split evenly over TP / PP / EP.
+work: more memory than the GPU has (colocated: in the update or in generation beside the
+resident training state), no room for one full-length sequence in the KV cache, heads /
+layers / experts that do not split evenly over TP / PP / EP, or worker groups that do not fit
+the job's GPUs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 
 from nemo_dapo.config import ConfigError, load_config
 from nemo_dapo.config.schema import Config
+from nemo_dapo.config.validate import is_colocated, placement_problems
 from nemo_dapo.launch.architectures import Architecture, resolve_architecture
-from nemo_dapo.launch.capacity import (GenerationMemory, Layout, TrainingMemory, generation_memory, layout_of,
-                                       training_memory)
+from nemo_dapo.launch.capacity import (ColocatedMemory, GenerationMemory, Layout, TrainingMemory, colocated_memory,
+                                       generation_memory, layout_of, training_memory)
 
 
 def _divides(problems: list[str], size: int, count: int, what: str, key: str) -> None:
@@ -45,21 +49,17 @@ def training_layout_problems(arch: Architecture, layout: Layout) -> list[str]:
 
 
 def rollout_layout_problems(cfg: Config, arch: Architecture) -> list[str]:
-    """vLLM's own constraints, and engines that need more GPUs than the job has."""
+    """vLLM's own constraints (the GPU counts are :func:`placement_problems`)."""
     tp, problems = cfg.rollout.tensor_parallel_size, []
     _divides(problems, tp, arch.num_attention_heads, "attention heads", "rollout.tensor_parallel_size")
     if arch.num_kv_heads % tp and tp % arch.num_kv_heads:
         problems.append(f"rollout.tensor_parallel_size={tp}: neither divides nor is a multiple of the model's "
                         f"{arch.num_kv_heads} KV heads")
-    gpus = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    engines_gpus = cfg.rollout.num_workers * tp
-    if cfg.trainer.n_gpus_per_node > 0 and engines_gpus > gpus:
-        problems.append(f"rollout.num_workers x rollout.tensor_parallel_size = {engines_gpus} GPUs, "
-                        f"the job has {gpus}")
     return problems
 
 
-def memory_problems(training: TrainingMemory, generation: GenerationMemory, gpu_memory_gib: float) -> list[str]:
+def memory_problems(training: TrainingMemory, generation: GenerationMemory, colocated: ColocatedMemory | None,
+                    gpu_memory_gib: float) -> list[str]:
     problems = []
     if training.total > gpu_memory_gib:
         problems.append(f"training needs {training.total:.1f} GiB per GPU, the GPU has {gpu_memory_gib:g} GiB: raise "
@@ -69,6 +69,12 @@ def memory_problems(training: TrainingMemory, generation: GenerationMemory, gpu_
         problems.append(f"vLLM: {generation.kv_cache:.1f} GiB left for the KV cache holds {generation.kv_tokens} "
                         f"tokens, less than one {generation.sequence_tokens}-token sequence: raise "
                         "rollout.tensor_parallel_size or rollout.gpu_memory_utilization")
+    if colocated and colocated.generation_phase > gpu_memory_gib:
+        room = math.floor(100 * (gpu_memory_gib - training.resident) / gpu_memory_gib) / 100
+        problems.append(f"colocated generation needs {colocated.generation_phase:.1f} GiB per GPU, the GPU has "
+                        f"{gpu_memory_gib:g} GiB: training keeps {training.resident:.1f} GiB (weights, gradients, "
+                        f"optimizer) beside vLLM's {generation.budget:.1f} GiB: lower rollout.gpu_memory_utilization "
+                        f"to <= {room:.2f}, shard the training state further, or set trainer.colocate=false")
     return problems
 
 
@@ -79,6 +85,7 @@ class Plan:
     layout: Layout
     training: TrainingMemory
     generation: GenerationMemory
+    colocated: ColocatedMemory | None  # None: separate GPUs per group
     gpu_memory_gib: float
     engines: int
     sequences_per_round: int
@@ -97,8 +104,27 @@ class Plan:
             "generation": {"budget": generation.budget, "weights": generation.weights, "reserve": generation.reserve,
                            "kv_cache": generation.kv_cache, "kv_bytes_per_token": generation.kv_bytes_per_token,
                            "kv_tokens": generation.kv_tokens, "full_sequences": generation.full_sequences},
+            "colocated": self.colocated and {"training_phase": self.colocated.training_phase,
+                                             "generation_phase": self.colocated.generation_phase,
+                                             "peak": self.colocated.peak},
             "fits": not self.problems, "problems": self.problems,
         }
+
+
+def shape_problems(cfg: Config, arch: Architecture) -> list[str]:
+    """How the training and rollout layouts split this model (heads, widths, layers, experts)."""
+    problems = training_layout_problems(arch, layout_of(cfg)) if cfg.actor.backend == "megatron" else []
+    return problems + rollout_layout_problems(cfg, arch)
+
+
+def startup_shape_problems(cfg: Config) -> list[str]:
+    """:func:`shape_problems` for a run about to place its workers, when the model's shape can be
+    known (a local folder or a listed model); otherwise the workers check it as they build."""
+    try:
+        arch = resolve_architecture(cfg.model.path)
+    except (ValueError, KeyError):
+        return []
+    return shape_problems(cfg, arch)
 
 
 def make_plan(cfg: Config, config_name: str, gpu_memory_gib: float, reserve_gib: float) -> Plan:
@@ -109,11 +135,12 @@ def make_plan(cfg: Config, config_name: str, gpu_memory_gib: float, reserve_gib:
     layout = layout_of(cfg)
     training = training_memory(cfg, arch, reserve_gib)
     generation = generation_memory(cfg, arch, gpu_memory_gib, reserve_gib)
-    problems = training_layout_problems(arch, layout) if cfg.actor.backend == "megatron" else []
-    problems += rollout_layout_problems(cfg, arch) + memory_problems(training, generation, gpu_memory_gib)
+    colocated = colocated_memory(training, generation) if is_colocated(cfg) else None
+    problems = shape_problems(cfg, arch) + placement_problems(cfg)
+    problems += memory_problems(training, generation, colocated, gpu_memory_gib)
     engines = cfg.rollout.num_workers
     return Plan(config=config_name, arch=arch, layout=layout, training=training, generation=generation,
-                gpu_memory_gib=gpu_memory_gib, engines=engines,
+                colocated=colocated, gpu_memory_gib=gpu_memory_gib, engines=engines,
                 sequences_per_round=cfg.data.effective_gen_batch_size * cfg.rollout.n, problems=problems)
 
 
@@ -153,12 +180,21 @@ def render(plan: Plan) -> str:
         f"  sequences per generation round     {plan.sequences_per_round} "
         f"({plan.sequences_per_round / max(plan.engines, 1):.0f} per engine)",
     ]
+    if plan.colocated:
+        c = plan.colocated
+        lines += [
+            "colocated   training ranks and vLLM engines take turns on every GPU",
+            f"  update, engines asleep             {c.training_phase:7.2f} GiB",
+            f"  generation beside training state   {c.generation_phase:7.2f} GiB "
+            f"({t.resident:.2f} resident + {g.budget:.2f} vLLM)",
+            f"  peak per GPU                       {c.peak:7.2f} GiB of {plan.gpu_memory_gib:g}",
+        ]
     verdict = "fits" if not plan.problems else "REFUSED:\n  - " + "\n  - ".join(plan.problems)
     return "\n".join(lines + [f"verdict     {verdict}"])
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, placement=False)  # placement problems are listed below
     plan = make_plan(cfg, args.config, args.gpu_memory_gib, args.reserve_gib)
     print(json.dumps(plan.as_dict(), indent=1) if args.json else render(plan))
     if plan.problems:

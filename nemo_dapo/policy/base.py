@@ -9,7 +9,7 @@ driver-side group shards rows over data-parallel ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import torch
 
@@ -50,8 +50,12 @@ class PolicyWorker(Protocol):
     def update(self, mini_batches: list[MiniBatch], settings: LossSettings) -> dict[str, list[float]]:
         """One optimizer step per mini-batch (the caller repeats the list for ppo_epochs)."""
 
-    def export_weights(self, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-        """Hugging Face-named tensors in size-bounded buckets, for the generation engine."""
+    def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """This rank's share of the Hugging Face-named tensors in size-bounded buckets (collective).
+
+        A generator: buckets stream out as they are gathered. Over all ranks every tensor is
+        yielded exactly once, in rank order the HF order.
+        """
 
     def save(self, path: str) -> None: ...
 

@@ -9,6 +9,7 @@ Hugging Face copy of the weights (``model/``) is written too, as by the torch wo
 
 from __future__ import annotations
 
+import json
 import os
 import random
 
@@ -16,16 +17,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nemo_dapo.policy.megatron_cpu_compat import (init_fallback_adam_state, skip_step_when_restoring_adam_state,
-                                                   unshare_adam_steps)
+from nemo_dapo.policy.megatron_cpu_compat import (
+    init_fallback_adam_state,
+    skip_step_when_restoring_adam_state,
+    unshare_adam_steps,
+)
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def _sharded_state(worker, is_loading: bool) -> dict:
     model_state = worker.model.module.sharded_state_dict()
-    if is_loading:
-        init_fallback_adam_state(worker.optimizer)
+    init_fallback_adam_state(worker.optimizer)  # a load template, or a save before the first step
     optimizer_state = worker.optimizer.sharded_state_dict(model_state, is_loading=is_loading,
                                                           metadata=OPTIMIZER_METADATA)
     return {"model": model_state, "optimizer": optimizer_state, "steps_done": worker.steps_done}
@@ -45,15 +48,32 @@ def save_checkpoint(worker, path: str) -> None:
 
 
 def _save_hf_weights(worker, folder: str) -> None:
-    """A Hugging Face copy of the weights beside the sharded state, for export and serving (collective)."""
+    """A Hugging Face copy of the weights beside the sharded state, for export and serving (collective).
+
+    Each pipeline stage's exporting rank writes its own safetensors shard (never the whole model on
+    one rank); rank 0 writes the index, as ``save_pretrained`` does for a sharded model.
+    """
     from safetensors.torch import save_file
 
-    weights = {name: tensor for bucket in worker.export_weights(1 << 62) for name, tensor in bucket}
+    # clone: a tied lm_head shares the embedding's storage, which safetensors refuses
+    weights = {name: tensor.detach().contiguous().clone()
+               for bucket in worker.export_weights(1 << 62) for name, tensor in bucket}
+    names_per_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names_per_rank, {name: t.numel() * t.element_size() for name, t in weights.items()})
+    exporters = [rank for rank, names in enumerate(names_per_rank) if names]
+    shards = [names_per_rank[rank] for rank in exporters]
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    os.makedirs(folder, exist_ok=True)
+    if weights:
+        save_file(weights, os.path.join(folder, files[exporters.index(worker.rank)]))
     if worker.rank == 0:
-        os.makedirs(folder, exist_ok=True)
-        save_file({name: tensor.detach().contiguous().clone() for name, tensor in weights.items()},
-                  os.path.join(folder, "model.safetensors"))
         worker.hf_config.save_pretrained(folder)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(sum(s.values()) for s in shards)},
+                     "weight_map": {name: file for file, names in zip(files, shards) for name in names}}
+            with open(os.path.join(folder, "model.safetensors.index.json"), "w", encoding="utf-8") as handle:
+                json.dump(index, handle, indent=2)
 
 
 def load_checkpoint(worker, path: str) -> None:

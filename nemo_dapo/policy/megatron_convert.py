@@ -1,13 +1,17 @@
-"""Hugging Face Qwen2 / Llama weights <-> Megatron-core GPTModel parameters (local layer spec).
+"""Hugging Face Qwen2 / Qwen3 / Llama / Qwen3-MoE weights <-> Megatron-core GPTModel parameters.
 
-Three steps, each invertible and exact (only copies, concatenations and slices):
+Four steps, each invertible and exact (only copies, concatenations and slices):
 
 1. rename + fuse: HF ``q/k/v_proj`` become one ``linear_qkv`` in Megatron's per-query-group
    layout ``[q_0..q_{n-1}, k, v]`` for every KV group; ``gate_proj`` / ``up_proj`` become the
-   SwiGLU ``linear_fc1`` = ``[gate; up]``;
+   SwiGLU ``linear_fc1`` = ``[gate; up]`` (of the dense MLP, or of each expert
+   ``mlp.experts.local_experts.j``: in the full model state ``j`` is the global expert index);
 2. pipeline slicing: a stage holds a contiguous range of layers, renumbered from 0;
-3. tensor-parallel sharding: column-parallel weights split along dim 0 (whole KV groups for
-   ``linear_qkv``, gate and up halves separately for ``linear_fc1``), row-parallel along dim 1.
+3. expert-parallel slicing: EP rank ``r`` holds experts ``[r E / ep, (r + 1) E / ep)``,
+   renumbered from 0 (its *local* experts);
+4. tensor-parallel sharding: column-parallel weights split along dim 0 (whole KV groups for
+   ``linear_qkv``, gate and up halves separately for ``linear_fc1``), row-parallel along dim 1;
+   experts are sharded the same way over the expert-TP group; routers and norms are replicated.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ import re
 from dataclasses import dataclass
 
 import torch
+
+QK_NORM_MODELS = ("qwen3", "qwen3_moe")
+MOE_MODELS = ("qwen3_moe",)
 
 
 @dataclass(frozen=True)
@@ -28,12 +35,40 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     tied_embeddings: bool
+    qk_layernorm: bool = False  # Qwen3: RMSNorm over each head's queries and keys
+    num_experts: int = 0  # routed experts of every layer's MLP; 0 = dense SwiGLU MLP
+    moe_topk: int = 0  # experts per token
+    moe_ffn_size: int = 0  # each expert's SwiGLU width
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelShape":
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        experts = routed_experts(config)
         return cls(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, head_dim,
-                   config.vocab_size, bool(getattr(config, "tie_word_embeddings", False)))
+                   config.vocab_size, bool(getattr(config, "tie_word_embeddings", False)),
+                   qk_layernorm=config.model_type in QK_NORM_MODELS, num_experts=experts,
+                   moe_topk=config.num_experts_per_tok if experts else 0,
+                   moe_ffn_size=config.moe_intermediate_size if experts else 0)
+
+
+def routed_experts(config) -> int:
+    """The number of routed experts (0 for a dense model); ValueError for MoE layouts we cannot convert.
+
+    Only Qwen3-MoE with every layer sparse is supported: other MoE families have shared experts
+    or other router names, and dense layers mixed in would need a second layer spec.
+    """
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    if not experts:
+        return 0
+    if config.model_type not in MOE_MODELS:
+        raise ValueError(f"model_type={config.model_type!r}: mixture-of-experts models are supported for "
+                         f"{MOE_MODELS} only")
+    dense_layers = list(getattr(config, "mlp_only_layers", None) or [])
+    if getattr(config, "decoder_sparse_step", 1) != 1 or dense_layers:
+        raise ValueError(f"decoder_sparse_step={config.decoder_sparse_step}, mlp_only_layers={dense_layers}: "
+                         "dense MLP layers between MoE layers are not supported (every layer must be sparse: "
+                         "decoder_sparse_step=1, mlp_only_layers=[])")
+    return int(experts)
 
 
 GLOBAL_RENAMES = {
@@ -41,14 +76,17 @@ GLOBAL_RENAMES = {
     "model.norm.weight": "decoder.final_layernorm.weight",
     "lm_head.weight": "output_layer.weight",
 }
-LAYER_RENAMES = {
+LAYER_RENAMES = {  # the last three exist only in Qwen3 (q/k norms) and MoE (router) layers
     "input_layernorm.weight": "input_layernorm.weight",
     "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
     "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
-    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+    "mlp.gate.weight": "mlp.router.weight",
 }
 HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 MEGATRON_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+EXPERT = re.compile(r"(.*\bmlp\.experts\.local_experts\.)(\d+)(\..+)")
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
@@ -70,13 +108,32 @@ def split_qkv(qkv: torch.Tensor, shape: ModelShape) -> tuple[torch.Tensor, torch
     return (q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(), v.reshape(-1, *rest).contiguous())
 
 
+def swiglu_prefixes(shape: ModelShape) -> list[tuple[str, str]]:
+    """(HF, Megatron) name prefixes of a layer's SwiGLU MLPs: the dense one, or every expert (global index)."""
+    if not shape.num_experts:
+        return [("mlp.", "mlp.")]
+    return [(f"mlp.experts.{j}.", f"mlp.experts.local_experts.{j}.") for j in range(shape.num_experts)]
+
+
+def _hf_swiglu_to_megatron(layer: dict[str, torch.Tensor], hf: str, megatron: str) -> dict[str, torch.Tensor]:
+    fc1 = torch.cat([layer[f"{hf}gate_proj.weight"], layer[f"{hf}up_proj.weight"]])
+    return {f"{megatron}linear_fc1.weight": fc1, f"{megatron}linear_fc2.weight": layer[f"{hf}down_proj.weight"]}
+
+
+def _megatron_swiglu_to_hf(layer: dict[str, torch.Tensor], hf: str, megatron: str) -> dict[str, torch.Tensor]:
+    gate, up = layer[f"{megatron}linear_fc1.weight"].chunk(2)
+    return {f"{hf}gate_proj.weight": gate.contiguous(), f"{hf}up_proj.weight": up.contiguous(),
+            f"{hf}down_proj.weight": layer[f"{megatron}linear_fc2.weight"]}
+
+
 def _hf_layer_to_megatron(layer: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
     out = {LAYER_RENAMES[k]: v for k, v in layer.items() if k in LAYER_RENAMES}
     attn = "self_attn.{}_proj.{}"
     out["self_attention.linear_qkv.weight"] = fuse_qkv(*(layer[attn.format(p, "weight")] for p in "qkv"), shape)
     if attn.format("q", "bias") in layer:
         out["self_attention.linear_qkv.bias"] = fuse_qkv(*(layer[attn.format(p, "bias")] for p in "qkv"), shape)
-    out["mlp.linear_fc1.weight"] = torch.cat([layer["mlp.gate_proj.weight"], layer["mlp.up_proj.weight"]])
+    for hf, megatron in swiglu_prefixes(shape):
+        out.update(_hf_swiglu_to_megatron(layer, hf, megatron))
     return out
 
 
@@ -88,8 +145,8 @@ def _megatron_layer_to_hf(layer: dict[str, torch.Tensor], shape: ModelShape) -> 
         if fused is not None:
             for proj, part in zip("qkv", split_qkv(fused, shape)):
                 out[f"self_attn.{proj}_proj.{kind}"] = part
-    gate, up = layer["mlp.linear_fc1.weight"].chunk(2)
-    out["mlp.gate_proj.weight"], out["mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
+    for hf, megatron in swiglu_prefixes(shape):
+        out.update(_megatron_swiglu_to_hf(layer, hf, megatron))
     return out
 
 
@@ -117,14 +174,21 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, 
 
 
 def megatron_to_hf(megatron: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`hf_to_megatron` (HF names in the HF model's order)."""
+    """Inverse of :func:`hf_to_megatron` (HF names in the HF model's order).
+
+    Also converts a part of the model (some layers, with or without the embedding / final norm /
+    output layer): the streaming exporter converts one layer at a time.
+    """
     layers, other = _by_layer(megatron, MEGATRON_LAYER)
     inverse = {v: k for k, v in GLOBAL_RENAMES.items()}
-    out = {"model.embed_tokens.weight": other["embedding.word_embeddings.weight"]}
+    out = {}
+    if "embedding.word_embeddings.weight" in other:
+        out["model.embed_tokens.weight"] = other["embedding.word_embeddings.weight"]
     for index in sorted(layers):
         out.update({f"model.layers.{index}.{k}": v for k, v in _megatron_layer_to_hf(layers[index], shape).items()})
-    out["model.norm.weight"] = other["decoder.final_layernorm.weight"]
-    if not shape.tied_embeddings:
+    if "decoder.final_layernorm.weight" in other:
+        out["model.norm.weight"] = other["decoder.final_layernorm.weight"]
+    if "output_layer.weight" in other and not shape.tied_embeddings:
         out[inverse["output_layer.weight"]] = other["output_layer.weight"]
     return out
 
@@ -174,7 +238,42 @@ def unstage_state(stages: list[dict[str, torch.Tensor]], shape: ModelShape) -> d
     return full
 
 
-ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+def is_expert(name: str) -> bool:
+    return EXPERT.fullmatch(name) is not None
+
+
+def global_expert_name(name: str, ep_rank: int, experts_per_rank: int) -> str:
+    """A local expert's parameter name under its global expert index (any other name unchanged)."""
+    match = EXPERT.fullmatch(name)
+    if match is None:
+        return name
+    return f"{match.group(1)}{ep_rank * experts_per_rank + int(match.group(2))}{match.group(3)}"
+
+
+def slice_experts(state: dict[str, torch.Tensor], shape: ModelShape, ep_rank: int,
+                  ep_size: int) -> dict[str, torch.Tensor]:
+    """EP rank ``ep_rank``'s parameters: its experts renumbered from 0, every other parameter as is."""
+    per_rank = shape.num_experts // ep_size
+    out = {}
+    for name, tensor in state.items():
+        match = EXPERT.fullmatch(name)
+        if match is None:
+            out[name] = tensor
+        elif int(match.group(2)) // per_rank == ep_rank:
+            out[f"{match.group(1)}{int(match.group(2)) % per_rank}{match.group(3)}"] = tensor
+    return out
+
+
+def unslice_experts(slices: list[dict[str, torch.Tensor]], shape: ModelShape) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`slice_experts` from every EP rank's state, in rank order."""
+    per_rank = shape.num_experts // len(slices)
+    full = {k: v for k, v in slices[0].items() if not is_expert(k)}  # replicated over EP
+    for ep_rank, part in enumerate(slices):
+        full.update({global_expert_name(k, ep_rank, per_rank): v for k, v in part.items() if is_expert(k)})
+    return full
+
+
+ROW_PARALLEL = ("self_attention.linear_proj.weight", ".linear_fc2.weight")  # dense MLP and experts
 COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
                    "embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -183,7 +282,7 @@ def shard(name: str, tensor: torch.Tensor, tp_rank: int, tp_size: int) -> torch.
     """This TP rank's slice of a full parameter (KV groups are contiguous, so dim-0 chunks hold whole groups)."""
     if tp_size == 1:
         return tensor
-    if name.endswith("mlp.linear_fc1.weight"):
+    if name.endswith(".linear_fc1.weight"):
         gate, up = tensor.chunk(2)
         return torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]])
     if name.endswith(COLUMN_PARALLEL):
@@ -197,7 +296,7 @@ def unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     """Inverse of :func:`shard` from every TP rank's slice, in rank order."""
     if len(shards) == 1:
         return shards[0]
-    if name.endswith("mlp.linear_fc1.weight"):
+    if name.endswith(".linear_fc1.weight"):
         halves = [s.chunk(2) for s in shards]
         return torch.cat([torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])])
     if name.endswith(COLUMN_PARALLEL):

@@ -2,8 +2,9 @@
 
 megatron-core assumes CUDA in a few places on the GPTModel / DDP / optimizer path. Every
 redirect lives here, each with the reason it is needed, and :func:`enable_cpu_compat` does
-nothing when a GPU is present. The two optimizer workarounds (:func:`fix_fallback_adam_state`)
-fix megatron-core 0.16 defects of its non-apex Adam and are applied on every device.
+nothing when a GPU is present. The optimizer workarounds (``*_adam_*``) and
+:func:`define_router_gemm_without_te` fix megatron-core 0.16 defects of its code paths without
+apex / TransformerEngine and are applied on every device.
 """
 
 from __future__ import annotations
@@ -45,9 +46,31 @@ class CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class CpuStream(torch.cpu.Stream):
+    """torch's CPU stream stand-in, whose ``record_event`` returns an event one can synchronise on."""
+
+    def record_event(self, event=None):
+        return event or torch.Event(device="cpu")
+
+
 def _patch_torch_cuda() -> None:
     torch.cuda.current_device = lambda: "cpu"  # rotary embedding, grad buffers, optimizer place tensors "on the GPU"
     torch.cuda.synchronize = lambda *a, **k: None  # parallel_state / DDP synchronise around collectives
+    # the MoE all-to-all dispatcher copies its routing counts to the host on a side stream, then waits for them
+    torch.cuda.Stream = CpuStream
+    torch.cuda.current_stream = torch.cpu.current_stream
+    torch.cuda.stream = torch.cpu.stream
+
+
+def _host_split_sizes() -> None:
+    """The MoE all-to-all dispatcher gets its split sizes as numpy arrays by moving them off the GPU;
+    CPU tensors it leaves as tensors, which ``all_to_all_single`` rejects. Convert those too."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
 def _install_cpu_rng_tracker() -> None:
@@ -83,6 +106,15 @@ def _install_cpu_rng_tracker() -> None:
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
+def _device_rng_is_the_cpu_generator() -> None:
+    """Activation recompute saves and restores the "CUDA" generator around the replayed forward;
+    here the device generator is the CPU's (the RNG tracker above forks it too)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+
+
 def enable_cpu_compat() -> bool:
     """Install the CPU redirects once per process; returns whether they are active."""
     global _ENABLED
@@ -91,9 +123,20 @@ def enable_cpu_compat() -> bool:
     if not _ENABLED:
         _patch_torch_cuda()
         _install_cpu_rng_tracker()
+        _device_rng_is_the_cpu_generator()
+        _host_split_sizes()
         CudaToCpuMode().__enter__()  # stays active for the life of this (worker) process
         _ENABLED = True
     return True
+
+
+def define_router_gemm_without_te() -> None:
+    """megatron-core 0.16 defect: without TransformerEngine the MoE router's linear reads the
+    never-defined ``te_general_gemm`` (NameError); define it as absent so the torch GEMM is used."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE:
+        moe_utils.te_general_gemm = None
 
 
 def _inner_optimizers(optimizer) -> list:
@@ -109,8 +152,9 @@ def uses_fallback_adam() -> bool:
 
 
 def init_fallback_adam_state(optimizer) -> None:
-    """megatron-core 0.16 defect: the load template of a fresh fallback Adam needs a ``step`` per
-    parameter (``state_dict`` asserts one), but its ``init_state_fn`` creates none. Create the state."""
+    """megatron-core 0.16 defect: the state dict of a fresh fallback Adam (a load template, or a save
+    before the first step) needs a ``step`` per parameter (``state_dict`` asserts one), but its
+    ``init_state_fn`` creates none. Create the state (zero moments at step 0: what AdamW starts from)."""
     if not uses_fallback_adam():
         return
     for inner in _inner_optimizers(optimizer):

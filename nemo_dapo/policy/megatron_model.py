@@ -1,8 +1,9 @@
 """Build a Megatron-core GPTModel from a Hugging Face folder, and move weights in and out.
 
 Process groups: gloo over a FileStore (no listener) when there is no GPU, NCCL otherwise.
-Weights enter as HF tensors (converted, pipeline-sliced and TP-sharded per rank by
-:mod:`nemo_dapo.policy.megatron_convert`) and leave the same way, gathered over TP and PP.
+Weights enter as HF tensors (converted, pipeline-sliced, expert-sliced and TP-sharded per rank
+by :mod:`nemo_dapo.policy.megatron_convert`) and leave the same way: :func:`gather_param`
+gathers one parameter over TP (experts over expert TP and EP) for the streaming exporter.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_dapo.policy import megatron_convert as convert
+from nemo_dapo.policy.megatron_cpu_compat import define_router_gemm_without_te
 
 
 @dataclass(frozen=True)
@@ -52,29 +54,85 @@ def rope_theta(hf_config) -> float:
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
 
-def check_transformer_impl(transformer_impl: str, fp8: str | None) -> None:
-    """TransformerEngine (and so FP8) needs a GPU and the ``transformer_engine`` package."""
-    if transformer_impl not in TRANSFORMER_IMPLS:
-        raise ValueError(f"transformer_impl must be one of {TRANSFORMER_IMPLS}, not {transformer_impl!r}")
-    if transformer_impl == "transformer_engine" and not torch.cuda.is_available():
-        raise ValueError("transformer_impl='transformer_engine' needs a GPU; use 'local' on the CPU")
-    if fp8 and transformer_impl != "transformer_engine":
-        raise ValueError("fp8 training needs transformer_impl='transformer_engine'")
+@dataclass(frozen=True)
+class TrainingOptions:
+    """How the layers compute (``actor.megatron`` in the config): layer implementation, FP8,
+    sequence parallelism and activation recompute. Only ``local`` without SP runs on a CPU."""
+
+    transformer_impl: str = "local"
+    fp8: str | None = None  # 'hybrid' | 'e4m3': FP8 GEMMs, weights and optimizer state stay in dtype / fp32
+    fp8_recipe: str = "delayed"
+    sequence_parallel: bool = False
+    recompute_granularity: str | None = None  # 'full' (every layer) | 'selective' (attention core)
+
+    def check(self, tensor_parallel: int) -> None:
+        """TransformerEngine (and so FP8 and SP, whose norms need TE's) needs a GPU and the package."""
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise ValueError(f"transformer_impl must be one of {TRANSFORMER_IMPLS}, not {self.transformer_impl!r}")
+        if self.transformer_impl == "transformer_engine" and not torch.cuda.is_available():
+            raise ValueError("transformer_impl='transformer_engine' needs a GPU; use 'local' on the CPU")
+        if self.fp8 and self.transformer_impl != "transformer_engine":
+            raise ValueError("fp8 training needs transformer_impl='transformer_engine'")
+        if self.sequence_parallel and (self.transformer_impl != "transformer_engine" or tensor_parallel == 1):
+            raise ValueError("sequence_parallel needs transformer_impl='transformer_engine' and "
+                             "tensor_model_parallel_size > 1")
+
+    def transformer_fields(self) -> dict:
+        """The TransformerConfig fields these options set."""
+        recompute = {"full": {"recompute_granularity": "full", "recompute_method": "uniform",
+                              "recompute_num_layers": 1},
+                     "selective": {"recompute_granularity": "selective"}}.get(self.recompute_granularity, {})
+        return {"fp8": self.fp8, "fp8_recipe": self.fp8_recipe, "sequence_parallel": self.sequence_parallel,
+                **recompute}
 
 
-def transformer_config(hf_config, parallel: Parallelism, dtype: torch.dtype, fp8: str | None = None,
-                       fp8_recipe: str = "delayed"):
-    """The TransformerConfig equivalent of a Qwen2 / Llama HF config (no fusions).
+def check_expert_layout(shape: convert.ModelShape, parallel: Parallelism, sequence_parallel: bool) -> None:
+    """EP must split a MoE model's experts evenly (and means nothing for a dense model).
 
-    ``fp8`` ('hybrid' or 'e4m3', TransformerEngine layer spec only) turns on FP8 GEMMs with
-    ``fp8_recipe`` scaling; weights and optimizer state stay in ``dtype`` / fp32.
+    Megatron trains MoE layers with TP > 1 only with sequence parallelism: refuse it without,
+    here rather than at the first update.
+    """
+    key = f"actor.megatron.expert_model_parallel_size={parallel.expert}"
+    if not shape.num_experts and parallel.expert > 1:
+        raise ValueError(f"{key}: the model has no experts; set it to 1")
+    if shape.num_experts % parallel.expert:
+        raise ValueError(f"{key}: must divide the model's {shape.num_experts} experts")
+    if shape.num_experts and parallel.tensor > 1 and not sequence_parallel:
+        raise ValueError(f"actor.megatron.tensor_model_parallel_size={parallel.tensor}: Megatron trains MoE layers "
+                         "with TP > 1 only with actor.megatron.sequence_parallel=true (TransformerEngine, GPU); "
+                         "on the CPU shard the experts with expert_model_parallel_size and keep TP = 1")
+
+
+def moe_settings(hf_config, shape: convert.ModelShape) -> dict:
+    """TransformerConfig fields that make Megatron's MoE layer compute what HF Qwen3-MoE computes.
+
+    HF routes with softmax over all experts, top-k, then (``norm_topk_prob``) renormalises the k
+    probabilities, which equals Megatron's default softmax over the top-k logits; without the
+    renormalisation it is Megatron's ``moe_router_pre_softmax``. No load-balancing or z-loss
+    (the RL loss is the only objective), no token dropping, one expert MLP after the other.
+    """
+    if not shape.num_experts:
+        return {}
+    return dict(num_moe_experts=shape.num_experts, moe_router_topk=shape.moe_topk,
+                moe_ffn_hidden_size=shape.moe_ffn_size, moe_router_pre_softmax=not hf_config.norm_topk_prob,
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False)
+
+
+def transformer_config(hf_config, parallel: Parallelism, dtype: torch.dtype,
+                       options: TrainingOptions = TrainingOptions()):
+    """The TransformerConfig equivalent of a Qwen2 / Qwen3 / Llama / Qwen3-MoE HF config (no fusions).
+
+    ``options`` add FP8, sequence parallelism and recompute (:class:`TrainingOptions`). Experts are
+    tensor-parallel over the TP ranks (Megatron's default expert TP size).
     """
     from megatron.core.transformer import TransformerConfig
 
     shape = convert.ModelShape.from_hf_config(hf_config)
+    check_expert_layout(shape, parallel, options.sequence_parallel)
     on_cpu = not torch.cuda.is_available()
     qkv_bias = hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
     return TransformerConfig(
+        **moe_settings(hf_config, shape), qk_layernorm=shape.qk_layernorm,
         num_layers=shape.num_layers, hidden_size=hf_config.hidden_size, num_attention_heads=shape.num_heads,
         num_query_groups=shape.num_kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=hf_config.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
@@ -89,19 +147,30 @@ def transformer_config(hf_config, parallel: Parallelism, dtype: torch.dtype, fp8
         moe_token_dispatcher_type="alltoall",  # the only dispatcher that accepts variable sequence lengths
         use_cpu_initialization=on_cpu, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        fp8=fp8, fp8_recipe=fp8_recipe)
+        **options.transformer_fields())
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // tp_size) * tp_size
 
 
-def layer_spec(transformer_impl: str):
+def layer_spec(transformer_impl: str, shape: convert.ModelShape):
+    """Megatron's GPT layer spec; MoE layers get the sequential expert MLP (no grouped GEMM)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    options = {"num_experts": shape.num_experts or None, "qk_layernorm": shape.qk_layernorm}
     if transformer_impl == "transformer_engine":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return with_padding_mask(gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**options))
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **options)
+
+
+def with_padding_mask(spec):
+    """TE's attention in Megatron's spec is causal only and would let tokens attend to the left
+    padding of a prompt; ``padding_causal`` takes the padding mask as well."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.padding_causal
+    return spec
 
 
 def build_gpt_model(hf_config, config, transformer_impl: str = "local"):
@@ -110,8 +179,10 @@ def build_gpt_model(hf_config, config, transformer_impl: str = "local"):
     from megatron.core.models.gpt import GPTModel
 
     shape = convert.ModelShape.from_hf_config(hf_config)
+    if shape.num_experts:
+        define_router_gemm_without_te()
     return GPTModel(
-        config, layer_spec(transformer_impl),
+        config, layer_spec(transformer_impl, shape),
         vocab_size=padded_vocab_size(shape.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
@@ -133,16 +204,20 @@ VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def local_weights(hf: dict[str, torch.Tensor], shape: convert.ModelShape, tp_size: int) -> dict[str, torch.Tensor]:
-    """This rank's (stage-sliced, TP-sharded) GPTModel parameters from HF tensors."""
-    from megatron.core import parallel_state
+    """This rank's (stage-sliced, EP-sliced, TP- or expert-TP-sharded) GPTModel parameters from HF tensors."""
+    from megatron.core import parallel_state as ps
 
     full = convert.hf_to_megatron(hf, shape)
     padded = padded_vocab_size(shape.vocab_size, tp_size)
     full = {k: convert.pad_vocab(v, padded) if k in VOCAB_ROWS else v for k, v in full.items()}
-    stage = convert.stage_state(full, shape, parallel_state.get_pipeline_model_parallel_rank(),
-                                parallel_state.get_pipeline_model_parallel_world_size())
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    return {k: convert.shard(k, v, tp_rank, tp_size) for k, v in stage.items()}
+    stage = convert.stage_state(full, shape, ps.get_pipeline_model_parallel_rank(),
+                                ps.get_pipeline_model_parallel_world_size())
+    if shape.num_experts:
+        stage = convert.slice_experts(stage, shape, ps.get_expert_model_parallel_rank(),
+                                      ps.get_expert_model_parallel_world_size())
+    dense = (ps.get_tensor_model_parallel_rank(), tp_size)
+    expert = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+    return {k: convert.shard(k, v, *(expert if convert.is_expert(k) else dense)) for k, v in stage.items()}
 
 
 # The TransformerEngine spec fuses each pre-norm into the linear layer after it.
@@ -166,7 +241,10 @@ def uses_fused_norms(names) -> bool:
 
 def to_te_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Local-spec parameter names -> TransformerEngine-spec names (norms fused into the linears)."""
-    return _rename_layer_suffixes(state, TE_FUSED_NORMS)
+    renames = dict(TE_FUSED_NORMS)
+    if any(name.endswith("mlp.router.weight") for name in state):
+        del renames["pre_mlp_layernorm.weight"]  # MoE layers keep it: no single linear follows it
+    return _rename_layer_suffixes(state, renames)
 
 
 def to_local_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -189,32 +267,40 @@ def load_local_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor])
             param.copy_(weights[name])
 
 
-def gather_hf_weights(model: torch.nn.Module, shape: convert.ModelShape) -> dict[str, torch.Tensor]:
-    """HF-named full tensors, gathered over TP (all-gather) and PP (object all-gather); on every rank.
+def _all_gather(tensor: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    """Every group rank's ``tensor``, in group-rank order (``tensor`` itself for a group of one)."""
+    if size == 1:
+        return [tensor.detach()]
+    out = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(out, tensor.detach().contiguous(), group=group)
+    return out
 
-    A tied ``lm_head.weight`` is included (as the torch worker's state dict does) so generation
-    engines receive the same names from either backend.
+
+def gather_param(name: str, param: torch.Tensor, shape: convert.ModelShape) -> dict[str, torch.Tensor]:
+    """Full CPU copies of one parameter under stage-local names; collective (see :func:`takes_part_in_gather`).
+
+    A dense parameter is gathered over TP. A local expert's parameter is gathered over expert TP,
+    then over EP: the same local expert of every EP rank, each under its global expert index.
     """
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state as ps
 
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    stage = {}
-    for name, param in model.named_parameters():
-        shards = [torch.empty_like(param) for _ in range(tp_size)]
-        if tp_size > 1:
-            dist.all_gather(shards, param.detach().contiguous(), group=tp_group)
-        else:
-            shards = [param.detach().clone()]
-        stage[name] = convert.unshard(name, shards).cpu()  # HF copies live on the CPU, as the torch worker's
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    stages = [stage]
-    if pp_size > 1:
-        stages = [None] * pp_size
-        dist.all_gather_object(stages, stage, group=parallel_state.get_pipeline_model_parallel_group())
-    full = to_local_names(convert.unstage_state(stages, shape))
-    full = {k: v[: shape.vocab_size] if k in VOCAB_ROWS else v for k, v in full.items()}
-    hf = convert.megatron_to_hf(full, shape)
-    if shape.tied_embeddings:
-        hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
-    return hf
+    if not convert.is_expert(name):
+        tp = (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size())
+        return {name: convert.unshard(name, _all_gather(param, *tp)).to("cpu", copy=True)}
+    etp = (ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size())
+    ep_size = ps.get_expert_model_parallel_world_size()
+    full = convert.unshard(name, _all_gather(param, *etp))
+    copies = _all_gather(full, ps.get_expert_model_parallel_group(), ep_size)
+    return {convert.global_expert_name(name, ep_rank, shape.num_experts // ep_size): expert.to("cpu", copy=True)
+            for ep_rank, expert in enumerate(copies)}
+
+
+def takes_part_in_gather(name: str) -> bool:
+    """Whether this rank must join :func:`gather_param` for ``name`` when only one replica exports:
+    the first data-parallel replica gathers dense parameters, the first expert-data-parallel
+    replica (which spans several data-parallel replicas when EP > 1) the experts."""
+    from megatron.core import parallel_state as ps
+
+    if convert.is_expert(name):
+        return ps.get_expert_data_parallel_rank() == 0
+    return ps.get_data_parallel_rank() == 0

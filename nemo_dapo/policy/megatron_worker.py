@@ -8,17 +8,16 @@ same rows; ``dp_rank`` / ``dp_size`` say how the driver should shard.
 
 Without a GPU it runs on the CPU (gloo, local layer spec, :mod:`megatron_cpu_compat`). With one,
 batches move to this rank's GPU, process groups use NCCL, the CPU shims stay off, and
-``transformer_impl`` picks the local or the TransformerEngine layer spec (``fp8`` needs the
-latter). Caveat: the TransformerEngine spec masks attention causally only, ignoring the padding
-mask, so left-padded prompts are not masked out as they are with the local spec (and in the torch
-worker) - use it with unpadded or packed rows. The GPU path is exercised only by
-``bench/gpu_megatron_smoke.py``.
+``transformer_impl`` picks the local or the TransformerEngine layer spec (``fp8`` and sequence
+parallelism need the latter; its attention takes the padding mask as ``padding_causal``). The GPU
+path is exercised only by ``bench/gpu_megatron_smoke.py``.
 """
 
 from __future__ import annotations
 
 import functools
 import random
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -32,9 +31,10 @@ from nemo_dapo.policy.actor_loss import SUMMED_METRICS, actor_loss
 from nemo_dapo.policy.base import LossSettings, MiniBatch
 from nemo_dapo.policy.megatron_convert import ModelShape
 from nemo_dapo.policy.megatron_cpu_compat import enable_cpu_compat
+from nemo_dapo.policy.megatron_export import iter_hf_weights
 from nemo_dapo.policy.microbatch import micro_batches, prompt_width
 from nemo_dapo.policy.torch_worker import DTYPES, lr_lambda
-from nemo_dapo.policy.weights import bucketize
+from nemo_dapo.policy.weights import Bucket, bucketize
 
 
 def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -42,6 +42,23 @@ def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
     width = attention_mask.shape[1]
     causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=attention_mask.device), diagonal=1)
     return causal[None, None] | (attention_mask == 0)[:, None, None, :]
+
+
+def padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """TransformerEngine's ``padding_causal`` input: [b, 1, 1, s], True = padding (causality is TE's)."""
+    return (attention_mask == 0)[:, None, None, :]
+
+
+def pad_width(micro: dict[str, torch.Tensor], multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Model inputs right-padded to a width divisible by ``multiple`` (sequence parallelism splits
+    the sequence over the TP ranks); padded columns are masked and come after every real token."""
+    tokens, positions, mask = micro["input_ids"], micro["position_ids"], micro["attention_mask"]
+    extra = -tokens.shape[1] % multiple
+    if extra:
+        tokens = torch.nn.functional.pad(tokens, (0, extra))
+        positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, extra + 1, device=positions.device)], 1)
+        mask = torch.nn.functional.pad(mask, (0, extra))
+    return tokens, positions, mask
 
 
 def finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs) -> None:
@@ -57,13 +74,15 @@ class MegatronPolicyWorker:
                  dtype: str = "float32", total_steps: int = 1000, max_token_len: int = 16384, seed: int = 1,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, expert_parallel_size: int = 1,
                  num_threads: int | None = None, transformer_impl: str = "local", fp8: str | None = None,
-                 fp8_recipe: str = "delayed") -> None:
+                 fp8_recipe: str = "delayed", sequence_parallel: bool = False,
+                 recompute_granularity: str | None = None, use_distributed_optimizer: bool = True) -> None:
         from transformers import AutoConfig
 
         if num_threads:
             torch.set_num_threads(num_threads)
-        mm.check_transformer_impl(transformer_impl, fp8)
-        self.transformer_impl = transformer_impl
+        self.options = mm.TrainingOptions(transformer_impl, fp8, fp8_recipe, sequence_parallel, recompute_granularity)
+        self.options.check(tensor_parallel_size)
+        self.use_distributed_optimizer = use_distributed_optimizer
         enable_cpu_compat()  # no-op when a GPU is present
         self.rank, self.world_size = rank, world_size
         self.parallel = mm.Parallelism(tensor_parallel_size, pipeline_parallel_size, expert_parallel_size)
@@ -73,7 +92,7 @@ class MegatronPolicyWorker:
         torch.manual_seed(seed + rank)
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.shape = ModelShape.from_hf_config(self.hf_config)
-        self.config = mm.transformer_config(self.hf_config, self.parallel, DTYPES[dtype], fp8, fp8_recipe)
+        self.config = mm.transformer_config(self.hf_config, self.parallel, DTYPES[dtype], self.options)
         self.config.finalize_model_grads_func = finalize_grads_without_token_scaling
         self.optim_cfg = OptimConfig(**optim)
         self.lr_factor = lr_lambda(self.optim_cfg, total_steps)
@@ -85,9 +104,10 @@ class MegatronPolicyWorker:
     def _build(self, model_path: str):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        model = mm.build_gpt_model(self.hf_config, self.config, self.transformer_impl)
+        model = mm.build_gpt_model(self.hf_config, self.config, self.options.transformer_impl)
         mm.load_local_weights(model, mm.local_weights(mm.read_hf_weights(model_path), self.shape, self.parallel.tensor))
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                   use_distributed_optimizer=self.use_distributed_optimizer)
         return DistributedDataParallel(self.config, ddp_config, model)
 
     def _build_optimizer(self):
@@ -96,7 +116,8 @@ class MegatronPolicyWorker:
         cfg = self.optim_cfg
         config = OptimizerConfig(
             optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.betas[0],
-            adam_beta2=cfg.betas[1], adam_eps=cfg.eps, clip_grad=cfg.clip_grad, use_distributed_optimizer=True,
+            adam_beta2=cfg.betas[1], adam_eps=cfg.eps, clip_grad=cfg.clip_grad,
+            use_distributed_optimizer=self.use_distributed_optimizer,
             params_dtype=self.config.params_dtype, bf16=self.config.bf16, fp16=self.config.fp16)
         # config_overrides={}: weight decay on every parameter, as torch.optim.AdamW in the torch worker
         return get_megatron_optimizer(config, [self.model], config_overrides={})
@@ -120,10 +141,18 @@ class MegatronPolicyWorker:
 
     def _response_stats(self, micro: dict[str, torch.Tensor], logits: torch.Tensor, temperature: float):
         """Log-probs and entropy of the response tokens (padded vocabulary rows dropped)."""
-        width = prompt_width(micro)
-        response_logits = logits[:, width - 1: -1, : self.shape.vocab_size]
+        width, length = prompt_width(micro), micro["responses"].shape[1]
+        response_logits = logits[:, width - 1: width - 1 + length, : self.shape.vocab_size]
         return (log_probs_from_logits(response_logits, micro["responses"], temperature),
                 entropy_from_logits(response_logits, temperature))
+
+    def _model_inputs(self, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tokens, positions and the attention mask in the form this layer spec takes."""
+        multiple = self.parallel.tensor if self.options.sequence_parallel else 1
+        tokens, positions, mask = pad_width(micro, multiple)
+        if self.options.transformer_impl == "transformer_engine":
+            return tokens, positions, padding_mask(mask)
+        return tokens, positions, attention_mask_4d(mask)
 
     def _run_schedule(self, micros: list[dict[str, torch.Tensor]], loss_fn, forward_only: bool) -> None:
         """Megatron's forward(-backward) schedule (pipelined when PP > 1) over the micro-batches."""
@@ -131,10 +160,10 @@ class MegatronPolicyWorker:
 
         def forward_step(data_iterator, model):
             micro = {k: v.to(self.device, non_blocking=True) for k, v in next(data_iterator).items()}
-            output = model(micro["input_ids"], micro["position_ids"], attention_mask_4d(micro["attention_mask"]))
-            return output, functools.partial(loss_fn, micro)
+            return model(*self._model_inputs(micro)), functools.partial(loss_fn, micro)
 
-        longest = max(m["input_ids"].shape[1] for m in micros)
+        multiple = self.parallel.tensor if self.options.sequence_parallel else 1
+        longest = max(-(-m["input_ids"].shape[1] // multiple) * multiple for m in micros)
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micros), model=[self.model],
             num_microbatches=len(micros), seq_length=longest, micro_batch_size=micros[0]["input_ids"].shape[0],
@@ -228,9 +257,13 @@ class MegatronPolicyWorker:
         """(dp_rank, dp_size): the TP x PP ranks of one replica must get the same rows."""
         return self.dp_rank, self.dp_size
 
-    def export_weights(self, bucket_bytes: int = 512 << 20) -> list[list[tuple[str, torch.Tensor]]]:
-        """HF-named tensors, gathered over TP and PP, in buckets of at most ``bucket_bytes``; collective."""
-        return bucketize(mm.gather_hf_weights(self.model.module, self.shape).items(), bucket_bytes)
+    def export_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[Bucket]:
+        """This rank's share of the HF-named tensors in buckets of at most ``bucket_bytes``; collective.
+
+        One rank per pipeline stage yields its stage's layers, gathered over TP one layer at a time
+        (:mod:`megatron_export`); every other rank takes part in the gathers and yields nothing.
+        """
+        yield from bucketize(iter_hf_weights(self.model.module, self.shape), bucket_bytes)
 
     def save(self, path: str) -> None:
         from nemo_dapo.policy.megatron_checkpoint import save_checkpoint

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import random
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ from nemo_dapo.config.schema import OptimConfig
 from nemo_dapo.policy.actor_loss import SUMMED_METRICS, actor_loss
 from nemo_dapo.policy.base import LossSettings, MiniBatch
 from nemo_dapo.policy.microbatch import micro_batches, prompt_width
-from nemo_dapo.policy.weights import bucketize
+from nemo_dapo.policy.weights import Bucket, bucketize
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -133,8 +134,10 @@ class TorchPolicyWorker:
         """(dp_rank, dp_size): every rank is its own data-parallel replica here."""
         return self.rank, self.world_size
 
-    def export_weights(self, bucket_bytes: int = 512 << 20) -> list[list[tuple[str, torch.Tensor]]]:
-        return bucketize(((n, t.detach().clone()) for n, t in self.model.state_dict().items()), bucket_bytes)
+    def export_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[Bucket]:
+        """Rank 0's weights in buckets (every rank holds the same copy; the others yield nothing)."""
+        if self.rank == 0:
+            yield from bucketize(((n, t.detach().clone()) for n, t in self.model.state_dict().items()), bucket_bytes)
 
     def state(self) -> dict:
         """Optimizer, scheduler and RNG state of this rank (weights are saved separately)."""

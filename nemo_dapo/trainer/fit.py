@@ -118,13 +118,20 @@ class DAPOTrainer:
 
     # ----------------------------------------------------------------- one step
     def train_step(self) -> dict[str, float]:
-        """One step of SPEC 8's synchronous order, then the weight sync."""
+        """One step of SPEC 8's synchronous order, then the weight sync.
+
+        Engines colocated with the training ranks sleep from the end of generation to the sync;
+        their weights wake first, the KV cache after the new weights are in (no-ops otherwise).
+        """
         timer = StageTimer()
         step_start = time.perf_counter()
         batch, metrics, consumed = self._collect_batch(timer)
+        self.rollout.sleep()
         metrics.update(self.train_on_batch(batch, timer))
         with timer("sync_weights"):
+            self.rollout.wake_up(["weights"])
             self.sync_weights()
+            self.rollout.wake_up(["kv_cache"])
         self._finish_step_metrics(batch, metrics, timer, step_start)
         self._record_prompts(consumed, batch)
         return metrics

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nemo_dapo.config import Config
+from nemo_dapo.config.schema import MegatronConfig
+from nemo_dapo.config.validate import (is_colocated, needs_reference, raise_problems,
+                                       separate_groups_problems)
 from nemo_dapo.model.tiny import resolve_builtin
+
+if TYPE_CHECKING:
+    from nemo_dapo.cluster.groups import PolicyGroup, RolloutGroup
+    from nemo_dapo.cluster.placement import SharedGPUs
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +28,18 @@ def resolve_paths(cfg: Config) -> Config:
                    data=replace(cfg.data, train_files=train_files, val_files=val_files))
 
 
-def _policy_group(cfg: Config, name: str, total_optimizer_steps: int):
+def megatron_worker_kwargs(layout: MegatronConfig) -> dict:
+    """``actor.megatron`` as MegatronPolicyWorker arguments (context parallelism and virtual
+    pipeline stages are refused by the config validation: the worker does not implement them)."""
+    return {"tensor_parallel_size": layout.tensor_model_parallel_size,
+            "pipeline_parallel_size": layout.pipeline_model_parallel_size,
+            "expert_parallel_size": layout.expert_model_parallel_size, "transformer_impl": layout.transformer_impl,
+            "fp8": layout.fp8, "fp8_recipe": layout.fp8_recipe, "sequence_parallel": layout.sequence_parallel,
+            "recompute_granularity": layout.recompute_granularity,
+            "use_distributed_optimizer": layout.use_distributed_optimizer}
+
+
+def _policy_group(cfg: Config, name: str, total_optimizer_steps: int, shared: SharedGPUs | None) -> PolicyGroup:
     from nemo_dapo.cluster.groups import PolicyGroup
     from nemo_dapo.cluster.worker_group import WorkerGroup
 
@@ -30,29 +49,69 @@ def _policy_group(cfg: Config, name: str, total_optimizer_steps: int):
     if cfg.actor.backend == "megatron":
         from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker as worker_cls
 
-        layout = cfg.actor.megatron
-        kwargs.update(tensor_parallel_size=layout.tensor_model_parallel_size,
-                      pipeline_parallel_size=layout.pipeline_model_parallel_size,
-                      expert_parallel_size=layout.expert_model_parallel_size)
+        kwargs.update(megatron_worker_kwargs(cfg.actor.megatron))
     else:
         from nemo_dapo.policy.torch_worker import TorchPolicyWorker as worker_cls
     gpus = 1 if cfg.trainer.n_gpus_per_node > 0 else 0
+    slots = shared.training_slots(cfg.actor.num_workers) if shared else None
     return PolicyGroup(WorkerGroup(worker_cls, cfg.actor.num_workers, name=name, num_gpus_per_worker=gpus,
-                                   worker_kwargs=kwargs))
+                                   worker_kwargs=kwargs, slots=slots))
 
 
-def _rollout_group(cfg: Config):
+def _rollout_group(cfg: Config, shared: SharedGPUs | None) -> RolloutGroup:
     from nemo_dapo.cluster.groups import RolloutGroup
+    from nemo_dapo.cluster.placement import SharedGPUs
     from nemo_dapo.cluster.worker_group import WorkerGroup
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
+    tp = cfg.rollout.tensor_parallel_size
     kwargs = {"model_path": cfg.model.path, "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
               "dtype": cfg.model.dtype, "seed": cfg.trainer.seed,
-              "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
-              "tensor_parallel_size": cfg.rollout.tensor_parallel_size}
-    gpus = cfg.rollout.tensor_parallel_size if cfg.trainer.n_gpus_per_node > 0 else 0
+              "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization, "tensor_parallel_size": tp,
+              "enable_sleep_mode": shared is not None,
+              "distributed_executor_backend": SharedGPUs.engine_executor(tp) if shared else None}
+    gpus = tp if cfg.trainer.n_gpus_per_node > 0 else 0
+    slots = shared.engine_slots(cfg.rollout.num_workers, tp) if shared else None
     return RolloutGroup(WorkerGroup(VLLMRolloutWorker, cfg.rollout.num_workers, name="rollout",
-                                    num_gpus_per_worker=gpus, worker_kwargs=kwargs))
+                                    num_gpus_per_worker=gpus, worker_kwargs=kwargs, slots=slots))
+
+
+@dataclass
+class Workers:
+    """The worker groups of one run, and the colocated placement they share (None: separate)."""
+
+    policy: PolicyGroup
+    ref: PolicyGroup | None
+    rollout: RolloutGroup
+    shared: SharedGPUs | None = None
+
+    def shutdown(self) -> None:
+        for group in (self.policy, self.ref, self.rollout):
+            if group is not None:
+                group.workers.shutdown()
+        if self.shared is not None:
+            self.shared.shutdown()
+
+
+def start_workers(cfg: Config, total_optimizer_steps: int) -> Workers:
+    """Policy (+ reference) and rollout groups, placed as ``trainer.colocate`` says.
+
+    A layout that does not split the model (heads, layers, experts) and separate groups that
+    cannot fit the job side by side are refused here, before Ray places
+    anything. Colocated, one :class:`~nemo_dapo.cluster.placement.SharedGPUs` holds every GPU and
+    each group takes its share of each (the policy first, so the engines size their KV cache
+    with the training state already resident).
+    """
+    from nemo_dapo.cluster.placement import SharedGPUs
+    from nemo_dapo.launch.plan import startup_shape_problems
+
+    raise_problems(separate_groups_problems(cfg) + startup_shape_problems(cfg))
+    shared = None
+    if is_colocated(cfg):
+        shared = SharedGPUs(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, groups=3 if needs_reference(cfg) else 2)
+    policy = _policy_group(cfg, "actor", total_optimizer_steps, shared)
+    ref = _policy_group(cfg, "ref", 1, shared) if needs_reference(cfg) else None
+    return Workers(policy, ref, _rollout_group(cfg, shared), shared)
 
 
 def run_training(cfg: Config) -> dict:
@@ -73,16 +132,15 @@ def run_training(cfg: Config) -> dict:
     reward = RewardManager(cfg.reward.scorer, max_response_length=cfg.data.max_response_length,
                            overlong_enable=buffer.enable, buffer_len=buffer.len, penalty_factor=buffer.penalty_factor,
                            num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
-    workers = cfg.actor.num_workers + cfg.rollout.num_workers + (cfg.actor.num_workers if needs_reference(cfg) else 0)
-    init_ray(num_cpus=max(os.cpu_count() or 1, workers))
+    processes = cfg.actor.num_workers * (2 if needs_reference(cfg) else 1) + cfg.rollout.num_workers
+    init_ray(num_cpus=max(os.cpu_count() or 1, processes))
     try:
         steps_per_epoch = len(train_data) // (cfg.data.effective_gen_batch_size if cfg.algorithm.filter_groups.enable
                                               else cfg.data.train_batch_size)
         total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * max(steps_per_epoch, 1)
         optimizer_steps = total_steps * cfg.actor.ppo_epochs * (cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size)
-        policy = _policy_group(cfg, "actor", optimizer_steps)
-        ref = _policy_group(cfg, "ref", 1) if needs_reference(cfg) else None
-        rollout = _rollout_group(cfg)
+        workers = start_workers(cfg, optimizer_steps)
+        policy, ref, rollout = workers.policy, workers.ref, workers.rollout
         if cfg.trainer.mode == "async":
             from nemo_dapo.trainer.async_fit import AsyncDAPOTrainer
             from nemo_dapo.trainer.data_plane import DataPlane
@@ -99,11 +157,6 @@ def run_training(cfg: Config) -> dict:
     finally:
         reward.close()
         shutdown_ray()
-
-
-def needs_reference(cfg: Config) -> bool:
-    """DAPO has no KL term and then builds no reference model."""
-    return cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
 
 
 def export_hf(checkpoint: str | Path, tokenizer_source: str | Path, output_dir: str | Path) -> Path:

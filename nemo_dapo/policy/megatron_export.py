@@ -1,0 +1,75 @@
+"""Stream a Megatron model's weights out as HF-named tensors, one layer at a time.
+
+No rank ever holds more than one layer of gathered weights: each pipeline stage exports its own
+layers, a parameter is gathered over its tensor-parallel group (experts also over the expert-
+parallel group) when its layer is reached, the layer is converted to HF names and handed on, and
+the gathered copies are dropped. Exactly one rank per stage yields tensors (the *exporter*: first
+tensor-parallel rank of the first data-parallel replica); the ranks it gathers from take part and
+yield nothing; other replicas hold copies and only join the expert gathers of their EP group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from nemo_dapo.policy import megatron_convert as convert
+from nemo_dapo.policy import megatron_model as mm
+
+
+def is_exporter() -> bool:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
+
+
+def _global_name(name: str, layer_offset: int) -> str:
+    """Stage-local ``decoder.layers.i`` -> the model-wide layer index."""
+    match = convert.MEGATRON_LAYER.fullmatch(name)
+    return f"decoder.layers.{int(match.group(1)) + layer_offset}.{match.group(2)}" if match else name
+
+
+def _to_hf(part: dict[str, torch.Tensor], shape: convert.ModelShape) -> dict[str, torch.Tensor]:
+    part = {k: v[: shape.vocab_size] if k in mm.VOCAB_ROWS else v for k, v in mm.to_local_names(part).items()}
+    hf = convert.megatron_to_hf(part, shape)
+    if shape.tied_embeddings and "model.embed_tokens.weight" in hf:
+        hf["lm_head.weight"] = hf["model.embed_tokens.weight"]  # the torch worker's state dict has it too
+    return hf
+
+
+def _stage_parts(model: torch.nn.Module, shape: convert.ModelShape) -> Iterator[dict[str, torch.Tensor]]:
+    """Gathered Megatron-named parameters of this stage, one layer (or one global tensor) at a time."""
+    from megatron.core import parallel_state
+
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    offset = convert.stage_layers(shape.num_layers, pp_rank, pp_size).start
+    last_stage_copy = shape.tied_embeddings and pp_size > 1 and pp_rank == pp_size - 1
+    part: dict[str, torch.Tensor] = {}
+    current = None
+    for name, param in model.named_parameters():
+        if last_stage_copy and name == "output_layer.weight":
+            continue  # the tied embedding's copy: the first stage exports the original
+        if not mm.takes_part_in_gather(name):
+            continue
+        match = convert.MEGATRON_LAYER.fullmatch(name)
+        key = match.group(1) if match else name
+        if part and key != current:
+            yield part
+            part = {}
+        current = key
+        part.update({_global_name(k, offset): v for k, v in mm.gather_param(name, param, shape).items()})
+    if part:
+        yield part
+
+
+def iter_hf_weights(model: torch.nn.Module, shape: convert.ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's share of the HF-named weights (collective over each stage's TP group).
+
+    Stage by stage the shares of all ranks are the whole model, each tensor exactly once.
+    """
+    exporter = is_exporter()
+    for part in _stage_parts(model, shape):
+        if exporter:
+            yield from _to_hf(part, shape).items()

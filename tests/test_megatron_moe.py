@@ -1,0 +1,205 @@
+"""Qwen3-MoE (and dense Qwen3) on the Megatron policy worker: conversion, expert parallelism, parity.
+
+The tiny models are random (:mod:`nemo_dapo.model.tiny_qwen3`). Ranks run in spawned processes
+over gloo on 127.0.0.1, as in ``test_megatron_worker``, whose helpers these tests share. At EP=2
+the two ranks are also two data-parallel replicas: each takes half the rows, and the all-to-all
+dispatcher sends every token to the rank that holds its experts.
+"""
+
+import importlib.util
+import re
+
+import pytest
+import torch
+from test_megatron_worker import (assert_matches_torch, assert_same_update,
+                                  megatron_result, torch_reference)
+
+pytestmark = [
+    pytest.mark.megatron,
+    pytest.mark.skipif(importlib.util.find_spec("megatron") is None
+                       or importlib.util.find_spec("megatron.core") is None,
+                       reason="megatron-core is not installed (optional 'megatron' extra)"),
+]
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from nemo_dapo.model.tiny_qwen3 import build_tiny_qwen3
+
+    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_moe"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    from nemo_dapo.model.tiny_qwen3 import TinyQwen3Spec, build_tiny_qwen3
+
+    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), TinyQwen3Spec(num_experts=0))
+
+
+def checkpoint_and_shape(model_dir):
+    from transformers import AutoConfig
+
+    from nemo_dapo.policy.megatron_convert import ModelShape
+    from nemo_dapo.policy.megatron_model import read_hf_weights
+
+    return read_hf_weights(str(model_dir)), ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
+
+
+@pytest.mark.parametrize("family", ["moe_dir", "qwen3_dir"])
+def test_hf_to_megatron_to_hf_is_bit_exact(family, request):
+    """PP=2, then EP=2 (a no-op for the dense model), then TP=2 and back."""
+    from nemo_dapo.policy import megatron_convert as convert
+
+    hf, shape = checkpoint_and_shape(request.getfixturevalue(family))
+    full = convert.hf_to_megatron(hf, shape)
+
+    def split_and_join(stage):
+        parts = [convert.slice_experts(stage, shape, ep_rank, 2) for ep_rank in range(2)]
+        parts = [{k: convert.unshard(k, [convert.shard(k, v, r, 2) for r in range(2)]) for k, v in part.items()}
+                 for part in parts]
+        return convert.unslice_experts(parts, shape)
+
+    stages = [split_and_join(convert.stage_state(full, shape, pp, 2)) for pp in range(2)]
+    back = convert.megatron_to_hf(convert.unstage_state(stages, shape), shape)
+    assert list(back) and set(back) == set(hf)
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+    assert torch.equal(full["decoder.layers.1.self_attention.k_layernorm.weight"],
+                       hf["model.layers.1.self_attn.k_norm.weight"])
+
+
+def test_expert_j_lives_on_ep_rank_j_div_n_as_local_expert_j_mod_n(moe_dir):
+    from nemo_dapo.policy import megatron_convert as convert
+
+    hf, shape = checkpoint_and_shape(moe_dir)
+    second = convert.slice_experts(convert.hf_to_megatron(hf, shape), shape, ep_rank=1, ep_size=2)
+    local = "decoder.layers.1.mlp.experts.local_experts.1.linear_fc{}.weight"
+    assert sum(convert.is_expert(k) for k in second) == shape.num_layers * 2 * 2  # 2 experts, fc1 + fc2
+    assert torch.equal(second[local.format(2)], hf["model.layers.1.mlp.experts.3.down_proj.weight"])
+    assert convert.global_expert_name(local.format(2), ep_rank=1, experts_per_rank=2) == local.format(2).replace(
+        "local_experts.1", "local_experts.3")
+    # expert TP: rank 1's fc1 shard is the second half of gate, then the second half of up
+    gate, up = (hf[f"model.layers.1.mlp.experts.3.{p}_proj.weight"] for p in ("gate", "up"))
+    half = shape.moe_ffn_size // 2
+    assert torch.equal(convert.shard(local.format(1), second[local.format(1)], 1, 2),
+                       torch.cat([gate[half:], up[half:]]))
+    assert torch.equal(second["decoder.layers.1.mlp.router.weight"], hf["model.layers.1.mlp.gate.weight"])
+
+
+def test_transformer_engine_names_keep_the_moe_pre_mlp_norm():
+    """The TE spec fuses the pre-MLP norm into linear_fc1 only in dense layers: a MoE layer keeps its own."""
+    from nemo_dapo.policy import megatron_model as mm
+
+    local = {"decoder.layers.0.input_layernorm.weight": torch.ones(1),
+             "decoder.layers.0.pre_mlp_layernorm.weight": torch.ones(2),
+             "decoder.layers.0.mlp.router.weight": torch.ones(3)}
+    te = mm.to_te_names(local)
+    assert set(te) == {"decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
+                       "decoder.layers.0.pre_mlp_layernorm.weight", "decoder.layers.0.mlp.router.weight"}
+    assert mm.to_local_names(te) == local
+
+
+def test_unsupported_moe_layouts_are_refused():
+    from transformers import Qwen2MoeConfig, Qwen3MoeConfig
+
+    from nemo_dapo.policy import megatron_model as mm
+    from nemo_dapo.policy.megatron_convert import ModelShape
+
+    for config in (Qwen3MoeConfig(mlp_only_layers=[0]), Qwen3MoeConfig(decoder_sparse_step=2), Qwen2MoeConfig()):
+        with pytest.raises(ValueError, match="mlp_only_layers|model_type"):
+            ModelShape.from_hf_config(config)
+    moe = ModelShape.from_hf_config(Qwen3MoeConfig(num_experts=4))
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size=3: must divide the model's 4 experts"):
+        mm.check_expert_layout(moe, mm.Parallelism(expert=3), sequence_parallel=False)
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size=2: the model has no experts"):
+        mm.check_expert_layout(ModelShape(2, 4, 2, 16, 100, False), mm.Parallelism(expert=2), sequence_parallel=False)
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size=2: Megatron trains MoE layers with TP > 1 only"):
+        mm.check_expert_layout(moe, mm.Parallelism(tensor=2, expert=2), sequence_parallel=False)
+    mm.check_expert_layout(moe, mm.Parallelism(tensor=2, expert=2), sequence_parallel=True)  # the GPU layout
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actor.megatron.expert_model_parallel_size=3"], r"expert_model_parallel_size=3 does not divide the model's 4 "
+                                                      "experts"),
+    (["actor.megatron.expert_model_parallel_size=2", "model.path={dense}"],
+     r"expert_model_parallel_size=2: .* is dense \(no experts\)"),
+])
+def test_start_up_knows_the_experts_of_a_local_model(overrides, message, moe_dir, qwen3_dir):
+    """Checked before any worker is placed (the config itself loads: its model may not exist yet)."""
+    from nemo_dapo.config import load_config
+    from nemo_dapo.launch.plan import startup_shape_problems
+
+    base = ["actor.backend=megatron", "actor.num_workers=12", f"model.path={moe_dir}",  # 12 ranks: EP 2 or 3 fit
+            "rollout.n=12"]
+    problems = startup_shape_problems(load_config("tiny_cpu", base + [o.format(dense=qwen3_dir) for o in overrides]))
+    assert any(re.search(message, p) for p in problems), problems
+    assert startup_shape_problems(load_config("tiny_cpu", base + ["actor.megatron.expert_model_parallel_size=2"])) == []
+
+
+def megatron_run(tmp_path, model_dir, ep: int = 1, world_size: int = 1) -> dict:
+    """The dense tests' run (log-probs, exports before and after one update), at EP = ``ep``."""
+    return megatron_result(tmp_path, model_dir, world_size=world_size, expert_parallel_size=ep)
+
+
+def per_expert_names(weights: dict) -> dict:
+    """The torch worker's weights (HF keeps experts fused in memory: ``experts.gate_up_proj`` [E, 2F, H],
+    ``experts.down_proj`` [E, H, F]) under the checkpoint's per-expert names, as Megatron exports them."""
+    out = {}
+    for name, tensor in weights.items():
+        prefix, fused, kind = name.rpartition(".experts.")
+        if not fused:
+            out[name] = tensor
+        elif kind == "gate_up_proj":
+            for j, (gate, up) in enumerate(expert.chunk(2) for expert in tensor):
+                out[f"{prefix}.experts.{j}.gate_proj.weight"], out[f"{prefix}.experts.{j}.up_proj.weight"] = gate, up
+        else:
+            out.update({f"{prefix}.experts.{j}.down_proj.weight": down for j, down in enumerate(tensor)})
+    return out
+
+
+def assert_exports_checkpoint(exported_weights: dict, model_dir) -> None:
+    from nemo_dapo.policy.megatron_model import read_hf_weights
+
+    checkpoint = read_hf_weights(str(model_dir))
+    assert set(exported_weights) == set(checkpoint)
+    assert all(torch.equal(exported_weights[k], checkpoint[k]) for k in checkpoint)
+
+
+@pytest.fixture(scope="module")
+def moe_reference(moe_dir):
+    reference = torch_reference(moe_dir)
+    return {**reference, "weights": per_expert_names(reference["weights"])}
+
+
+@pytest.fixture(scope="module")
+def ep1(tmp_path_factory, moe_dir):
+    return megatron_run(tmp_path_factory.mktemp("ep1"), moe_dir)
+
+
+@pytest.fixture(scope="module")
+def ep2(tmp_path_factory, moe_dir):
+    return megatron_run(tmp_path_factory.mktemp("ep2"), moe_dir, ep=2, world_size=2)
+
+
+def test_ep1_matches_torch_worker(ep1, moe_reference):
+    """Log-probs, loss, gradient norm and updated weights (experts and router included) of HF's model."""
+    assert_matches_torch(ep1, moe_reference)
+
+
+def test_ep2_matches_torch_worker(ep2, moe_reference):
+    assert_matches_torch(ep2, moe_reference)
+
+
+def test_ep2_update_matches_ep1(ep2, ep1):
+    """Experts split over the two ranks, dense weights replicated (distributed optimizer): the same step."""
+    assert_same_update(ep2, ep1)
+
+
+@pytest.mark.parametrize("run", ["ep1", "ep2"])
+def test_export_of_loaded_weights_is_the_checkpoint(run, request, moe_dir):
+    assert_exports_checkpoint(request.getfixturevalue(run)["loaded"], moe_dir)
+
+
+def test_dense_qwen3_matches_torch_worker(tmp_path, qwen3_dir):
+    result = megatron_run(tmp_path, qwen3_dir)
+    assert_matches_torch(result, torch_reference(qwen3_dir))
+    assert_exports_checkpoint(result["loaded"], qwen3_dir)
