@@ -23,6 +23,22 @@ def tiny_tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+@pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory):
+    """A tiny random Qwen3-MoE (4 experts, top-2)."""
+    from nemo_dapo.model.tiny_qwen3 import build_tiny_qwen3
+
+    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_moe"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory):
+    """A tiny random dense Qwen3."""
+    from nemo_dapo.model.tiny_qwen3 import TinyQwen3Spec, build_tiny_qwen3
+
+    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), TinyQwen3Spec(num_experts=0))
+
+
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
     """Run a test inside its own folder so relative output paths land there."""

