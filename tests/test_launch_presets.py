@@ -31,7 +31,7 @@ def test_full_dapo_uses_dynamic_sampling_and_token_mean():
     assert cfg.data.effective_gen_batch_size == 1536
     assert cfg.algorithm.filter_groups.enable and cfg.algorithm.filter_groups.metric == "acc"
     assert cfg.actor.loss_agg_mode == "token-mean"
-    assert cfg.rollout.gpu_memory_utilization == 0.8  # the H800 cluster
+    assert cfg.rollout.gpu_memory_utilization == 0.75  # the H800 cluster
 
 
 def test_ablations_differ_only_where_the_paper_says():
@@ -42,7 +42,7 @@ def test_ablations_differ_only_where_the_paper_says():
     early = load_config("dapo_early_qwen2.5_32b")
     assert not early.algorithm.filter_groups.enable and early.data.effective_gen_batch_size == 512
     assert early.actor.loss_agg_mode == "seq-mean-token-mean"
-    assert early.rollout.gpu_memory_utilization == 0.82  # the H20 cluster's value (colocated: fits 96 GB)
+    assert early.rollout.gpu_memory_utilization == 0.78  # the H20 cluster's value (colocated: fits 96 GB)
 
 
 def test_32b_layout_is_the_documented_one():

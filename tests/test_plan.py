@@ -96,11 +96,12 @@ def test_colocated_peak_is_the_larger_phase(capsys):
     training, colocated = plan["training"], plan["colocated"]
     resident = training["weights"] + training["gradients"] + training["optimizer"]
     assert colocated["training_phase"] == pytest.approx(training["total"])
-    assert colocated["generation_phase"] == pytest.approx(resident + 0.8 * 80)
+    # the training process also keeps its reserve (CUDA context, NCCL buffers) while vLLM is awake
+    assert colocated["generation_phase"] == pytest.approx(resident + training["reserve"] + 0.75 * 80)
     assert colocated["peak"] == max(colocated["training_phase"], colocated["generation_phase"]) < 80
     code, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "rollout.gpu_memory_utilization=0.9")
     assert code == 1 and plan["colocated"]["generation_phase"] > 80
-    assert any(p.startswith("colocated generation needs") and "rollout.gpu_memory_utilization to <= 0.81" in p
+    assert any(p.startswith("colocated generation needs") and "rollout.gpu_memory_utilization to <= 0.76" in p
                for p in plan["problems"])
     code, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "rollout.gpu_memory_utilization=0.9", "trainer.colocate=false",
                              "actor.num_workers=64", "rollout.num_workers=16")

@@ -216,7 +216,12 @@ class ColocatedMemory:
     """GiB per GPU when training ranks and engines share it and take turns."""
 
     training_phase: float  # the update; the engines sleep
-    generation_phase: float  # the engines awake beside the resident training state
+    training_kept: float  # while the engines generate: the training state and the process's reserve
+    vllm: float  # the engines' gpu_memory_utilization share
+
+    @property
+    def generation_phase(self) -> float:
+        return self.training_kept + self.vllm
 
     @property
     def peak(self) -> float:
@@ -224,4 +229,7 @@ class ColocatedMemory:
 
 
 def colocated_memory(training: TrainingMemory, generation: GenerationMemory) -> ColocatedMemory:
-    return ColocatedMemory(training_phase=training.total, generation_phase=training.resident + generation.budget)
+    """While the engines generate, the training process keeps its state and its own reserve (CUDA
+    context, NCCL buffers) beside vLLM's ``gpu_memory_utilization`` share."""
+    return ColocatedMemory(training_phase=training.total, training_kept=training.resident + training.reserve,
+                           vllm=generation.budget)

@@ -70,10 +70,11 @@ def memory_problems(training: TrainingMemory, generation: GenerationMemory, colo
                         f"tokens, less than one {generation.sequence_tokens}-token sequence: raise "
                         "rollout.tensor_parallel_size or rollout.gpu_memory_utilization")
     if colocated and colocated.generation_phase > gpu_memory_gib:
-        room = math.floor(100 * (gpu_memory_gib - training.resident) / gpu_memory_gib) / 100
+        room = math.floor(100 * (gpu_memory_gib - colocated.training_kept) / gpu_memory_gib) / 100
         problems.append(f"colocated generation needs {colocated.generation_phase:.1f} GiB per GPU, the GPU has "
-                        f"{gpu_memory_gib:g} GiB: training keeps {training.resident:.1f} GiB (weights, gradients, "
-                        f"optimizer) beside vLLM's {generation.budget:.1f} GiB: lower rollout.gpu_memory_utilization "
+                        f"{gpu_memory_gib:g} GiB: training keeps {colocated.training_kept:.1f} GiB (weights, "
+                        f"gradients, optimizer, reserve) beside vLLM's {colocated.vllm:.1f} GiB: lower "
+                        "rollout.gpu_memory_utilization "
                         f"to <= {room:.2f}, shard the training state further, or set trainer.colocate=false")
     return problems
 
@@ -186,7 +187,7 @@ def render(plan: Plan) -> str:
             "colocated   training ranks and vLLM engines take turns on every GPU",
             f"  update, engines asleep             {c.training_phase:7.2f} GiB",
             f"  generation beside training state   {c.generation_phase:7.2f} GiB "
-            f"({t.resident:.2f} resident + {g.budget:.2f} vLLM)",
+            f"({c.training_kept:.2f} training state + reserve, {c.vllm:.2f} vLLM)",
             f"  peak per GPU                       {c.peak:7.2f} GiB of {plan.gpu_memory_gib:g}",
         ]
     verdict = "fits" if not plan.problems else "REFUSED:\n  - " + "\n  - ".join(plan.problems)
