@@ -127,7 +127,7 @@ def test_every_megatron_field_reaches_the_worker():
     mg = load_config("dapo_qwen2.5_32b").actor.megatron
     kwargs = megatron_worker_kwargs(mg)
     assert set(kwargs) <= set(inspect.signature(MegatronPolicyWorker).parameters)
-    refused = {"context_parallel_size", "virtual_pipeline_model_parallel_size"}  # validated to 1 / null
+    refused = {"context_parallel_size"}  # validated to 1
     settings = {f.name: getattr(mg, f.name) for f in fields(mg) if f.name not in refused}
     assert sorted(kwargs.values(), key=repr) == sorted(settings.values(), key=repr)
     assert kwargs["transformer_impl"] == "transformer_engine" and kwargs["recompute_granularity"] == "full"

@@ -59,7 +59,8 @@ def run_megatron_rank(rank: int, world_size: int, rendezvous: str, model_dir: st
     from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
 
     torch.set_num_threads(1)
-    worker = MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, optim_settings(), max_token_len=40,
+    options = {"max_token_len": 40, **options}
+    worker = MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, optim_settings(),
                                   tensor_parallel_size=tp, pipeline_parallel_size=pp, **options)
     batch = make_batch()
     dp_rank, dp_size = worker.data_parallel_layout()
@@ -203,7 +204,7 @@ def test_right_padding_to_a_multiple_changes_no_log_prob(tmp_path, tiny_model_di
         for multiple in (1, 5):
             tokens, positions, mask = pad_width(micro, multiple)
             assert tokens.shape[1] % multiple == 0 and (tokens.shape[1] > micro["input_ids"].shape[1]) == (multiple > 1)
-            logits = worker.model(tokens, positions, attention_mask_4d(mask))
+            logits = worker.chunks[0](tokens, positions, attention_mask_4d(mask))
             stats.append(worker._response_stats(micro, logits, 1.0)[0] * micro["response_mask"])
     assert (stats[0] - stats[1]).abs().max().item() < 1e-6
 
@@ -260,6 +261,29 @@ def test_pp2_matches_torch_worker_and_single_rank(tmp_path, tiny_model_dir, refe
     assert_same_update(result, single_rank)
 
 
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    from nemo_dapo.model.tiny_qwen3 import TinyQwen3Spec, build_tiny_qwen3
+
+    return build_tiny_qwen3(tmp_path_factory.mktemp("qwen3_4_layers"), TinyQwen3Spec(num_experts=0, num_layers=4))
+
+
+@pytest.fixture(scope="module")
+def four_layers_single(tmp_path_factory, four_layers):
+    return megatron_result(tmp_path_factory.mktemp("one"), four_layers)
+
+
+# 40 tokens: 2 micro-batches of 3 rows; 30: 4 of 2 rows, the last all filler rows
+@pytest.mark.parametrize("max_token_len", [40, 30])
+def test_virtual_pipeline_stages_match_single_rank(tmp_path, four_layers, four_layers_single, max_token_len):
+    """PP=2 with two interleaved chunks per rank (layers 0 and 2 on rank 0, 1 and 3 on rank 1)
+    under Megatron's interleaved schedule (uniform micro-batches, filler rows masked out): the
+    same log-probs, loss and update as one rank."""
+    virtual = megatron_result(tmp_path, four_layers, pp=2, virtual_pipeline_parallel_size=2,
+                              max_token_len=max_token_len)
+    assert_same_update(virtual, four_layers_single)
+
+
 def test_dp2_distributed_optimizer_matches_single_rank(tmp_path, tiny_model_dir, reference, single_rank):
     """Two data-parallel replicas, each with half the rows and the whole mini-batch's counts; the
     distributed optimizer holds half of the parameters' optimizer state on each rank."""
@@ -289,29 +313,41 @@ def train_step(worker, seed: int) -> dict:
 
 
 def run_resume_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, checkpoint: str,
-                    out_file: str, resume: bool) -> None:
+                    out_dir: str, resume: bool, layout: dict) -> None:
     """Uninterrupted (save after step 1, then step 2) or resumed (load, then step 2) run."""
     from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
 
     torch.set_num_threads(1)
     worker = MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, optim_settings(), max_token_len=40,
-                                  tensor_parallel_size=world_size)
+                                  **layout)
     if resume:
         worker.load(checkpoint)
     else:
         train_step(worker, seed=0)
         worker.save(checkpoint)
     metrics = train_step(worker, seed=1)
-    weights = exported(worker)
-    if rank == 0:
-        torch.save({"metrics": metrics, "weights": weights, "steps_done": worker.steps_done}, out_file)
+    torch.save({"metrics": metrics, "weights": exported(worker), "steps_done": worker.steps_done},
+               os.path.join(out_dir, f"{'resumed' if resume else 'straight'}{rank}.pt"))
 
 
-def test_save_at_tp2_load_at_tp1_continues_like_uninterrupted_run(tmp_path, tiny_model_dir):
-    checkpoint = str(tmp_path / "ckpt")
-    spawn(run_resume_rank, 2, str(tmp_path / "rdv2"), str(tiny_model_dir), checkpoint, str(tmp_path / "a.pt"), False)
-    spawn(run_resume_rank, 1, str(tmp_path / "rdv1"), str(tiny_model_dir), checkpoint, str(tmp_path / "b.pt"), True)
-    straight, resumed = (torch.load(tmp_path / name, weights_only=False) for name in ("a.pt", "b.pt"))
+def resume_run(tmp_path, model_dir, world_size: int, layout: dict, resume: bool) -> dict:
+    """Rank 0's metrics and step count, and the union of the ranks' exported weights."""
+    name = "resumed" if resume else "straight"
+    spawn(run_resume_rank, world_size, str(tmp_path / f"rdv_{name}"), str(model_dir), str(tmp_path / "ckpt"),
+          str(tmp_path), resume, layout)
+    ranks = [torch.load(tmp_path / f"{name}{r}.pt", weights_only=False) for r in range(world_size)]
+    return {**ranks[0], "weights": {k: t for r in ranks for k, t in r["weights"].items()}}
+
+
+@pytest.mark.parametrize("model, layout", [
+    ("tiny_model_dir", {"tensor_parallel_size": 2}),
+    ("four_layers", {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}),
+])
+def test_save_at_two_ranks_load_at_one_continues_like_uninterrupted_run(tmp_path, request, model, layout):
+    """Saved at TP=2, or at PP=2 with interleaved chunks; loaded on one rank (resharded)."""
+    model_dir = request.getfixturevalue(model)
+    straight = resume_run(tmp_path, model_dir, 2, layout, resume=False)
+    resumed = resume_run(tmp_path, model_dir, 1, {}, resume=True)
     assert straight["steps_done"] == resumed["steps_done"] == 2
     assert resumed["metrics"]["actor/lr"] == pytest.approx(straight["metrics"]["actor/lr"])
     assert resumed["metrics"]["actor/grad_norm"][0] == pytest.approx(straight["metrics"]["actor/grad_norm"][0], rel=1e-4)

@@ -99,7 +99,7 @@ class MegatronConfig:
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: Optional[int] = None  # interleaved 1F1B chunks: not implemented yet
+    virtual_pipeline_model_parallel_size: Optional[int] = None  # interleaved 1F1B model chunks per rank; None = off
     context_parallel_size: int = 1  # > 1 not implemented yet (needs sequence packing)
     expert_model_parallel_size: int = 1
     sequence_parallel: bool = False  # needs transformer_engine and TP > 1

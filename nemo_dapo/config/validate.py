@@ -141,8 +141,6 @@ def _check_megatron(cfg: Config, problems: _Problems) -> None:
     problems.require(not mg.fp8 or te, f"{key}.fp8", mg.fp8, "needs transformer_impl=transformer_engine")
     problems.require(cp == 1, f"{key}.context_parallel_size", cp,
                      "context parallelism is not implemented yet (it needs sequence packing): use 1")
-    problems.require(vpp is None, f"{key}.virtual_pipeline_model_parallel_size", vpp,
-                     "interleaved pipeline stages are not implemented yet: use null")
     _nullable_choice(problems, f"{key}.fp8", mg.fp8, FP8_FORMATS)
     problems.choice(f"{key}.fp8_recipe", mg.fp8_recipe, FP8_RECIPES)
     _nullable_choice(problems, f"{key}.recompute_granularity", mg.recompute_granularity, RECOMPUTE_GRANULARITIES)

@@ -38,14 +38,11 @@ def _to_hf(part: dict[str, torch.Tensor], shape: convert.ModelShape) -> dict[str
     return hf
 
 
-def _stage_parts(model: torch.nn.Module, shape: convert.ModelShape) -> Iterator[dict[str, torch.Tensor]]:
-    """Gathered Megatron-named parameters of this stage, one layer (or one global tensor) at a time."""
-    from megatron.core import parallel_state
-
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    offset = convert.stage_layers(shape.num_layers, pp_rank, pp_size).start
-    last_stage_copy = shape.tied_embeddings and pp_size > 1 and pp_rank == pp_size - 1
+def _stage_parts(model: torch.nn.Module, shape: convert.ModelShape, vp_stage: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Gathered Megatron-named parameters of one chunk, one layer (or one global tensor) at a time."""
+    chunk, chunks = mm.chunk_index(vp_stage), mm.num_chunks()
+    offset = convert.stage_layers(shape.num_layers, chunk, chunks).start
+    last_stage_copy = shape.tied_embeddings and chunks > 1 and chunk == chunks - 1
     part: dict[str, torch.Tensor] = {}
     current = None
     for name, param in model.named_parameters():
@@ -64,12 +61,11 @@ def _stage_parts(model: torch.nn.Module, shape: convert.ModelShape) -> Iterator[
         yield part
 
 
-def iter_hf_weights(model: torch.nn.Module, shape: convert.ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
-    """This rank's share of the HF-named weights (collective over each stage's TP group).
-
-    Stage by stage the shares of all ranks are the whole model, each tensor exactly once.
-    """
+def iter_hf_weights(chunks: list[torch.nn.Module], shape: convert.ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's share of the HF-named weights, chunk by chunk (collective over each stage's TP
+    group); the shares of all ranks are the whole model, each tensor exactly once."""
     exporter = is_exporter()
-    for part in _stage_parts(model, shape):
-        if exporter:
-            yield from _to_hf(part, shape).items()
+    for vp_stage, model in enumerate(chunks):
+        for part in _stage_parts(model, shape, vp_stage):
+            if exporter:
+                yield from _to_hf(part, shape).items()

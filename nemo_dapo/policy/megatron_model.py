@@ -23,6 +23,25 @@ class Parallelism:
     tensor: int = 1
     pipeline: int = 1
     expert: int = 1
+    virtual: int | None = None  # model chunks per pipeline rank (interleaved 1F1B); None = one
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return self.virtual or 1
+
+
+def chunk_index(vp_stage: int) -> int:
+    """The model-wide position of this rank's ``vp_stage``-th chunk: chunk ``v`` of every rank
+    comes after chunk ``v - 1`` of all ranks, as Megatron interleaves them."""
+    from megatron.core import parallel_state as ps
+
+    return vp_stage * ps.get_pipeline_model_parallel_world_size() + ps.get_pipeline_model_parallel_rank()
+
+
+def num_chunks() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_world_size() * (ps.get_virtual_pipeline_model_parallel_world_size() or 1)
 
 
 def init_distributed(rank: int, world_size: int, rendezvous: str, parallel: Parallelism, seed: int) -> None:
@@ -41,7 +60,7 @@ def init_distributed(rank: int, world_size: int, rendezvous: str, parallel: Para
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
-            expert_model_parallel_size=parallel.expert)
+            virtual_pipeline_model_parallel_size=parallel.virtual, expert_model_parallel_size=parallel.expert)
     model_parallel_cuda_manual_seed(seed)
 
 
@@ -139,11 +158,17 @@ def transformer_config(hf_config, parallel: Parallelism, dtype: torch.dtype,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=qkv_bias,
         hidden_dropout=0.0, attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
         tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
+        virtual_pipeline_model_parallel_size=parallel.virtual,
         expert_model_parallel_size=parallel.expert, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         # the actor loss is already normalised by the mini-batch-wide token count: gradients are summed
         calculate_per_token_loss=True,
-        variable_seq_lengths=parallel.pipeline > 1,  # micro-batches are trimmed to their own width
+        # micro-batches are trimmed to their own width; the interleaved schedule needs one shape
+        variable_seq_lengths=parallel.pipeline > 1 and not parallel.virtual,
+        # interleaved, a rank's previous and next stage can be the same peer (PP = 2): batched p2p
+        # posts its sends and receives in one order on every rank and pairs activations with
+        # gradients of the same shape; the unbatched ops order them by rank parity
+        batch_p2p_comm=not parallel.virtual,
         moe_token_dispatcher_type="alltoall",  # the only dispatcher that accepts variable sequence lengths
         use_cpu_initialization=on_cpu, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
@@ -173,21 +198,24 @@ def with_padding_mask(spec):
     return spec
 
 
-def build_gpt_model(hf_config, config, transformer_impl: str = "local"):
-    """GPTModel for this rank's pipeline stage; logits gathered over TP (``parallel_output=False``)."""
+def build_gpt_model(hf_config, config, transformer_impl: str = "local", vp_stage: int | None = None):
+    """GPTModel for this rank's pipeline stage (its ``vp_stage``-th chunk with virtual stages);
+    logits gathered over TP (``parallel_output=False``)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     shape = convert.ModelShape.from_hf_config(hf_config)
     if shape.num_experts:
         define_router_gemm_without_te()
+    place = {"ignore_virtual": vp_stage is None, "vp_stage": vp_stage}
     return GPTModel(
         config, layer_spec(transformer_impl, shape),
         vocab_size=padded_vocab_size(shape.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=hf_config.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(**place),
+        post_process=parallel_state.is_pipeline_last_stage(**place),
         share_embeddings_and_output_weights=shape.tied_embeddings, position_embedding_type="rope",
-        rotary_base=rope_theta(hf_config), parallel_output=False)
+        rotary_base=rope_theta(hf_config), parallel_output=False, vp_stage=vp_stage)
 
 
 def read_hf_weights(model_path: str) -> dict[str, torch.Tensor]:
@@ -203,15 +231,16 @@ def read_hf_weights(model_path: str) -> dict[str, torch.Tensor]:
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def local_weights(hf: dict[str, torch.Tensor], shape: convert.ModelShape, tp_size: int) -> dict[str, torch.Tensor]:
-    """This rank's (stage-sliced, EP-sliced, TP- or expert-TP-sharded) GPTModel parameters from HF tensors."""
+def local_weights(hf: dict[str, torch.Tensor], shape: convert.ModelShape, tp_size: int,
+                  vp_stage: int = 0) -> dict[str, torch.Tensor]:
+    """One chunk's (stage-sliced, EP-sliced, TP- or expert-TP-sharded) GPTModel parameters from HF
+    tensors; a pipeline rank holds one chunk, or ``virtual`` interleaved ones."""
     from megatron.core import parallel_state as ps
 
     full = convert.hf_to_megatron(hf, shape)
     padded = padded_vocab_size(shape.vocab_size, tp_size)
     full = {k: convert.pad_vocab(v, padded) if k in VOCAB_ROWS else v for k, v in full.items()}
-    stage = convert.stage_state(full, shape, ps.get_pipeline_model_parallel_rank(),
-                                ps.get_pipeline_model_parallel_world_size())
+    stage = convert.stage_state(full, shape, chunk_index(vp_stage), num_chunks())
     if shape.num_experts:
         stage = convert.slice_experts(stage, shape, ps.get_expert_model_parallel_rank(),
                                       ps.get_expert_model_parallel_world_size())

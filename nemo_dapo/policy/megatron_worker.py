@@ -32,7 +32,7 @@ from nemo_dapo.policy.base import LossSettings, MiniBatch
 from nemo_dapo.policy.megatron_convert import ModelShape
 from nemo_dapo.policy.megatron_cpu_compat import enable_cpu_compat
 from nemo_dapo.policy.megatron_export import iter_hf_weights
-from nemo_dapo.policy.microbatch import micro_batches, prompt_width
+from nemo_dapo.policy.microbatch import REAL_ROWS, micro_batches, prompt_width, uniform_micro_batches
 from nemo_dapo.policy.torch_worker import DTYPES, lr_lambda
 from nemo_dapo.policy.weights import Bucket, bucketize
 
@@ -73,7 +73,7 @@ class MegatronPolicyWorker:
     def __init__(self, rank: int, world_size: int, rendezvous: str, model_path: str, optim: dict,
                  dtype: str = "float32", total_steps: int = 1000, max_token_len: int = 16384, seed: int = 1,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, expert_parallel_size: int = 1,
-                 num_threads: int | None = None, transformer_impl: str = "local", fp8: str | None = None,
+                 virtual_pipeline_parallel_size: int | None = None, num_threads: int | None = None, transformer_impl: str = "local", fp8: str | None = None,
                  fp8_recipe: str = "delayed", sequence_parallel: bool = False,
                  recompute_granularity: str | None = None, use_distributed_optimizer: bool = True) -> None:
         from transformers import AutoConfig
@@ -85,7 +85,8 @@ class MegatronPolicyWorker:
         self.use_distributed_optimizer = use_distributed_optimizer
         enable_cpu_compat()  # no-op when a GPU is present
         self.rank, self.world_size = rank, world_size
-        self.parallel = mm.Parallelism(tensor_parallel_size, pipeline_parallel_size, expert_parallel_size)
+        self.parallel = mm.Parallelism(tensor_parallel_size, pipeline_parallel_size, expert_parallel_size,
+                                       virtual_pipeline_parallel_size)
         mm.init_distributed(rank, world_size, rendezvous, self.parallel, seed)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
@@ -98,17 +99,24 @@ class MegatronPolicyWorker:
         self.lr_factor = lr_lambda(self.optim_cfg, total_steps)
         self.max_token_len = max_token_len
         self.steps_done = 0
-        self.model = self._build(model_path)
+        self.chunks = self._build(model_path)
         self.optimizer = self._build_optimizer()
 
-    def _build(self, model_path: str):
+    def _build(self, model_path: str) -> list:
+        """This rank's model chunks (one, or ``virtual`` interleaved ones), each in Megatron's DDP."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        model = mm.build_gpt_model(self.hf_config, self.config, self.options.transformer_impl)
-        mm.load_local_weights(model, mm.local_weights(mm.read_hf_weights(model_path), self.shape, self.parallel.tensor))
+        hf = mm.read_hf_weights(model_path)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                    use_distributed_optimizer=self.use_distributed_optimizer)
-        return DistributedDataParallel(self.config, ddp_config, model)
+        chunks = []
+        for vp_stage in range(self.parallel.chunks_per_rank):
+            model = mm.build_gpt_model(self.hf_config, self.config, self.options.transformer_impl,
+                                       vp_stage if self.parallel.virtual else None)
+            mm.load_local_weights(model, mm.local_weights(hf, self.shape, self.parallel.tensor, vp_stage))
+            # as Megatron's training loop: only the first chunk's gradient reduction is bucketed
+            chunks.append(DistributedDataParallel(self.config, ddp_config, model, disable_bucketing=vp_stage > 0))
+        return chunks
 
     def _build_optimizer(self):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -120,7 +128,7 @@ class MegatronPolicyWorker:
             use_distributed_optimizer=self.use_distributed_optimizer,
             params_dtype=self.config.params_dtype, bf16=self.config.bf16, fp16=self.config.fp16)
         # config_overrides={}: weight decay on every parameter, as torch.optim.AdamW in the torch worker
-        return get_megatron_optimizer(config, [self.model], config_overrides={})
+        return get_megatron_optimizer(config, self.chunks, config_overrides={})
 
     @property
     def dp_rank(self) -> int:
@@ -146,6 +154,17 @@ class MegatronPolicyWorker:
         return (log_probs_from_logits(response_logits, micro["responses"], temperature),
                 entropy_from_logits(response_logits, temperature))
 
+    def _set_mode(self, train: bool) -> None:
+        for chunk in self.chunks:
+            chunk.train(train)
+
+    def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Token-budget micro-batches; with interleaved stages, a multiple of PP of them, all of one
+        shape (Megatron's interleaved schedule runs them in groups of PP and sends fixed shapes)."""
+        if self.parallel.virtual:
+            return uniform_micro_batches(batch, self.max_token_len, self.parallel.pipeline)
+        return micro_batches(batch, self.max_token_len)
+
     def _model_inputs(self, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tokens, positions and the attention mask in the form this layer spec takes."""
         multiple = self.parallel.tensor if self.options.sequence_parallel else 1
@@ -164,19 +183,22 @@ class MegatronPolicyWorker:
 
         multiple = self.parallel.tensor if self.options.sequence_parallel else 1
         longest = max(-(-m["input_ids"].shape[1] // multiple) * multiple for m in micros)
+        # interleaved: every chunk reads each micro-batch (the loss needs it on the last chunk)
+        data = [iter(micros) for _ in self.chunks] if self.parallel.virtual else iter(micros)
         get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micros), model=[self.model],
+            forward_step_func=forward_step, data_iterator=data, model=self.chunks,
             num_microbatches=len(micros), seq_length=longest, micro_batch_size=micros[0]["input_ids"].shape[0],
             forward_only=forward_only)
 
     @torch.no_grad()
     def compute_log_prob(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> dict[str, torch.Tensor]:
-        self.model.eval()
-        micros = micro_batches(batch, self.max_token_len)
+        self._set_mode(train=False)
+        micros = self._micro_batches(batch)
         results: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def collect(micro, logits):
-            results.append(tuple(t.float().cpu() for t in self._response_stats(micro, logits, temperature)))
+            real = int(micro[REAL_ROWS]) if REAL_ROWS in micro else None  # filler rows of uniform micro-batches
+            results.append(tuple(t[:real].float().cpu() for t in self._response_stats(micro, logits, temperature)))
             return logits.new_zeros(()), torch.tensor(0, dtype=torch.int), {}
 
         self._run_schedule(micros, collect, forward_only=True)
@@ -206,7 +228,7 @@ class MegatronPolicyWorker:
 
     def update(self, mini_batches: list[MiniBatch], settings: LossSettings,
                correction: CorrectionSettings | None = None) -> dict[str, list[float]]:
-        self.model.train()
+        self._set_mode(train=True)
         metrics: dict[str, list[float]] = {}
         for mini in mini_batches:
             step_metrics = self._train_step(mini, settings, correction)
@@ -218,7 +240,8 @@ class MegatronPolicyWorker:
     def _train_step(self, mini: MiniBatch, settings: LossSettings,
                     correction: CorrectionSettings | None) -> dict[str, list[float]]:
         """One optimizer step: gradients of every micro-batch summed, clipped, AdamW at this step's lr."""
-        self.model.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         step_metrics: dict[str, list[float]] = {}
 
@@ -230,7 +253,7 @@ class MegatronPolicyWorker:
                 step_metrics.setdefault(key, []).append(value)
             return loss, micro["response_mask"].sum().int(), {}
 
-        self._run_schedule(micro_batches(mini.data, self.max_token_len), loss_fn, forward_only=False)
+        self._run_schedule(self._micro_batches(mini.data), loss_fn, forward_only=False)
         for group in self.optimizer.param_groups:
             group["lr"] = self.optim_cfg.lr * self.lr_factor(self.steps_done)
         _, grad_norm, _ = self.optimizer.step()
@@ -263,7 +286,7 @@ class MegatronPolicyWorker:
         One rank per pipeline stage yields its stage's layers, gathered over TP one layer at a time
         (:mod:`megatron_export`); every other rank takes part in the gathers and yields nothing.
         """
-        yield from bucketize(iter_hf_weights(self.model.module, self.shape), bucket_bytes)
+        yield from bucketize(iter_hf_weights([chunk.module for chunk in self.chunks], self.shape), bucket_bytes)
 
     def save(self, path: str) -> None:
         from nemo_dapo.policy.megatron_checkpoint import save_checkpoint

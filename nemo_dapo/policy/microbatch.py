@@ -57,3 +57,30 @@ def trim_padding(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, t
 def micro_batches(batch: dict[str, torch.Tensor], max_tokens: int) -> list[dict[str, torch.Tensor]]:
     lengths = batch["attention_mask"].sum(dim=1).tolist()
     return [trim_padding(batch, rows) for rows in token_budget_split(lengths, max_tokens)]
+
+
+REAL_ROWS = "real_rows"  # in a uniform micro-batch: how many leading rows are real
+
+
+def uniform_micro_batches(batch: dict[str, torch.Tensor], max_tokens: int, multiple: int) -> list[dict[str, torch.Tensor]]:
+    """Micro-batches of one shape, a multiple of ``multiple`` of them, for schedules that send fixed
+    shapes between pipeline stages (Megatron's interleaved one).
+
+    The batch is trimmed once and cut into equal row groups; the last groups are filled with
+    copies of the first row whose ``response_mask`` is 0 (they add nothing to loss, gradients or
+    token counts), and ``REAL_ROWS`` says how many rows of each group are real.
+    """
+    rows = batch["input_ids"].shape[0]
+    trimmed = trim_padding(batch, list(range(rows)))
+    per_micro = max(1, min(rows, max_tokens // trimmed["input_ids"].shape[1]))
+    count = -(-(-(-rows // per_micro)) // multiple) * multiple
+    per_micro = -(-rows // count)
+    filler = {k: v[:1].clone() for k, v in trimmed.items()}
+    filler["response_mask"] = torch.zeros_like(filler["response_mask"])
+    micros = []
+    for start in range(0, count * per_micro, per_micro):
+        real = max(0, min(per_micro, rows - start))
+        part = {k: torch.cat([v[start: start + real]] + [filler[k]] * (per_micro - real)) for k, v in trimmed.items()}
+        part[REAL_ROWS] = torch.tensor(real)
+        micros.append(part)
+    return micros
