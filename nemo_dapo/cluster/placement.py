@@ -78,8 +78,6 @@ class SharedGPUs:
     """Every GPU of the job reserved once and shared by ``groups`` worker groups (module doc)."""
 
     def __init__(self, nnodes: int, gpus_per_node: int, groups: int, timeout_s: float = 300.0) -> None:
-        from ray.util.placement_group import remove_placement_group
-
         self.gpus_per_node = gpus_per_node
         self.fraction = math.floor(10_000 / groups) / 10_000  # Ray counts resources in 1e-4 units
         self.node_groups: list = []
@@ -88,8 +86,7 @@ class SharedGPUs:
                 self.node_groups.append(reserve([{"GPU": 1, "CPU": 1}] * gpus_per_node, "STRICT_PACK",
                                                 f"shared GPUs of node {node}", timeout_s, unit="GPUs"))
         except RuntimeError:
-            for group in self.node_groups:
-                remove_placement_group(group)
+            self.shutdown()  # free the nodes already reserved
             raise
 
     def _slot(self, gpu: int, num_gpus: float, **extra) -> Slot:

@@ -161,6 +161,16 @@ def needs_reference(cfg: Config) -> bool:
     return cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
 
 
+def policy_groups(cfg: Config) -> int:
+    """Worker groups of ``actor.num_workers`` ranks: the actor, and the reference model if needed."""
+    return 2 if needs_reference(cfg) else 1
+
+
+def engine_gpus(cfg: Config) -> int:
+    """GPUs the vLLM engines take: rollout.num_workers x rollout.tensor_parallel_size."""
+    return cfg.rollout.num_workers * cfg.rollout.tensor_parallel_size
+
+
 def is_colocated(cfg: Config) -> bool:
     """Training ranks and engines share the GPUs. CPU workers reserve no device, so there it means nothing."""
     return cfg.trainer.colocate and cfg.trainer.n_gpus_per_node > 0
@@ -175,12 +185,11 @@ def _check_placement(cfg: Config, problems: _Problems) -> None:
     gpus, world = cluster_gpus(cfg), training_world_size(cfg)
     if gpus == 0:
         return
-    tp, n_gpus = cfg.rollout.tensor_parallel_size, cfg.trainer.n_gpus_per_node
-    engine_gpus = cfg.rollout.num_workers * tp
+    tp, n_gpus, engines = cfg.rollout.tensor_parallel_size, cfg.trainer.n_gpus_per_node, engine_gpus(cfg)
     problems.require(world <= gpus, "actor.num_workers", world,
                      f"one training rank per GPU: the job has {gpus} (trainer.nnodes x trainer.n_gpus_per_node)")
-    if engine_gpus > gpus:
-        problems.append(f"rollout.num_workers x rollout.tensor_parallel_size = {engine_gpus} GPUs, the job has {gpus}")
+    if engines > gpus:
+        problems.append(f"rollout.num_workers x rollout.tensor_parallel_size = {engines} GPUs, the job has {gpus}")
     if not is_colocated(cfg):
         return
     fix = "or set trainer.colocate=false to give each group GPUs of its own"
@@ -193,9 +202,9 @@ def _check_placement(cfg: Config, problems: _Problems) -> None:
     problems.require(world >= gpus, "actor.num_workers", world,
                      f"colocated, every GPU hosts one training rank: must be {gpus} "
                      f"(trainer.nnodes x trainer.n_gpus_per_node), {fix}")
-    problems.require(engine_gpus >= gpus, "rollout.num_workers", cfg.rollout.num_workers,
+    problems.require(engines >= gpus, "rollout.num_workers", cfg.rollout.num_workers,
                      f"colocated, the engines must cover all {gpus} GPUs: rollout.num_workers x "
-                     f"rollout.tensor_parallel_size = {engine_gpus}; set rollout.num_workers={gpus // tp}, {fix}")
+                     f"rollout.tensor_parallel_size = {engines}; set rollout.num_workers={gpus // tp}, {fix}")
 
 
 def separate_groups_problems(cfg: Config) -> list[str]:
@@ -207,8 +216,7 @@ def separate_groups_problems(cfg: Config) -> list[str]:
     gpus = cluster_gpus(cfg)
     if gpus == 0 or is_colocated(cfg):
         return []
-    training = training_world_size(cfg) * (2 if needs_reference(cfg) else 1)
-    engines = cfg.rollout.num_workers * cfg.rollout.tensor_parallel_size
+    training, engines = training_world_size(cfg) * policy_groups(cfg), engine_gpus(cfg)
     if training + engines <= gpus:
         return []
     reference = " (x2: the reference model's ranks)" if needs_reference(cfg) else ""

@@ -231,15 +231,19 @@ def read_hf_weights(model_path: str) -> dict[str, torch.Tensor]:
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def local_weights(hf: dict[str, torch.Tensor], shape: convert.ModelShape, tp_size: int,
+def full_megatron_state(hf: dict[str, torch.Tensor], shape: convert.ModelShape, tp_size: int) -> dict[str, torch.Tensor]:
+    """The whole model's GPTModel parameters (vocabulary padded to divide over TP), from HF tensors."""
+    padded = padded_vocab_size(shape.vocab_size, tp_size)
+    return {k: convert.pad_vocab(v, padded) if k in VOCAB_ROWS else v
+            for k, v in convert.hf_to_megatron(hf, shape).items()}
+
+
+def local_weights(full: dict[str, torch.Tensor], shape: convert.ModelShape, tp_size: int,
                   vp_stage: int = 0) -> dict[str, torch.Tensor]:
-    """One chunk's (stage-sliced, EP-sliced, TP- or expert-TP-sharded) GPTModel parameters from HF
-    tensors; a pipeline rank holds one chunk, or ``virtual`` interleaved ones."""
+    """One chunk's (stage-sliced, EP-sliced, TP- or expert-TP-sharded) parameters from
+    :func:`full_megatron_state`; a pipeline rank holds one chunk, or ``virtual`` interleaved ones."""
     from megatron.core import parallel_state as ps
 
-    full = convert.hf_to_megatron(hf, shape)
-    padded = padded_vocab_size(shape.vocab_size, tp_size)
-    full = {k: convert.pad_vocab(v, padded) if k in VOCAB_ROWS else v for k, v in full.items()}
     stage = convert.stage_state(full, shape, chunk_index(vp_stage), num_chunks())
     if shape.num_experts:
         stage = convert.slice_experts(stage, shape, ps.get_expert_model_parallel_rank(),

@@ -73,8 +73,9 @@ class MegatronPolicyWorker:
     def __init__(self, rank: int, world_size: int, rendezvous: str, model_path: str, optim: dict,
                  dtype: str = "float32", total_steps: int = 1000, max_token_len: int = 16384, seed: int = 1,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, expert_parallel_size: int = 1,
-                 virtual_pipeline_parallel_size: int | None = None, num_threads: int | None = None, transformer_impl: str = "local", fp8: str | None = None,
-                 fp8_recipe: str = "delayed", sequence_parallel: bool = False,
+                 virtual_pipeline_parallel_size: int | None = None, num_threads: int | None = None,
+                 transformer_impl: str = "local", fp8: str | None = None, fp8_recipe: str = "delayed",
+                 sequence_parallel: bool = False,
                  recompute_granularity: str | None = None, use_distributed_optimizer: bool = True) -> None:
         from transformers import AutoConfig
 
@@ -106,14 +107,14 @@ class MegatronPolicyWorker:
         """This rank's model chunks (one, or ``virtual`` interleaved ones), each in Megatron's DDP."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        hf = mm.read_hf_weights(model_path)
+        full = mm.full_megatron_state(mm.read_hf_weights(model_path), self.shape, self.parallel.tensor)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                    use_distributed_optimizer=self.use_distributed_optimizer)
         chunks = []
         for vp_stage in range(self.parallel.chunks_per_rank):
             model = mm.build_gpt_model(self.hf_config, self.config, self.options.transformer_impl,
                                        vp_stage if self.parallel.virtual else None)
-            mm.load_local_weights(model, mm.local_weights(hf, self.shape, self.parallel.tensor, vp_stage))
+            mm.load_local_weights(model, mm.local_weights(full, self.shape, self.parallel.tensor, vp_stage))
             # as Megatron's training loop: only the first chunk's gradient reduction is bucketed
             chunks.append(DistributedDataParallel(self.config, ddp_config, model, disable_bucketing=vp_stage > 0))
         return chunks

@@ -23,6 +23,7 @@ from nemo_dapo.algo.kl import build_kl_controller
 from nemo_dapo.algo.metrics import throughput_metrics, timing_metrics
 from nemo_dapo.algo.sampling import GroupAccumulator
 from nemo_dapo.config import Config, correction_settings, to_yaml
+from nemo_dapo.config.validate import cluster_gpus
 from nemo_dapo.data import ResumableBatchSampler
 from nemo_dapo.policy.base import LossSettings
 from nemo_dapo.rollout.base import SamplingSettings
@@ -168,7 +169,7 @@ class DAPOTrainer:
         metrics.update(throughput_metrics(total_tokens, time.perf_counter() - step_start, self._num_devices()))
 
     def _num_devices(self) -> int:
-        return max(self.cfg.trainer.nnodes * self.cfg.trainer.n_gpus_per_node, self.policy.world_size)
+        return max(cluster_gpus(self.cfg), self.policy.world_size)
 
     def sync_weights(self) -> None:
         self.weight_version += 1

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from nemo_dapo.config import Config
 from nemo_dapo.config.schema import MegatronConfig
-from nemo_dapo.config.validate import (is_colocated, needs_reference, raise_problems,
+from nemo_dapo.config.validate import (is_colocated, needs_reference, policy_groups, raise_problems,
                                        separate_groups_problems)
 from nemo_dapo.model.tiny import resolve_builtin
 
@@ -109,7 +109,7 @@ def start_workers(cfg: Config, total_optimizer_steps: int) -> Workers:
     raise_problems(separate_groups_problems(cfg) + startup_shape_problems(cfg))
     shared = None
     if is_colocated(cfg):
-        shared = SharedGPUs(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, groups=3 if needs_reference(cfg) else 2)
+        shared = SharedGPUs(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, groups=policy_groups(cfg) + 1)
     policy = _policy_group(cfg, "actor", total_optimizer_steps, shared)
     ref = _policy_group(cfg, "ref", 1, shared) if needs_reference(cfg) else None
     return Workers(policy, ref, _rollout_group(cfg, shared), shared)
@@ -133,7 +133,7 @@ def run_training(cfg: Config) -> dict:
     reward = RewardManager(cfg.reward.scorer, max_response_length=cfg.data.max_response_length,
                            overlong_enable=buffer.enable, buffer_len=buffer.len, penalty_factor=buffer.penalty_factor,
                            num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
-    processes = cfg.actor.num_workers * (2 if needs_reference(cfg) else 1) + cfg.rollout.num_workers
+    processes = cfg.actor.num_workers * policy_groups(cfg) + cfg.rollout.num_workers
     init_ray(num_cpus=max(os.cpu_count() or 1, processes))
     try:
         steps_per_epoch = len(train_data) // (cfg.data.effective_gen_batch_size if cfg.algorithm.filter_groups.enable
