@@ -1,8 +1,8 @@
 """GPU smoke test of the Megatron policy worker: a few DAPO updates of a ~0.5B Qwen2-shaped model.
 
-UNTESTED UNTIL IT HAS RUN ON A GPU. Written and checked on a CPU-only machine: the worker's
-GPU path (CUDA device, NCCL, TransformerEngine spec, FP8) has not been executed yet. Treat the
-first run's failures as bugs to fix, not as results.
+Ran on one H200 (2026-11-30) with ``--impl local`` in bf16: 40.6k tokens/s per update, 12.2% MFU,
+98 GiB peak (see the README). The TransformerEngine spec and FP8 (``--impl auto`` where TE is
+installed) have NOT run yet: treat their first run's failures as bugs to fix, not as results.
 
 What it does, on ONE GPU (an H200 is what it is sized for; <= 8 minutes, never in CI):
 

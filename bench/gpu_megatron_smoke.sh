@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU smoke test of the Megatron policy worker (~0.5B Qwen2 shape, random init, a few DAPO updates).
 #
-# UNTESTED UNTIL IT HAS RUN ON A GPU: written on a CPU-only machine. See bench/gpu_megatron_smoke.py.
+# Ran on one H200 with --impl local (bf16); the TransformerEngine/FP8 path is still untested on a
+# GPU. See bench/gpu_megatron_smoke.py and the README.
 #
 # One GPU (sized for one H200), at most 8 minutes, never in CI. Prints per-step tokens/s, MFU
 # (6N estimate against the H200's 989 TFLOP/s dense BF16 peak) and peak GPU memory; fails loudly

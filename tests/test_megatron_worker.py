@@ -204,7 +204,8 @@ def test_right_padding_to_a_multiple_changes_no_log_prob(tmp_path, tiny_model_di
         for multiple in (1, 5):
             tokens, positions, mask = pad_width(micro, multiple)
             assert tokens.shape[1] % multiple == 0 and (tokens.shape[1] > micro["input_ids"].shape[1]) == (multiple > 1)
-            logits = worker.chunks[0](tokens, positions, attention_mask_4d(mask))
+            inputs = (t.to(worker.device) for t in (tokens, positions, attention_mask_4d(mask)))
+            logits = worker.chunks[0](*inputs).cpu()
             stats.append(worker._response_stats(micro, logits, 1.0)[0] * micro["response_mask"])
     assert (stats[0] - stats[1]).abs().max().item() < 1e-6
 

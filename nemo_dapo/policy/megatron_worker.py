@@ -114,6 +114,9 @@ class MegatronPolicyWorker:
         for vp_stage in range(self.parallel.chunks_per_rank):
             model = mm.build_gpt_model(self.hf_config, self.config, self.options.transformer_impl,
                                        vp_stage if self.parallel.virtual else None)
+            # as Megatron's get_model + Float16Module: every parameter on this rank's device, in the
+            # training dtype (the torch-norm fallback of the local spec is built on the CPU in fp32)
+            model.to(device=self.device, dtype=self.config.params_dtype)
             mm.load_local_weights(model, mm.local_weights(full, self.shape, self.parallel.tensor, vp_stage))
             # as Megatron's training loop: only the first chunk's gradient reduction is bucketed
             chunks.append(DistributedDataParallel(self.config, ddp_config, model, disable_bucketing=vp_stage > 0))
