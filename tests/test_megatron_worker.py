@@ -74,7 +74,8 @@ def run_megatron_rank(rank: int, world_size: int, rendezvous: str, model_dir: st
     metrics = worker.update([MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))],
                             LossSettings())
     optimizer_numel = sum(p.numel() for group in worker.optimizer.param_groups for p in group["params"])
-    torch.save({"before": before, "metrics": metrics, "loaded": loaded, "weights": exported(worker),
+    after = worker.compute_log_prob(share)  # the updated weights, as the next step reads them
+    torch.save({"before": before, "after": after, "metrics": metrics, "loaded": loaded, "weights": exported(worker),
                 "dp": (dp_rank, dp_size), "optimizer_numel": optimizer_numel},
                os.path.join(out_dir, f"rank{rank}.pt"))
 
@@ -119,7 +120,8 @@ def megatron_result(tmp_path, model_dir, tp: int = 1, pp: int = 1, world_size: i
     result = dict(ranks[0])
     if len(replicas) > 1:
         ordered = [replicas[i] for i in sorted(replicas)]
-        result["before"] = {k: torch.cat([r["before"][k] for r in ordered]) for k in ranks[0]["before"]}
+        for when in ("before", "after"):
+            result[when] = {k: torch.cat([r[when][k] for r in ordered]) for k in ranks[0][when]}
         result["metrics"] = {**ranks[0]["metrics"],
                              "actor/pg_loss": [sum(r["metrics"]["actor/pg_loss"][0] for r in ordered)]}
     # the ranks' exports are disjoint and together the whole model (one exporter per pipeline stage)
@@ -236,8 +238,9 @@ def single_rank(tmp_path_factory, tiny_model_dir):
 
 def assert_same_update(result: dict, single: dict) -> None:
     """Same log-probs, loss, gradient norm and updated weights as the single-rank Megatron run."""
-    for key in ("log_probs", "entropy"):
-        assert (result["before"][key] - single["before"][key]).abs().max().item() < 1e-5, key
+    for when in ("before", "after"):
+        for key in ("log_probs", "entropy"):
+            assert (result[when][key] - single[when][key]).abs().max().item() < 1e-5, (when, key)
     assert result["metrics"]["actor/pg_loss"][0] == pytest.approx(single["metrics"]["actor/pg_loss"][0], abs=1e-6)
     assert result["metrics"]["actor/grad_norm"][0] == pytest.approx(single["metrics"]["actor/grad_norm"][0], rel=1e-5)
     assert set(result["weights"]) == set(single["weights"])
@@ -301,6 +304,49 @@ def test_recompute_and_plain_optimizer_give_the_same_update(tmp_path, tiny_model
     """Activation recompute replays the forward in the backward; the plain optimizer keeps whole
     state per rank: neither may change the numbers."""
     assert_same_update(megatron_result(tmp_path, tiny_model_dir, **options), single_rank)
+
+
+def run_overlap_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, out_dir: str, overlap: bool) -> None:
+    """Two updates of 2 then 3 micro-batches per rank; the weights read straight after the last
+    optimizer step (no forward in between), then the log-probs of the updated model."""
+    from nemo_dapo.policy.base import LossSettings, MiniBatch
+    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
+
+    torch.set_num_threads(1)
+    worker = MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, optim_settings(), max_token_len=24,
+                                  overlap_grad_reduce=overlap, overlap_param_gather=overlap, ddp_bucket_size=20_000)
+    metrics = []
+    for seed, rows in ((0, 6), (1, 10)):
+        batch = make_batch(seed, rows=rows)
+        share = {k: v[rank::world_size] for k, v in batch.items()}
+        full = add_training_fields(share, worker.compute_log_prob(share)["log_probs"])
+        metrics.append(worker.update([MiniBatch(full, float(batch["response_mask"].sum()), float(rows))],
+                                     LossSettings()))
+    weights = exported(worker)
+    after = worker.compute_log_prob(share)
+    torch.save({"metrics": metrics, "weights": weights, "after": after},
+               os.path.join(out_dir, f"{'overlap' if overlap else 'plain'}{rank}.pt"))
+
+
+def test_overlapped_gradient_reduce_and_parameter_gather_give_the_same_updates(tmp_path, tiny_model_dir):
+    """DP = 2, buckets of 20k parameters (several per rank): reduce-scatters started inside the
+    backward of the last micro-batch (however many there are) and parameter all-gathers deferred to
+    the next forward give the same two updates, exported weights and log-probs as plain DP."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    for overlap in (False, True):
+        spawn(run_overlap_rank, 2, str(tmp_path / f"rdv_{overlap}"), str(tiny_model_dir), str(tmp_path), overlap)
+    runs = {name: [torch.load(tmp_path / f"{name}{rank}.pt", weights_only=False) for rank in range(2)]
+            for name in ("plain", "overlap")}
+    for ours, theirs in zip(runs["overlap"][0]["metrics"], runs["plain"][0]["metrics"]):
+        assert ours["actor/grad_norm"][0] == pytest.approx(theirs["actor/grad_norm"][0], rel=1e-6)
+    for ours, theirs in zip(runs["overlap"], runs["plain"]):
+        assert (ours["after"]["log_probs"] - theirs["after"]["log_probs"]).abs().max().item() < 1e-5
+    weights = {name: {k: t for run in ranks for k, t in run["weights"].items()} for name, ranks in runs.items()}
+    assert set(weights["overlap"]) == set(weights["plain"])
+    # the reduce-scatters sum in another order: Adam moves single near-zero-gradient elements
+    diffs = [(weights["overlap"][k] - weights["plain"][k]).abs() for k in weights["plain"]]
+    assert max(d.max().item() for d in diffs) < 0.01 * LR / WARMUP
+    assert sum(d.sum().item() for d in diffs) / sum(d.numel() for d in diffs) < 1e-5 * LR / WARMUP
 
 
 def train_step(worker, seed: int) -> dict:

@@ -105,6 +105,9 @@ class MegatronConfig:
     sequence_parallel: bool = False  # needs transformer_engine and TP > 1
     transformer_impl: str = "local"  # local (CPU or GPU) | transformer_engine (GPU; fp8 and SP need it)
     use_distributed_optimizer: bool = True  # shard fp32 master weights + Adam moments over DP
+    overlap_grad_reduce: bool = False  # start each bucket's reduce-scatter inside the last backward
+    overlap_param_gather: bool = False  # gather updated shards during the next forward (distributed optimizer)
+    ddp_bucket_size: Optional[int] = None  # parameters per communication bucket; None = Megatron's default
     fp8: Optional[str] = None  # None | hybrid | e4m3 (TransformerEngine, GPU only)
     fp8_recipe: str = "delayed"  # delayed | tensorwise | blockwise | mxfp8
     recompute_granularity: Optional[str] = None  # None | full | selective

@@ -144,6 +144,10 @@ def _check_megatron(cfg: Config, problems: _Problems) -> None:
     _nullable_choice(problems, f"{key}.fp8", mg.fp8, FP8_FORMATS)
     problems.choice(f"{key}.fp8_recipe", mg.fp8_recipe, FP8_RECIPES)
     _nullable_choice(problems, f"{key}.recompute_granularity", mg.recompute_granularity, RECOMPUTE_GRANULARITIES)
+    problems.require(not mg.overlap_param_gather or mg.use_distributed_optimizer, f"{key}.overlap_param_gather",
+                     mg.overlap_param_gather, "needs use_distributed_optimizer=true (it gathers the optimizer's shards)")
+    problems.require(mg.ddp_bucket_size is None or mg.ddp_bucket_size > 0, f"{key}.ddp_bucket_size",
+                     mg.ddp_bucket_size, "must be a positive number of parameters, or null for Megatron's default")
     if world % (tp * pp * cp) == 0:
         dp = world // (tp * pp * cp)
         sequences = cfg.actor.ppo_mini_batch_size * cfg.rollout.n

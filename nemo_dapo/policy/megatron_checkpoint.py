@@ -44,6 +44,7 @@ def save_checkpoint(worker, path: str) -> None:
     if worker.rank == 0:
         os.makedirs(weights_dir, exist_ok=True)
     dist.barrier()
+    worker.gather_params()
     dist_checkpointing.save(_sharded_state(worker, is_loading=False), weights_dir)
     torch.save(worker.rng_state(), os.path.join(path, f"rng_rank{worker.rank}.pt"))
     _save_hf_weights(worker, os.path.join(path, "model"))

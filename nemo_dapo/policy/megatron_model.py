@@ -105,6 +105,33 @@ class TrainingOptions:
                 **recompute}
 
 
+@dataclass(frozen=True)
+class GradientSync:
+    """How gradients and parameters travel over data parallelism (``actor.megatron``): the
+    distributed optimizer, and overlapping its reduce-scatter with the backward and its parameter
+    all-gather with the next forward. Both overlaps also run over gloo on the CPU."""
+
+    use_distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    bucket_size: int | None = None  # parameters per communication bucket; None = Megatron's default
+
+    def check(self) -> None:
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("overlap_param_gather needs use_distributed_optimizer=true (only the distributed "
+                             "optimizer gathers parameters)")
+        if self.bucket_size is not None and self.bucket_size <= 0:
+            raise ValueError(f"ddp_bucket_size must be a positive number of parameters, not {self.bucket_size}")
+
+    def ddp_config(self):
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        return DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=self.use_distributed_optimizer,
+            overlap_grad_reduce=self.overlap_grad_reduce, overlap_param_gather=self.overlap_param_gather,
+            bucket_size=self.bucket_size)
+
+
 def check_expert_layout(shape: convert.ModelShape, parallel: Parallelism, sequence_parallel: bool) -> None:
     """EP must split a MoE model's experts evenly (and means nothing for a dense model).
 

@@ -76,14 +76,18 @@ class MegatronPolicyWorker:
                  virtual_pipeline_parallel_size: int | None = None, num_threads: int | None = None,
                  transformer_impl: str = "local", fp8: str | None = None, fp8_recipe: str = "delayed",
                  sequence_parallel: bool = False,
-                 recompute_granularity: str | None = None, use_distributed_optimizer: bool = True) -> None:
+                 recompute_granularity: str | None = None, use_distributed_optimizer: bool = True,
+                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                 ddp_bucket_size: int | None = None) -> None:
         from transformers import AutoConfig
 
         if num_threads:
             torch.set_num_threads(num_threads)
         self.options = mm.TrainingOptions(transformer_impl, fp8, fp8_recipe, sequence_parallel, recompute_granularity)
         self.options.check(tensor_parallel_size)
-        self.use_distributed_optimizer = use_distributed_optimizer
+        self.sync = mm.GradientSync(use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather,
+                                    ddp_bucket_size)
+        self.sync.check()
         enable_cpu_compat()  # no-op when a GPU is present
         self.rank, self.world_size = rank, world_size
         self.parallel = mm.Parallelism(tensor_parallel_size, pipeline_parallel_size, expert_parallel_size,
@@ -101,15 +105,15 @@ class MegatronPolicyWorker:
         self.max_token_len = max_token_len
         self.steps_done = 0
         self.chunks = self._build(model_path)
+        self._install_overlap_hooks()
         self.optimizer = self._build_optimizer()
 
     def _build(self, model_path: str) -> list:
         """This rank's model chunks (one, or ``virtual`` interleaved ones), each in Megatron's DDP."""
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import DistributedDataParallel
 
         full = mm.full_megatron_state(mm.read_hf_weights(model_path), self.shape, self.parallel.tensor)
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                   use_distributed_optimizer=self.use_distributed_optimizer)
+        ddp_config = self.sync.ddp_config()
         chunks = []
         for vp_stage in range(self.parallel.chunks_per_rank):
             model = mm.build_gpt_model(self.hf_config, self.config, self.options.transformer_impl,
@@ -122,6 +126,27 @@ class MegatronPolicyWorker:
             chunks.append(DistributedDataParallel(self.config, ddp_config, model, disable_bucketing=vp_stage > 0))
         return chunks
 
+    def _install_overlap_hooks(self) -> None:
+        """The schedule's hooks for overlapped gradient reduction (as Megatron's training loop): no
+        reduction before the last micro-batch, then each chunk's reduction started as soon as its
+        backward ends. Overlapped parameter gathers need none: DDP's forward pre-hooks run them."""
+        if not self.sync.overlap_grad_reduce:
+            return
+
+        def per_chunk(method: str):
+            methods = [getattr(chunk, method) for chunk in self.chunks]
+            return methods[0] if len(methods) == 1 else methods
+
+        self.config.no_sync_func = per_chunk("no_sync")
+        self.config.grad_sync_func = per_chunk("start_grad_sync")
+
+    def gather_params(self) -> None:
+        """With overlapped parameter gathers, the other ranks' shards of an update arrive in the next
+        forward; readers of the weights outside a forward (export, checkpoint) gather them now."""
+        if self.sync.overlap_param_gather:
+            for chunk in self.chunks:
+                chunk.start_param_sync(force_sync=True)
+
     def _build_optimizer(self):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -129,7 +154,7 @@ class MegatronPolicyWorker:
         config = OptimizerConfig(
             optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.betas[0],
             adam_beta2=cfg.betas[1], adam_eps=cfg.eps, clip_grad=cfg.clip_grad,
-            use_distributed_optimizer=self.use_distributed_optimizer,
+            use_distributed_optimizer=self.sync.use_distributed_optimizer,
             params_dtype=self.config.params_dtype, bf16=self.config.bf16, fp16=self.config.fp16)
         # config_overrides={}: weight decay on every parameter, as torch.optim.AdamW in the torch worker
         return get_megatron_optimizer(config, self.chunks, config_overrides={})
@@ -290,6 +315,7 @@ class MegatronPolicyWorker:
         One rank per pipeline stage yields its stage's layers, gathered over TP one layer at a time
         (:mod:`megatron_export`); every other rank takes part in the gathers and yields nothing.
         """
+        self.gather_params()
         yield from bucketize(iter_hf_weights([chunk.module for chunk in self.chunks], self.shape), bucket_bytes)
 
     def save(self, path: str) -> None:

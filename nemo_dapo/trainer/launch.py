@@ -37,7 +37,9 @@ def megatron_worker_kwargs(layout: MegatronConfig) -> dict:
             "expert_parallel_size": layout.expert_model_parallel_size, "transformer_impl": layout.transformer_impl,
             "fp8": layout.fp8, "fp8_recipe": layout.fp8_recipe, "sequence_parallel": layout.sequence_parallel,
             "recompute_granularity": layout.recompute_granularity,
-            "use_distributed_optimizer": layout.use_distributed_optimizer}
+            "use_distributed_optimizer": layout.use_distributed_optimizer,
+            "overlap_grad_reduce": layout.overlap_grad_reduce, "overlap_param_gather": layout.overlap_param_gather,
+            "ddp_bucket_size": layout.ddp_bucket_size}
 
 
 def _policy_group(cfg: Config, name: str, total_optimizer_steps: int, shared: SharedGPUs | None) -> PolicyGroup:
