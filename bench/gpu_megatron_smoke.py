@@ -12,7 +12,10 @@ What it does, on ONE GPU (an H200 is what it is sized for; <= 8 minutes, never i
    ``transformer_engine`` imports, else the local spec in plain bf16;
 3. checks that the CPU shims of ``megatron_cpu_compat`` are inactive;
 4. runs ``compute_log_prob`` then ``--steps`` DAPO updates (clip-higher PPO loss, token-mean over
-   the mini-batch) on synthetic unpadded rows, and prints per-step tokens/s, MFU and peak memory.
+   the mini-batch) on synthetic unpadded rows, and prints per-step tokens/s, MFU and peak memory;
+   overlapped gradient reduce-scatter and parameter all-gather are on, as in the cluster presets;
+5. checks an asynchronous checkpoint: saved in the background while the next update runs, then
+   loaded, the same update replayed must give the same loss and gradient norm.
 
 MFU = 6 * N * tokens_per_s / peak, where N counts every parameter (embeddings included, tied
 once) and attention-score FLOPs are left out, so it is the usual "6N" model-FLOPs estimate. The
@@ -115,6 +118,37 @@ def check_padding_is_masked(worker, batch: dict[str, torch.Tensor]) -> float:
     return masked
 
 
+def dapo_update(worker, batch: dict[str, torch.Tensor], old: dict[str, torch.Tensor], settings) -> dict:
+    """One optimizer step on ``batch`` (one mini-batch) with ``old`` as the behaviour log-probs."""
+    from nemo_dapo.policy.base import MiniBatch
+
+    mini = MiniBatch({**batch, "old_log_probs": old["log_probs"]}, float(batch["response_mask"].sum()),
+                     float(batch["input_ids"].shape[0]))
+    return worker.update([mini], settings)
+
+
+def check_async_checkpoint(worker, folder: str, args, vocab: int, settings) -> dict:
+    """Save in the background, update while it writes, finish; load and replay that update: the
+    loss and gradient norm must come out again (the write holds the state of the save's start)."""
+    batch = synthetic_batch(args.rows, args.prompt, args.response, vocab, seed=1234)
+    t0 = time.perf_counter()
+    worker.save(folder, asynchronous=True)
+    save_call_s = time.perf_counter() - t0
+    first = dapo_update(worker, batch, worker.compute_log_prob(batch), settings)
+    t0 = time.perf_counter()
+    worker.finish_save(blocking=True)
+    finish_wait_s = time.perf_counter() - t0
+    worker.load(folder)
+    again = dapo_update(worker, batch, worker.compute_log_prob(batch), settings)
+    gap = abs(again["actor/grad_norm"][0] - first["actor/grad_norm"][0]) / first["actor/grad_norm"][0]
+    print(f"async checkpoint: save call {save_call_s:.1f}s, wait after one update {finish_wait_s:.1f}s; replayed "
+          f"update grad norm {again['actor/grad_norm'][0]:.6f} vs {first['actor/grad_norm'][0]:.6f} "
+          f"(relative gap {gap:.1e})", flush=True)
+    if gap > 1e-2 or worker.steps_done != args.steps + 1:
+        die(f"the replayed update after loading differs (grad norm gap {gap:.2e}, steps_done {worker.steps_done})")
+    return {"async_save_call_s": save_call_s, "async_save_wait_s": finish_wait_s, "replay_grad_norm_gap": gap}
+
+
 def check_cpu_shims_inactive() -> None:
     from nemo_dapo.policy import megatron_cpu_compat
 
@@ -155,7 +189,7 @@ def main() -> None:
     print(f"layer spec: {impl}; precision: {'fp8 hybrid / delayed scaling' if fp8 else 'bf16'}", flush=True)
 
     from nemo_dapo.config.schema import OptimConfig
-    from nemo_dapo.policy.base import LossSettings, MiniBatch
+    from nemo_dapo.policy.base import LossSettings
     from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
     from dataclasses import asdict
 
@@ -169,7 +203,8 @@ def main() -> None:
     t0 = time.perf_counter()
     worker = MegatronPolicyWorker(0, 1, os.path.join(work, "rendezvous"), model_dir,
                                   asdict(OptimConfig(lr=1e-6, warmup_steps=0)), dtype="bfloat16",
-                                  max_token_len=args.max_token_len, transformer_impl=impl, fp8=fp8)
+                                  max_token_len=args.max_token_len, transformer_impl=impl, fp8=fp8,
+                                  overlap_grad_reduce=True, overlap_param_gather=True)
     print(f"worker built in {time.perf_counter() - t0:.1f}s; device {worker.device}; "
           f"backend {torch.distributed.get_backend()}", flush=True)
     if worker.device.type != "cuda" or torch.distributed.get_backend() != "nccl":
@@ -187,9 +222,7 @@ def main() -> None:
         old = worker.compute_log_prob(batch)
         torch.cuda.synchronize()
         t_upd = time.perf_counter()
-        mini = MiniBatch({**batch, "old_log_probs": old["log_probs"]}, float(batch["response_mask"].sum()),
-                         float(args.rows))
-        metrics = worker.update([mini], settings)
+        metrics = dapo_update(worker, batch, old, settings)
         torch.cuda.synchronize()
         t_end = time.perf_counter()
         update_s = t_end - t_upd
@@ -205,6 +238,7 @@ def main() -> None:
         if bad:
             die(f"step {step}: non-finite {bad}")
 
+    replay = check_async_checkpoint(worker, os.path.join(work, "checkpoint"), args, vocab, settings)
     padding_gap = check_padding_is_masked(worker, synthetic_batch(args.rows, args.prompt, args.response, vocab, 99))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -219,6 +253,7 @@ def main() -> None:
                "tokens_per_step": tokens_per_step, "timed_steps": len(timed),
                "update_tokens_per_s": tokens_s, "mfu": 6 * n_params * tokens_s / args.peak_flops,
                "peak_flops_used": args.peak_flops, "padding_logprob_gap": padding_gap, "export_s": export_s,
+               **replay,
                "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30}
     print("SUMMARY " + json.dumps(summary), flush=True)
     print(f"update throughput {tokens_s:,.0f} tokens/s; MFU {100 * summary['mfu']:.1f}% of "

@@ -23,6 +23,22 @@ def test_save_is_sealed_and_pointer_updated(tmp_path):
     assert not list(tmp_path.glob(".tmp_*"))
 
 
+def test_staged_checkpoint_is_invisible_until_committed(tmp_path):
+    """An asynchronous save stages its folder while files still arrive: resume and ``latest``
+    keep the previous checkpoint until the commit, and a late file is sealed in the manifest."""
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    manager.save(1, writer(b"one"))
+    staging = manager.stage(2, writer(b"two"))
+    (staging / "policy" / "shard.distcp").write_bytes(b"written in the background")
+    assert [s for s, _ in manager.step_folders()] == [1]
+    assert manager.resolve_resume("auto").name == "global_step_1"
+    assert (tmp_path / "latest").read_text() == "global_step_1"
+    final = manager.commit(staging)
+    assert final.name == "global_step_2" and verify(final) == final and not staging.exists()
+    assert (final / "policy" / "shard.distcp").read_bytes() == b"written in the background"
+    assert manager.resolve_resume("auto") == final and (tmp_path / "latest").read_text() == "global_step_2"
+
+
 def test_retention_keeps_last_k(tmp_path):
     manager = CheckpointManager(tmp_path, keep_last=2)
     for step in (1, 2, 3, 4):

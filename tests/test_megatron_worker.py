@@ -360,8 +360,9 @@ def train_step(worker, seed: int) -> dict:
 
 
 def run_resume_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, checkpoint: str,
-                    out_dir: str, resume: bool, layout: dict) -> None:
-    """Uninterrupted (save after step 1, then step 2) or resumed (load, then step 2) run."""
+                    out_dir: str, resume: bool, layout: dict, asynchronous: bool) -> None:
+    """Uninterrupted (save after step 1, then step 2) or resumed (load, then step 2) run; an
+    asynchronous save is still being written while step 2 changes the weights."""
     from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
 
     torch.set_num_threads(1)
@@ -371,29 +372,35 @@ def run_resume_rank(rank: int, world_size: int, rendezvous: str, model_dir: str,
         worker.load(checkpoint)
     else:
         train_step(worker, seed=0)
-        worker.save(checkpoint)
+        worker.save(checkpoint, asynchronous=asynchronous)
+        # the global metadata is written when the background writes are finalised
+        assert os.path.exists(os.path.join(checkpoint, "megatron", ".metadata")) != asynchronous
     metrics = train_step(worker, seed=1)
+    assert worker.finish_save(blocking=True)
     torch.save({"metrics": metrics, "weights": exported(worker), "steps_done": worker.steps_done},
                os.path.join(out_dir, f"{'resumed' if resume else 'straight'}{rank}.pt"))
 
 
-def resume_run(tmp_path, model_dir, world_size: int, layout: dict, resume: bool) -> dict:
+def resume_run(tmp_path, model_dir, world_size: int, layout: dict, resume: bool, asynchronous: bool = False) -> dict:
     """Rank 0's metrics and step count, and the union of the ranks' exported weights."""
     name = "resumed" if resume else "straight"
     spawn(run_resume_rank, world_size, str(tmp_path / f"rdv_{name}"), str(model_dir), str(tmp_path / "ckpt"),
-          str(tmp_path), resume, layout)
+          str(tmp_path), resume, layout, asynchronous)
     ranks = [torch.load(tmp_path / f"{name}{r}.pt", weights_only=False) for r in range(world_size)]
     return {**ranks[0], "weights": {k: t for r in ranks for k, t in r["weights"].items()}}
 
 
-@pytest.mark.parametrize("model, layout", [
-    ("tiny_model_dir", {"tensor_parallel_size": 2}),
-    ("four_layers", {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}),
+@pytest.mark.parametrize("model, layout, asynchronous", [
+    ("tiny_model_dir", {"tensor_parallel_size": 2}, False),
+    ("tiny_model_dir", {"tensor_parallel_size": 2}, True),
+    ("four_layers", {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}, False),
 ])
-def test_save_at_two_ranks_load_at_one_continues_like_uninterrupted_run(tmp_path, request, model, layout):
-    """Saved at TP=2, or at PP=2 with interleaved chunks; loaded on one rank (resharded)."""
+def test_save_at_two_ranks_load_at_one_continues_like_uninterrupted_run(tmp_path, request, model, layout,
+                                                                        asynchronous):
+    """Saved at TP=2 (in the background, too), or at PP=2 with interleaved chunks; loaded on one
+    rank (resharded)."""
     model_dir = request.getfixturevalue(model)
-    straight = resume_run(tmp_path, model_dir, 2, layout, resume=False)
+    straight = resume_run(tmp_path, model_dir, 2, layout, resume=False, asynchronous=asynchronous)
     resumed = resume_run(tmp_path, model_dir, 1, {}, resume=True)
     assert straight["steps_done"] == resumed["steps_done"] == 2
     assert resumed["metrics"]["actor/lr"] == pytest.approx(straight["metrics"]["actor/lr"])

@@ -138,9 +138,16 @@ def test_megatron_tp2_run_learns(workdir):
     pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
     out = workdir / "megatron"
     done = train(out, "actor.backend=megatron", "actor.num_workers=2", "actor.megatron.tensor_model_parallel_size=2",
-                 "trainer.total_training_steps=40", "trainer.test_freq=20", "trainer.save_freq=40")
+                 "trainer.total_training_steps=40", "trainer.test_freq=20", "trainer.save_freq=20",
+                 "checkpoint.async_save=true")
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_val_acc"] > summary["initial_val_acc"] + 0.05, summary
     assert (out / "hf_export" / "model.safetensors").is_file()
-    assert (out / "checkpoints" / "global_step_40" / "policy" / "megatron").is_dir()  # sharded, reshardable state
+    from nemo_dapo.trainer.checkpoint import verify
+
+    # both background saves were committed (sealed, renamed), the last one at the end of the run
+    for step in (20, 40):
+        folder = verify(out / "checkpoints" / f"global_step_{step}")
+        assert (folder / "policy" / "megatron" / ".metadata").is_file()  # sharded, reshardable state
+    assert (out / "checkpoints" / "latest").read_text() == "global_step_40"

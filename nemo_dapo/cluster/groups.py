@@ -79,8 +79,12 @@ class PolicyGroup:
         for stream in streams:
             yield from stream
 
-    def save(self, path: str) -> None:
-        self.workers.call_all("save", path)
+    def save(self, path: str, asynchronous: bool = False) -> None:
+        self.workers.call_all("save", path, asynchronous)
+
+    def finish_save(self, blocking: bool = True) -> bool:
+        """Whether every rank has finished writing (all ranks take part in the check)."""
+        return all(self.workers.call_all("finish_save", blocking))
 
     def load(self, path: str) -> None:
         self.workers.call_all("load", path)

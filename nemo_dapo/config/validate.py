@@ -278,6 +278,8 @@ def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
     problems.require(set(trainer.loggers) <= {"console", "tensorboard"}, "trainer.loggers", trainer.loggers,
                      "choose from ['console', 'tensorboard']")
     problems.require(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
+    problems.require(not cfg.checkpoint.async_save or cfg.actor.backend == "megatron", "checkpoint.async_save",
+                     cfg.checkpoint.async_save, "needs actor.backend=megatron (the torch worker saves synchronously)")
     problems.require(bool(cfg.checkpoint.resume), "checkpoint.resume", cfg.checkpoint.resume,
                      "use auto, disable, or a checkpoint folder")
     problems.choice("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))

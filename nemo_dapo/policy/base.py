@@ -57,6 +57,11 @@ class PolicyWorker(Protocol):
         yielded exactly once, in rank order the HF order.
         """
 
-    def save(self, path: str) -> None: ...
+    def save(self, path: str, asynchronous: bool = False) -> None:
+        """Collective. ``asynchronous``: some files may still be written on return, until
+        :meth:`finish_save` says the save is complete."""
+
+    def finish_save(self, blocking: bool = True) -> bool:
+        """Collective: whether every save begun on this worker is completely on disk."""
 
     def load(self, path: str) -> None: ...

@@ -5,6 +5,10 @@ form (optimizer sharding type ``fully_reshardable``), so a checkpoint written at
 DP layout loads at another. The step counter goes into the common state; RNG states are per
 rank, beside the checkpoint (absent ranks keep theirs, as in the torch worker). A gathered
 Hugging Face copy of the weights (``model/``) is written too, as by the torch worker.
+
+Asynchronous saves write the sharded state from a forked process (megatron-core's async
+``dist_checkpointing``): the fork holds the state as it was when the save began, training goes
+on, and the checkpoint is complete once :func:`finish_async_saves` reports every rank done.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ def _sharded_state(worker, is_loading: bool) -> dict:
     return {"model": model_state, "optimizer": optimizer_state, "steps_done": worker.steps_done}
 
 
-def save_checkpoint(worker, path: str) -> None:
+def save_checkpoint(worker, path: str, asynchronous: bool = False) -> None:
+    """Collective. With ``asynchronous`` the sharded state is still being written on return."""
     from megatron.core import dist_checkpointing
 
     weights_dir = os.path.join(path, "megatron")
@@ -45,7 +50,10 @@ def save_checkpoint(worker, path: str) -> None:
         os.makedirs(weights_dir, exist_ok=True)
     dist.barrier()
     worker.gather_params()
-    dist_checkpointing.save(_sharded_state(worker, is_loading=False), weights_dir)
+    request = dist_checkpointing.save(_sharded_state(worker, is_loading=False), weights_dir,
+                                      async_sharded_save=asynchronous)
+    if asynchronous:
+        worker.async_saves.schedule_async_request(request)
     torch.save(worker.rng_state(), os.path.join(path, f"rng_rank{worker.rank}.pt"))
     _save_hf_weights(worker, os.path.join(path, "model"))
     dist.barrier()
@@ -78,6 +86,13 @@ def _save_hf_weights(worker, folder: str) -> None:
                      "weight_map": {name: file for file, names in zip(files, shards) for name in names}}
             with open(os.path.join(folder, "model.safetensors.index.json"), "w", encoding="utf-8") as handle:
                 json.dump(index, handle, indent=2)
+
+
+def finish_async_saves(worker, blocking: bool) -> bool:
+    """Collective: whether every rank's background writes are done (then finalised: metadata
+    written, errors raised on all ranks); ``blocking`` waits for them."""
+    worker.async_saves.maybe_finalize_async_calls(blocking=blocking)
+    return worker.async_saves.get_num_unfinalized_calls() == 0
 
 
 def load_checkpoint(worker, path: str) -> None:

@@ -318,10 +318,22 @@ class MegatronPolicyWorker:
         self.gather_params()
         yield from bucketize(iter_hf_weights([chunk.module for chunk in self.chunks], self.shape), bucket_bytes)
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, asynchronous: bool = False) -> None:
         from nemo_dapo.policy.megatron_checkpoint import save_checkpoint
 
-        save_checkpoint(self, path)
+        save_checkpoint(self, path, asynchronous)
+
+    @functools.cached_property
+    def async_saves(self):
+        """megatron-core's queue of background checkpoint writes (one forked writer per save)."""
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        return AsyncCallsQueue()
+
+    def finish_save(self, blocking: bool = True) -> bool:
+        from nemo_dapo.policy.megatron_checkpoint import finish_async_saves
+
+        return finish_async_saves(self, blocking)
 
     def load(self, path: str) -> None:
         from nemo_dapo.policy.megatron_checkpoint import load_checkpoint

@@ -144,14 +144,18 @@ class TorchPolicyWorker:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}
 
-    def save(self, path: str) -> None:
-        """Rank 0 writes the HF weights and the (replicated) optimizer state; others write RNG only."""
+    def save(self, path: str, asynchronous: bool = False) -> None:
+        """Rank 0 writes the HF weights and the (replicated) optimizer state; others write RNG only.
+        Always synchronous (the config refuses ``checkpoint.async_save`` with this backend)."""
         os.makedirs(path, exist_ok=True)
         state = self.state()
         if self.rank == 0:
             self.model.save_pretrained(os.path.join(path, "model"), safe_serialization=True)
             torch.save({k: state[k] for k in ("optimizer", "scheduler")}, os.path.join(path, "optim.pt"))
         torch.save(state["rng"], os.path.join(path, f"rng_rank{self.rank}.pt"))
+
+    def finish_save(self, blocking: bool = True) -> bool:
+        return True  # nothing runs in the background
 
     def load(self, path: str) -> None:
         """Load weights + optimizer; works for any number of DP ranks (the state is replicated)."""

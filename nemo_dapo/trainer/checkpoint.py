@@ -20,6 +20,7 @@ from typing import Callable
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
+STAGING_PREFIX = ".tmp_global_step_"
 
 
 class CheckpointError(RuntimeError):
@@ -80,12 +81,22 @@ class CheckpointManager:
 
     def save(self, step: int, write: Callable[[Path], None]) -> Path:
         """``write(folder)`` fills a temporary folder; it becomes ``global_step_<step>`` atomically."""
+        return self.commit(self.stage(step, write))
+
+    def stage(self, step: int, write: Callable[[Path], None]) -> Path:
+        """The temporary folder of step ``step``, filled by ``write``; invisible until :meth:`commit`
+        (files written in the background may still be arriving in it)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        final = self.root / f"global_step_{step}"
-        staging = self.root / f".tmp_global_step_{step}"
+        staging = self.root / f"{STAGING_PREFIX}{step}"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         write(staging)
+        return staging
+
+    def commit(self, staging: Path) -> Path:
+        """Seal a complete staged checkpoint (manifest, fsync), rename it into place, then point
+        ``latest`` at it and prune the oldest."""
+        final = self.root / staging.name.removeprefix(".tmp_")
         write_manifest(staging)
         _fsync_tree(staging)
         if final.exists():  # a checkpoint of the same step from an interrupted earlier run
@@ -100,7 +111,7 @@ class CheckpointManager:
     def _prune(self) -> None:
         for _, path in self.step_folders()[self.keep_last:]:
             shutil.rmtree(path, ignore_errors=True)
-        for path in self.root.glob(".tmp_global_step_*"):
+        for path in self.root.glob(f"{STAGING_PREFIX}*"):
             shutil.rmtree(path, ignore_errors=True)
 
     def resolve_resume(self, resume: str) -> Path | None:

@@ -56,6 +56,7 @@ class DAPOTrainer:
         self.output_dir = Path(cfg.trainer.output_dir)
         self.tracker = Tracker(self.output_dir, cfg.trainer.loggers, cfg.trainer.experiment_name)
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", cfg.checkpoint.keep_last)
+        self.pending_checkpoint: Path | None = None  # staged, its sharded state still being written
         filtering = cfg.algorithm.filter_groups
         prompts_per_round = cfg.data.effective_gen_batch_size if filtering.enable else cfg.data.train_batch_size
         self.sampler = ResumableBatchSampler(len(train_data), prompts_per_round, seed=cfg.data.seed,
@@ -212,15 +213,28 @@ class DAPOTrainer:
                 "kl_coef": self.kl_controller.value, "initial_val": self.initial_val,
                 "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> None:
+        """Checkpoint this step; with ``checkpoint.async_save`` the policy's sharded state is written
+        in the background and the checkpoint is committed by a later :meth:`finish_checkpoint`."""
+        self.finish_checkpoint()  # one background write at a time, committed in step order
+        asynchronous = self.cfg.checkpoint.async_save
+
         def write(folder: Path) -> None:
-            self.policy.save(str(folder / "policy"))
+            self.policy.save(str(folder / "policy"), asynchronous=asynchronous)
             torch.save(self.trainer_state(), folder / "trainer_state.pt")
             (folder / "config.yaml").write_text(to_yaml(self.cfg))
 
-        path = self.checkpoints.save(self.global_step, write)
+        self.pending_checkpoint = self.checkpoints.stage(self.global_step, write)
+        self.finish_checkpoint(blocking=not asynchronous)
+
+    def finish_checkpoint(self, blocking: bool = True) -> None:
+        """Commit the staged checkpoint once every rank has written its part (waiting for that
+        when ``blocking``); until then the previous checkpoint stays the latest."""
+        if self.pending_checkpoint is None or not self.policy.finish_save(blocking):
+            return
+        path = self.checkpoints.commit(self.pending_checkpoint)
+        self.pending_checkpoint = None
         log.info("saved checkpoint %s", path)
-        return path
 
     def load_checkpoint(self, path: Path) -> None:
         self.policy.load(str(path / "policy"))
@@ -255,6 +269,7 @@ class DAPOTrainer:
         last_val = dict(self.initial_val)
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="DAPO", dynamic_ncols=True)
         while self.global_step < self.total_steps:
+            self.finish_checkpoint(blocking=False)
             metrics = self.train_step()
             self.global_step += 1
             done = self.global_step >= self.total_steps
@@ -270,6 +285,7 @@ class DAPOTrainer:
             if preemption.requested and not done:
                 self._stop_preempted(preemption.received, bar)
         bar.close()
+        self.finish_checkpoint()
         self.tracker.close()
         return self._write_summary(last_val, time.time() - start)
 
@@ -277,6 +293,7 @@ class DAPOTrainer:
         """Checkpoint (unless this step just did) and leave: the requeued job resumes from here."""
         if not self._due(self.cfg.trainer.save_freq):
             self.save_checkpoint()
+        self.finish_checkpoint()
         bar.close()
         self.tracker.close()
         record_preemption(self.output_dir, self.global_step, signal_name)
