@@ -6,6 +6,7 @@ the two ranks are also two data-parallel replicas: each takes half the rows, and
 dispatcher sends every token to the rank that holds its experts.
 """
 
+import dataclasses
 import importlib.util
 import re
 
@@ -29,6 +30,32 @@ def checkpoint_and_shape(model_dir):
     from nemo_dapo.policy.megatron_model import read_hf_weights
 
     return read_hf_weights(str(model_dir)), ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_each_chunk_reads_only_its_share_of_the_checkpoint(moe_dir, tied):
+    """2 pipeline chunks x 2 EP ranks: every layer tensor is read by one chunk, every expert by one
+    (chunk, EP rank), the embedding by the first chunk (and the last, whose head it is when tied),
+    the final norm and head by the last; nothing else is read anywhere."""
+    from nemo_dapo.policy import megatron_convert as convert
+
+    hf, shape = checkpoint_and_shape(moe_dir)
+    names = set(hf) | {"lm_head.weight"}
+    shape = dataclasses.replace(shape, tied_embeddings=tied)
+    chunks = [(convert.stage_layers(shape.num_layers, c, 2), c == 0, c == 1) for c in range(2)]
+    readers = {name: [(c, ep) for c, chunk in enumerate(chunks) for ep in range(2)
+                      if convert.hf_name_needed(name, shape, *chunk, ep, 2)] for name in names}
+    for name, who in readers.items():
+        if convert.HF_EXPERT.fullmatch(name):
+            layer, expert = map(int, re.findall(r"\d+", name)[:2])
+            assert who == [(layer * 2 // shape.num_layers, expert * 2 // shape.num_experts)], name
+        elif convert.HF_LAYER.fullmatch(name):
+            layer = int(re.findall(r"\d+", name)[0])
+            assert {c for c, _ in who} == {layer * 2 // shape.num_layers} and len(who) == 2, name
+        elif name == "model.embed_tokens.weight":
+            assert {c for c, _ in who} == ({0, 1} if tied else {0}), name
+        else:
+            assert {c for c, _ in who} == {1}, name
 
 
 @pytest.mark.parametrize("family", ["moe_dir", "qwen3_dir"])

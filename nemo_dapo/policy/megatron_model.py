@@ -9,6 +9,7 @@ gathers one parameter over TP (experts over expert TP and EP) for the streaming 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -227,7 +228,7 @@ def with_padding_mask(spec):
 
 def build_gpt_model(hf_config, config, transformer_impl: str = "local", vp_stage: int | None = None):
     """GPTModel for this rank's pipeline stage (its ``vp_stage``-th chunk with virtual stages);
-    logits gathered over TP (``parallel_output=False``)."""
+    logits left split over TP (``parallel_output=True``: :mod:`megatron_vocab` never gathers them)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -242,24 +243,38 @@ def build_gpt_model(hf_config, config, transformer_impl: str = "local", vp_stage
         pre_process=parallel_state.is_pipeline_first_stage(**place),
         post_process=parallel_state.is_pipeline_last_stage(**place),
         share_embeddings_and_output_weights=shape.tied_embeddings, position_embedding_type="rope",
-        rotary_base=rope_theta(hf_config), parallel_output=False, vp_stage=vp_stage)
+        rotary_base=rope_theta(hf_config), parallel_output=True, vp_stage=vp_stage)
 
 
-def read_hf_weights(model_path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def read_hf_weights(model_path: str, wanted: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
+    """The folder's safetensors tensors, or only those ``wanted``: the others are never read."""
+    from safetensors import safe_open
 
     weights: dict[str, torch.Tensor] = {}
-    for name in sorted(os.listdir(model_path)):
-        if name.endswith(".safetensors"):
-            weights.update(load_file(os.path.join(model_path, name)))
+    for file in sorted(os.listdir(model_path)):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(model_path, file), framework="pt") as handle:
+                weights.update({name: handle.get_tensor(name) for name in handle.keys() if wanted(name)})
     return weights
+
+
+def chunk_needs(shape: convert.ModelShape, vp_stage: int = 0) -> Callable[[str], bool]:
+    """Which HF tensors this rank's ``vp_stage``-th chunk is built from (a rank reads about
+    1 / (PP x virtual stages) of a dense model, and 1 / EP of the experts)."""
+    from megatron.core import parallel_state as ps
+
+    index, count = chunk_index(vp_stage), num_chunks()
+    layers = convert.stage_layers(shape.num_layers, index, count)
+    ep = (ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size())
+    return lambda name: convert.hf_name_needed(name, shape, layers, index == 0, index == count - 1, *ep)
 
 
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def full_megatron_state(hf: dict[str, torch.Tensor], shape: convert.ModelShape, tp_size: int) -> dict[str, torch.Tensor]:
-    """The whole model's GPTModel parameters (vocabulary padded to divide over TP), from HF tensors."""
+    """GPTModel parameters (vocabulary padded to divide over TP) of the given HF tensors: the whole
+    model's, or the share :func:`chunk_needs` selects."""
     padded = padded_vocab_size(shape.vocab_size, tp_size)
     return {k: convert.pad_vocab(v, padded) if k in VOCAB_ROWS else v
             for k, v in convert.hf_to_megatron(hf, shape).items()}

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from nemo_dapo.algo.correction import CorrectionSettings
-from nemo_dapo.algo.logprob import entropy_from_logits, log_probs_from_logits
 from nemo_dapo.config.schema import OptimConfig
 from nemo_dapo.policy import megatron_model as mm
 from nemo_dapo.policy.actor_loss import SUMMED_METRICS, actor_loss
@@ -32,6 +31,7 @@ from nemo_dapo.policy.base import LossSettings, MiniBatch
 from nemo_dapo.policy.megatron_convert import ModelShape
 from nemo_dapo.policy.megatron_cpu_compat import enable_cpu_compat
 from nemo_dapo.policy.megatron_export import iter_hf_weights
+from nemo_dapo.policy.megatron_vocab import vocab_parallel_stats
 from nemo_dapo.policy.microbatch import REAL_ROWS, micro_batches, prompt_width, uniform_micro_batches
 from nemo_dapo.policy.torch_worker import DTYPES, lr_lambda
 from nemo_dapo.policy.weights import Bucket, bucketize
@@ -112,10 +112,12 @@ class MegatronPolicyWorker:
         """This rank's model chunks (one, or ``virtual`` interleaved ones), each in Megatron's DDP."""
         from megatron.core.distributed import DistributedDataParallel
 
-        full = mm.full_megatron_state(mm.read_hf_weights(model_path), self.shape, self.parallel.tensor)
         ddp_config = self.sync.ddp_config()
         chunks = []
         for vp_stage in range(self.parallel.chunks_per_rank):
+            # only this chunk's share of the checkpoint is read and converted
+            full = mm.full_megatron_state(mm.read_hf_weights(model_path, mm.chunk_needs(self.shape, vp_stage)),
+                                          self.shape, self.parallel.tensor)
             model = mm.build_gpt_model(self.hf_config, self.config, self.options.transformer_impl,
                                        vp_stage if self.parallel.virtual else None)
             # as Megatron's get_model + Float16Module: every parameter on this rank's device, in the
@@ -176,12 +178,12 @@ class MegatronPolicyWorker:
 
     # ---- forward ---------------------------------------------------------------------------
 
-    def _response_stats(self, micro: dict[str, torch.Tensor], logits: torch.Tensor, temperature: float):
-        """Log-probs and entropy of the response tokens (padded vocabulary rows dropped)."""
+    def _response_stats(self, micro: dict[str, torch.Tensor], logits: torch.Tensor, temperature: float,
+                        entropy_grad: bool = True):
+        """Log-probs and entropy of the response tokens from this rank's vocabulary columns."""
         width, length = prompt_width(micro), micro["responses"].shape[1]
-        response_logits = logits[:, width - 1: width - 1 + length, : self.shape.vocab_size]
-        return (log_probs_from_logits(response_logits, micro["responses"], temperature),
-                entropy_from_logits(response_logits, temperature))
+        return vocab_parallel_stats(logits[:, width - 1: width - 1 + length], micro["responses"], temperature,
+                                    self.shape.vocab_size, entropy_grad)
 
     def _set_mode(self, train: bool) -> None:
         for chunk in self.chunks:
@@ -275,7 +277,8 @@ class MegatronPolicyWorker:
         step_metrics: dict[str, list[float]] = {}
 
         def loss_fn(micro, logits):
-            log_probs, entropy = self._response_stats(micro, logits, settings.temperature)
+            log_probs, entropy = self._response_stats(micro, logits, settings.temperature,
+                                                      entropy_grad=settings.entropy_coeff != 0)
             loss, micro_metrics = actor_loss(log_probs, entropy, micro, settings, mini.global_token_count,
                                              mini.global_seq_count, correction)
             for key, value in micro_metrics.items():
