@@ -306,6 +306,30 @@ def test_recompute_and_plain_optimizer_give_the_same_update(tmp_path, tiny_model
     assert_same_update(megatron_result(tmp_path, tiny_model_dir, **options), single_rank)
 
 
+def run_frozen_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, out_dir: str) -> None:
+    from nemo_dapo.policy.base import LossSettings
+    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
+
+    torch.set_num_threads(1)
+    worker = MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, optim_settings(), max_token_len=40,
+                                  trainable=False)
+    with pytest.raises(RuntimeError, match="trainable=False") as refused:
+        worker.update([], LossSettings())
+    params = [p for model in worker.models for p in model.parameters()]
+    torch.save({"before": worker.compute_log_prob(make_batch()), "refused": str(refused.value),
+                "optimizer": worker.optimizer, "trainable": [p for p in params if p.requires_grad],
+                "grad_buffers": [p for p in params if hasattr(p, "main_grad")]}, os.path.join(out_dir, "frozen.pt"))
+
+
+def test_reference_worker_keeps_weights_only_and_scores_like_the_actor(tmp_path, tiny_model_dir, single_rank):
+    """trainable=False (the KL reference): no DDP gradient buffers, no optimizer, the same log-probs."""
+    spawn(run_frozen_rank, 1, str(tmp_path / "rdv"), str(tiny_model_dir), str(tmp_path))
+    frozen = torch.load(tmp_path / "frozen.pt", weights_only=False)
+    assert frozen["optimizer"] is None and not frozen["trainable"] and not frozen["grad_buffers"]
+    for key in ("log_probs", "entropy"):
+        assert torch.equal(frozen["before"][key], single_rank["before"][key]), key
+
+
 def run_overlap_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, out_dir: str, overlap: bool) -> None:
     """Two updates of 2 then 3 micro-batches per rank; the weights read straight after the last
     optimizer step (no forward in between), then the log-probs of the updated model."""

@@ -108,6 +108,20 @@ def test_colocated_peak_is_the_larger_phase(capsys):
     assert code == 0 and plan["colocated"] is None
 
 
+def test_colocated_kl_reference_adds_its_weights(capsys):
+    """With a KL term the frozen reference model shares every GPU: its weights (and nothing else)
+    stay resident in both phases; on separate GPUs it takes none of the actor's."""
+    _, base, _ = run_plan(capsys, "dapo_qwen2.5_32b")
+    _, kl, _ = run_plan(capsys, "dapo_qwen2.5_32b", "actor.use_kl_loss=true")
+    assert base["training"]["reference"] == 0
+    assert kl["training"]["reference"] == pytest.approx(kl["training"]["weights"])
+    for phase in ("training_phase", "generation_phase"):
+        assert kl["colocated"][phase] == pytest.approx(base["colocated"][phase] + kl["training"]["weights"])
+    _, separate, _ = run_plan(capsys, "dapo_qwen2.5_32b", "actor.use_kl_loss=true", "trainer.colocate=false",
+                              "actor.num_workers=32", "rollout.num_workers=16")
+    assert separate["training"]["reference"] == 0
+
+
 def test_kv_cache_without_room_is_refused(capsys):
     code, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "rollout.tensor_parallel_size=1", "rollout.num_workers=128")
     assert code == 1 and plan["generation"]["kv_cache"] < 0

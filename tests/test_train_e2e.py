@@ -151,3 +151,17 @@ def test_megatron_tp2_run_learns(workdir):
         folder = verify(out / "checkpoints" / f"global_step_{step}")
         assert (folder / "policy" / "megatron" / ".metadata").is_file()  # sharded, reshardable state
     assert (out / "checkpoints" / "latest").read_text() == "global_step_40"
+
+
+def test_kl_loss_against_a_frozen_megatron_reference(workdir):
+    """With a KL term a reference group is built (frozen: weights only); the KL loss is zero while
+    the actor equals it and grows once the actor has moved."""
+    pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
+    out = workdir / "kl"
+    done = train(out, "actor.backend=megatron", "actor.use_kl_loss=true", "actor.kl_loss_type=low_var_kl",
+                 "trainer.total_training_steps=4", "trainer.save_freq=0", *SMALL,
+                 "actor.ppo_mini_batch_size=8")  # one optimizer step per trainer step
+    assert done.returncode == 0, done.stderr[-3000:]
+    kl = [r["actor/kl_loss"] for r in records(out / "metrics.jsonl") if "actor/kl_loss" in r]
+    assert len(kl) == 4 and kl[0] == pytest.approx(0.0, abs=1e-6) and kl[-1] > 1e-6, kl
+

@@ -26,6 +26,9 @@ memory go" before a 128-GPU job is queued. Conventions (bytes; ``e`` = bytes of 
 - vLLM: weights / rollout TP, KV cache = layers x KV heads per GPU x head_dim x 2 (K and V) x e
   per token, in ``gpu_memory_utilization`` x GPU memory minus weights and the reserve.
 - ``reserve``: CUDA context, NCCL buffers and allocator fragmentation, per phase.
+- A KL reference model (``actor.use_kl_loss`` / ``algorithm.use_kl_in_reward``) is built frozen
+  in the actor's layout: colocated it adds its weights, ``e``/param, to every GPU in both phases;
+  on separate GPUs it takes none of the actor's.
 - Colocated (``trainer.colocate``), the two phases take turns on each GPU: the update runs
   while the engines sleep (level 1 frees their weights and KV cache), and generation runs
   beside the training state that stays resident (weights, gradient buffers, optimizer; no
@@ -38,7 +41,7 @@ import math
 from dataclasses import dataclass
 
 from nemo_dapo.config.schema import Config
-from nemo_dapo.config.validate import training_world_size
+from nemo_dapo.config.validate import is_colocated, needs_reference, training_world_size
 from nemo_dapo.launch.architectures import Architecture
 
 GIB = 1024 ** 3
@@ -146,11 +149,13 @@ class TrainingMemory:
     recompute: str
     logits: float
     reserve: float
+    reference: float = 0.0  # the KL reference model's weights when it shares the GPUs (colocated)
 
     @property
     def resident(self) -> float:
-        """What stays on the GPU between updates: weights, gradient buffers, optimizer state."""
-        return self.weights + self.gradients + self.optimizer
+        """What stays on the GPU between updates: weights, gradient buffers, optimizer state (and a
+        colocated reference model's weights)."""
+        return self.weights + self.gradients + self.optimizer + self.reference
 
     @property
     def total(self) -> float:
@@ -170,7 +175,9 @@ def training_memory(cfg: Config, arch: Architecture, reserve_gib: float) -> Trai
         params=params.total, weights=params.total * elt / GIB, gradients=params.total * GRAD_BYTES / GIB,
         optimizer=optimizer / GIB, activations={k: v / GIB for k, v in activations.items()},
         recompute=layout.recompute or "none", logits=logits_bytes(arch, layout, tokens, elt) / GIB,
-        reserve=reserve_gib)
+        reserve=reserve_gib,
+        # the reference worker is built frozen: weights only, in the same layout as the actor
+        reference=params.total * elt / GIB if needs_reference(cfg) and is_colocated(cfg) else 0.0)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 def _sharded_state(worker, is_loading: bool) -> dict:
     """Model chunks (tensor keys use model-wide layer indices, so any PP / virtual-stage layout
     loads any other), the optimizer over all of them, and the step counter."""
-    chunk_states = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(worker.chunks)}
+    chunk_states = {f"model{i}": model.sharded_state_dict() for i, model in enumerate(worker.models)}
     model_state = chunk_states["model0"] if len(chunk_states) == 1 else chunk_states
     init_fallback_adam_state(worker.optimizer)  # a load template, or a save before the first step
     optimizer_state = worker.optimizer.sharded_state_dict(model_state, is_loading=is_loading,
@@ -100,8 +100,8 @@ def load_checkpoint(worker, path: str) -> None:
 
     loaded = dist_checkpointing.load(_sharded_state(worker, is_loading=True), os.path.join(path, "megatron"))
     model_state = loaded["model"]
-    for i, chunk in enumerate(worker.chunks):
-        chunk.module.load_state_dict(model_state if len(worker.chunks) == 1 else model_state[f"model{i}"])
+    for i, model in enumerate(worker.models):
+        model.load_state_dict(model_state if len(worker.models) == 1 else model_state[f"model{i}"])
     skip_step_when_restoring_adam_state()
     worker.optimizer.load_state_dict(loaded["optimizer"])
     unshare_adam_steps(worker.optimizer)

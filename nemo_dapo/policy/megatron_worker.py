@@ -78,7 +78,7 @@ class MegatronPolicyWorker:
                  sequence_parallel: bool = False,
                  recompute_granularity: str | None = None, use_distributed_optimizer: bool = True,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                 ddp_bucket_size: int | None = None) -> None:
+                 ddp_bucket_size: int | None = None, trainable: bool = True) -> None:
         from transformers import AutoConfig
 
         if num_threads:
@@ -104,16 +104,21 @@ class MegatronPolicyWorker:
         self.lr_factor = lr_lambda(self.optim_cfg, total_steps)
         self.max_token_len = max_token_len
         self.steps_done = 0
-        self.chunks = self._build(model_path)
-        self._install_overlap_hooks()
-        self.optimizer = self._build_optimizer()
+        self.trainable = trainable
+        self.models = self._build(model_path)
+        self.optimizer = None
+        if trainable:
+            self.chunks = self._wrap_for_training()
+            self._install_overlap_hooks()
+            self.optimizer = self._build_optimizer()
+        else:  # a reference model: weights only, no gradient buffers or optimizer state
+            self.chunks = self.models
+            for model in self.models:
+                model.requires_grad_(False)
 
     def _build(self, model_path: str) -> list:
-        """This rank's model chunks (one, or ``virtual`` interleaved ones), each in Megatron's DDP."""
-        from megatron.core.distributed import DistributedDataParallel
-
-        ddp_config = self.sync.ddp_config()
-        chunks = []
+        """This rank's GPTModel chunks (one, or ``virtual`` interleaved ones) with the checkpoint's weights."""
+        models = []
         for vp_stage in range(self.parallel.chunks_per_rank):
             # only this chunk's share of the checkpoint is read and converted
             full = mm.full_megatron_state(mm.read_hf_weights(model_path, mm.chunk_needs(self.shape, vp_stage)),
@@ -124,9 +129,22 @@ class MegatronPolicyWorker:
             # training dtype (the torch-norm fallback of the local spec is built on the CPU in fp32)
             model.to(device=self.device, dtype=self.config.params_dtype)
             mm.load_local_weights(model, mm.local_weights(full, self.shape, self.parallel.tensor, vp_stage))
-            # as Megatron's training loop: only the first chunk's gradient reduction is bucketed
-            chunks.append(DistributedDataParallel(self.config, ddp_config, model, disable_bucketing=vp_stage > 0))
-        return chunks
+            models.append(model)
+        return models
+
+    def _wrap_for_training(self) -> list:
+        """Each chunk in Megatron's DDP (gradient buffers; as Megatron's training loop, only the
+        first chunk's gradient reduction is bucketed)."""
+        from megatron.core.distributed import DistributedDataParallel
+
+        ddp_config = self.sync.ddp_config()
+        return [DistributedDataParallel(self.config, ddp_config, model, disable_bucketing=vp_stage > 0)
+                for vp_stage, model in enumerate(self.models)]
+
+    def _require_trainable(self, what: str) -> None:
+        if not self.trainable:
+            raise RuntimeError(f"{what}: this worker was built with trainable=False (a reference model): "
+                               "it only computes log-probs")
 
     def _install_overlap_hooks(self) -> None:
         """The schedule's hooks for overlapped gradient reduction (as Megatron's training loop): no
@@ -145,7 +163,7 @@ class MegatronPolicyWorker:
     def gather_params(self) -> None:
         """With overlapped parameter gathers, the other ranks' shards of an update arrive in the next
         forward; readers of the weights outside a forward (export, checkpoint) gather them now."""
-        if self.sync.overlap_param_gather:
+        if self.trainable and self.sync.overlap_param_gather:
             for chunk in self.chunks:
                 chunk.start_param_sync(force_sync=True)
 
@@ -259,6 +277,7 @@ class MegatronPolicyWorker:
 
     def update(self, mini_batches: list[MiniBatch], settings: LossSettings,
                correction: CorrectionSettings | None = None) -> dict[str, list[float]]:
+        self._require_trainable("update")
         self._set_mode(train=True)
         metrics: dict[str, list[float]] = {}
         for mini in mini_batches:
@@ -319,11 +338,12 @@ class MegatronPolicyWorker:
         (:mod:`megatron_export`); every other rank takes part in the gathers and yields nothing.
         """
         self.gather_params()
-        yield from bucketize(iter_hf_weights([chunk.module for chunk in self.chunks], self.shape), bucket_bytes)
+        yield from bucketize(iter_hf_weights(self.models, self.shape), bucket_bytes)
 
     def save(self, path: str, asynchronous: bool = False) -> None:
         from nemo_dapo.policy.megatron_checkpoint import save_checkpoint
 
+        self._require_trainable("save")
         save_checkpoint(self, path, asynchronous)
 
     @functools.cached_property
@@ -341,6 +361,7 @@ class MegatronPolicyWorker:
     def load(self, path: str) -> None:
         from nemo_dapo.policy.megatron_checkpoint import load_checkpoint
 
+        self._require_trainable("load")
         load_checkpoint(self, path)
 
     def rng_state(self) -> dict:

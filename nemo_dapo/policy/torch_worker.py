@@ -52,7 +52,7 @@ def init_data_parallel(rank: int, world_size: int, rendezvous: str) -> None:
 class TorchPolicyWorker:
     def __init__(self, rank: int, world_size: int, rendezvous: str, model_path: str, optim: dict,
                  dtype: str = "float32", total_steps: int = 1000, max_token_len: int = 16384,
-                 seed: int = 1, num_threads: int | None = None) -> None:
+                 seed: int = 1, num_threads: int | None = None, trainable: bool = True) -> None:
         from transformers import AutoModelForCausalLM
 
         if num_threads:
@@ -63,6 +63,8 @@ class TorchPolicyWorker:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype])
         self.model.config.use_cache = False
         self.optim_cfg = OptimConfig(**optim)
+        self.trainable = trainable
+        self.model.requires_grad_(trainable)  # a reference model (trainable=False) never updates
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.optim_cfg.lr,
                                            betas=tuple(self.optim_cfg.betas), eps=self.optim_cfg.eps,
                                            weight_decay=self.optim_cfg.weight_decay)
@@ -98,6 +100,8 @@ class TorchPolicyWorker:
 
     def update(self, mini_batches: list[MiniBatch], settings: LossSettings,
                correction: CorrectionSettings | None = None) -> dict[str, list[float]]:
+        if not self.trainable:
+            raise RuntimeError("update: this worker was built with trainable=False (a reference model)")
         self.model.train()
         metrics: dict[str, list[float]] = {}
         for mini in mini_batches:

@@ -42,13 +42,14 @@ def megatron_worker_kwargs(layout: MegatronConfig) -> dict:
             "ddp_bucket_size": layout.ddp_bucket_size}
 
 
-def _policy_group(cfg: Config, name: str, total_optimizer_steps: int, shared: SharedGPUs | None) -> PolicyGroup:
+def _policy_group(cfg: Config, name: str, total_optimizer_steps: int, shared: SharedGPUs | None,
+                  trainable: bool = True) -> PolicyGroup:
     from nemo_dapo.cluster.groups import PolicyGroup
     from nemo_dapo.cluster.worker_group import WorkerGroup
 
     kwargs = {"model_path": cfg.model.path, "optim": asdict(cfg.actor.optim), "dtype": cfg.model.dtype,
               "total_steps": total_optimizer_steps, "max_token_len": cfg.actor.max_token_len_per_micro_batch,
-              "seed": cfg.trainer.seed}
+              "seed": cfg.trainer.seed, "trainable": trainable}
     if cfg.actor.backend == "megatron":
         from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker as worker_cls
 
@@ -113,7 +114,7 @@ def start_workers(cfg: Config, total_optimizer_steps: int) -> Workers:
     if is_colocated(cfg):
         shared = SharedGPUs(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, groups=policy_groups(cfg) + 1)
     policy = _policy_group(cfg, "actor", total_optimizer_steps, shared)
-    ref = _policy_group(cfg, "ref", 1, shared) if needs_reference(cfg) else None
+    ref = _policy_group(cfg, "ref", 1, shared, trainable=False) if needs_reference(cfg) else None
     return Workers(policy, ref, _rollout_group(cfg, shared), shared)
 
 
