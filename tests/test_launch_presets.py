@@ -95,6 +95,7 @@ def test_environment_sets_model_and_data_paths(monkeypatch):
     (["actor.megatron.use_distributed_optimizer=false"],
      r"overlap_param_gather=True: needs use_distributed_optimizer=true"),
     (["actor.megatron.ddp_bucket_size=0"], r"ddp_bucket_size=0: must be a positive number"),
+    (["actor.megatron.moe_aux_loss_coeff=-0.1"], r"moe_aux_loss_coeff=-0.1: must be >= 0"),
 ])
 def test_impossible_megatron_layouts_fail_with_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):

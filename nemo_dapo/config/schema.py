@@ -111,6 +111,7 @@ class MegatronConfig:
     fp8: Optional[str] = None  # None | hybrid | e4m3 (TransformerEngine, GPU only)
     fp8_recipe: str = "delayed"  # delayed | tensorwise | blockwise | mxfp8
     recompute_granularity: Optional[str] = None  # None | full | selective
+    moe_aux_loss_coeff: float = 0.0  # MoE router load-balancing loss per routed token; 0 = off (RL loss only)
 
 
 @dataclass

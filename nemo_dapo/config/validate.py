@@ -146,6 +146,8 @@ def _check_megatron(cfg: Config, problems: _Problems) -> None:
     _nullable_choice(problems, f"{key}.recompute_granularity", mg.recompute_granularity, RECOMPUTE_GRANULARITIES)
     problems.require(not mg.overlap_param_gather or mg.use_distributed_optimizer, f"{key}.overlap_param_gather",
                      mg.overlap_param_gather, "needs use_distributed_optimizer=true (it gathers the optimizer's shards)")
+    problems.require(mg.moe_aux_loss_coeff >= 0, f"{key}.moe_aux_loss_coeff", mg.moe_aux_loss_coeff,
+                     "must be >= 0 (0 turns the router's load-balancing loss off)")
     problems.require(mg.ddp_bucket_size is None or mg.ddp_bucket_size > 0, f"{key}.ddp_bucket_size",
                      mg.ddp_bucket_size, "must be a positive number of parameters, or null for Megatron's default")
     if world % (tp * pp * cp) == 0:

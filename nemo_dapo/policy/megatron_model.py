@@ -84,6 +84,7 @@ class TrainingOptions:
     fp8_recipe: str = "delayed"
     sequence_parallel: bool = False
     recompute_granularity: str | None = None  # 'full' (every layer) | 'selective' (attention core)
+    moe_aux_loss_coeff: float = 0.0  # router load-balancing loss (MoE models); 0 = off
 
     def check(self, tensor_parallel: int) -> None:
         """TransformerEngine (and so FP8 and SP, whose norms need TE's) needs a GPU and the package."""
@@ -96,6 +97,8 @@ class TrainingOptions:
         if self.sequence_parallel and (self.transformer_impl != "transformer_engine" or tensor_parallel == 1):
             raise ValueError("sequence_parallel needs transformer_impl='transformer_engine' and "
                              "tensor_model_parallel_size > 1")
+        if self.moe_aux_loss_coeff < 0:
+            raise ValueError(f"moe_aux_loss_coeff must be >= 0, not {self.moe_aux_loss_coeff}")
 
     def transformer_fields(self) -> dict:
         """The TransformerConfig fields these options set."""
@@ -150,19 +153,23 @@ def check_expert_layout(shape: convert.ModelShape, parallel: Parallelism, sequen
                          "on the CPU shard the experts with expert_model_parallel_size and keep TP = 1")
 
 
-def moe_settings(hf_config, shape: convert.ModelShape) -> dict:
+def moe_settings(hf_config, shape: convert.ModelShape, aux_loss_coeff: float = 0.0) -> dict:
     """TransformerConfig fields that make Megatron's MoE layer compute what HF Qwen3-MoE computes.
 
     HF routes with softmax over all experts, top-k, then (``norm_topk_prob``) renormalises the k
     probabilities, which equals Megatron's default softmax over the top-k logits; without the
-    renormalisation it is Megatron's ``moe_router_pre_softmax``. No load-balancing or z-loss
-    (the RL loss is the only objective), no token dropping, one expert MLP after the other.
+    renormalisation it is Megatron's ``moe_router_pre_softmax``. The switch load-balancing loss
+    only with ``aux_loss_coeff`` > 0 (off by default: the RL loss is the objective); no z-loss,
+    no token dropping, one expert MLP after the other.
     """
     if not shape.num_experts:
+        if aux_loss_coeff:
+            raise ValueError(f"actor.megatron.moe_aux_loss_coeff={aux_loss_coeff}: the model has no experts; set it to 0")
         return {}
     return dict(num_moe_experts=shape.num_experts, moe_router_topk=shape.moe_topk,
                 moe_ffn_hidden_size=shape.moe_ffn_size, moe_router_pre_softmax=not hf_config.norm_topk_prob,
-                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False)
+                moe_router_load_balancing_type="aux_loss" if aux_loss_coeff else "none",
+                moe_aux_loss_coeff=aux_loss_coeff, moe_grouped_gemm=False)
 
 
 def transformer_config(hf_config, parallel: Parallelism, dtype: torch.dtype,
@@ -179,7 +186,7 @@ def transformer_config(hf_config, parallel: Parallelism, dtype: torch.dtype,
     on_cpu = not torch.cuda.is_available()
     qkv_bias = hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
     return TransformerConfig(
-        **moe_settings(hf_config, shape), qk_layernorm=shape.qk_layernorm,
+        **moe_settings(hf_config, shape, options.moe_aux_loss_coeff), qk_layernorm=shape.qk_layernorm,
         num_layers=shape.num_layers, hidden_size=hf_config.hidden_size, num_attention_heads=shape.num_heads,
         num_query_groups=shape.num_kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=hf_config.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,

@@ -31,6 +31,7 @@ from nemo_dapo.policy.base import LossSettings, MiniBatch
 from nemo_dapo.policy.megatron_convert import ModelShape
 from nemo_dapo.policy.megatron_cpu_compat import enable_cpu_compat
 from nemo_dapo.policy.megatron_export import iter_hf_weights
+from nemo_dapo.policy.megatron_router_loss import load_balancing_metric, per_routed_token
 from nemo_dapo.policy.megatron_vocab import vocab_parallel_stats
 from nemo_dapo.policy.microbatch import REAL_ROWS, micro_batches, prompt_width, uniform_micro_batches
 from nemo_dapo.policy.torch_worker import DTYPES, lr_lambda
@@ -78,12 +79,14 @@ class MegatronPolicyWorker:
                  sequence_parallel: bool = False,
                  recompute_granularity: str | None = None, use_distributed_optimizer: bool = True,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                 ddp_bucket_size: int | None = None, trainable: bool = True) -> None:
+                 ddp_bucket_size: int | None = None, moe_aux_loss_coeff: float = 0.0,
+                 trainable: bool = True) -> None:
         from transformers import AutoConfig
 
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.options = mm.TrainingOptions(transformer_impl, fp8, fp8_recipe, sequence_parallel, recompute_granularity)
+        self.options = mm.TrainingOptions(transformer_impl, fp8, fp8_recipe, sequence_parallel, recompute_granularity,
+                                          moe_aux_loss_coeff)
         self.options.check(tensor_parallel_size)
         self.sync = mm.GradientSync(use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather,
                                     ddp_bucket_size)
@@ -214,10 +217,14 @@ class MegatronPolicyWorker:
             return uniform_micro_batches(batch, self.max_token_len, self.parallel.pipeline)
         return micro_batches(batch, self.max_token_len)
 
+    @property
+    def width_multiple(self) -> int:
+        """Sequence parallelism splits each micro-batch's columns over TP: widths are padded to a multiple."""
+        return self.parallel.tensor if self.options.sequence_parallel else 1
+
     def _model_inputs(self, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tokens, positions and the attention mask in the form this layer spec takes."""
-        multiple = self.parallel.tensor if self.options.sequence_parallel else 1
-        tokens, positions, mask = pad_width(micro, multiple)
+        tokens, positions, mask = pad_width(micro, self.width_multiple)
         if self.options.transformer_impl == "transformer_engine":
             return tokens, positions, padding_mask(mask)
         return tokens, positions, attention_mask_4d(mask)
@@ -230,7 +237,7 @@ class MegatronPolicyWorker:
             micro = {k: v.to(self.device, non_blocking=True) for k, v in next(data_iterator).items()}
             return model(*self._model_inputs(micro)), functools.partial(loss_fn, micro)
 
-        multiple = self.parallel.tensor if self.options.sequence_parallel else 1
+        multiple = self.width_multiple
         longest = max(-(-m["input_ids"].shape[1] // multiple) * multiple for m in micros)
         # interleaved: every chunk reads each micro-batch (the loss needs it on the last chunk)
         data = [iter(micros) for _ in self.chunks] if self.parallel.virtual else iter(micros)
@@ -304,12 +311,15 @@ class MegatronPolicyWorker:
                 step_metrics.setdefault(key, []).append(value)
             return loss, micro["response_mask"].sum().int(), {}
 
-        self._run_schedule(self._micro_batches(mini.data), loss_fn, forward_only=False)
+        micros = self._micro_batches(mini.data)
+        routed = sum(pad_width(micro, self.width_multiple)[0].numel() for micro in micros)
+        with per_routed_token(self.config, routed, self.device):
+            self._run_schedule(micros, loss_fn, forward_only=False)
         for group in self.optimizer.param_groups:
             group["lr"] = self.optim_cfg.lr * self.lr_factor(self.steps_done)
         _, grad_norm, _ = self.optimizer.step()
         self.steps_done += 1
-        step_metrics = self._share_metrics(step_metrics)
+        step_metrics = {**self._share_metrics(step_metrics), **load_balancing_metric(self.config, len(micros))}
         step_metrics["actor/grad_norm"] = [float(grad_norm)]
         step_metrics["actor/lr"] = [self.optim_cfg.lr * self.lr_factor(self.steps_done)]
         return step_metrics
