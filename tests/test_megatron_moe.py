@@ -212,21 +212,23 @@ def test_export_of_loaded_weights_is_the_checkpoint(run, request, moe_dir):
     assert_exports_checkpoint(request.getfixturevalue(run)["loaded"], moe_dir)
 
 
-def test_load_balancing_loss_is_normalised_per_routed_token_of_the_mini_batch(tmp_path, moe_dir, ep1):
+def test_load_balancing_loss_is_normalised_per_routed_token_of_the_mini_batch(tmp_path, moe_dir):
     """With the router's aux loss on, EP=2 (two DP ranks of 3 rows) takes the same step as one rank
-    (two micro-batches of the same 3 rows; a per-rank normalisation would double it), and the
+    (two micro-batches of the same 3 rows: full-length rows keep their order; the aux loss depends
+    on which tokens share a micro-batch; a per-rank normalisation would double it), and the
     router's step differs from the RL loss alone (the loss reaches it)."""
-    aux = {"moe_aux_loss_coeff": 0.1}
-    (tmp_path / "one").mkdir()
-    (tmp_path / "two").mkdir()
+    aux = {"moe_aux_loss_coeff": 0.1, "padded": False}
+    for name in ("one", "two", "off"):
+        (tmp_path / name).mkdir()
     single = megatron_result(tmp_path / "one", moe_dir, **aux)
     split = megatron_result(tmp_path / "two", moe_dir, world_size=2, expert_parallel_size=2, **aux)
     assert_same_update(split, single)
+    without = megatron_result(tmp_path / "off", moe_dir, padded=False)
     router = [name for name in single["weights"] if name.endswith("mlp.gate.weight")]
-    assert router and all((single["weights"][n] - ep1["weights"][n]).abs().max() > 1e-4 for n in router)
+    assert router and all((single["weights"][n] - without["weights"][n]).abs().max() > 1e-4 for n in router)
     for result in (single, split):  # Switch loss: E / k x sum_e f_e P_e, 1 for perfectly balanced routing
         assert 0.9 < result["metrics"]["actor/moe_load_balancing_loss"][0] < 4
-    assert "actor/moe_load_balancing_loss" not in ep1["metrics"]
+    assert "actor/moe_load_balancing_loss" not in without["metrics"]
 
 
 def test_dense_qwen3_matches_torch_worker(tmp_path, qwen3_dir):

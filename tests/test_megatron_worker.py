@@ -28,12 +28,14 @@ def optim_settings() -> dict:
     return asdict(OptimConfig(lr=LR, warmup_steps=WARMUP))
 
 
-def make_batch(seed: int = 0, rows: int = 6, prompt: int = 5, response: int = 7, vocab: int = 494) -> dict:
-    """Left-padded prompts + right-padded responses of random tokens, as the trainer builds them."""
+def make_batch(seed: int = 0, rows: int = 6, prompt: int = 5, response: int = 7, vocab: int = 494,
+               padded: bool = True) -> dict:
+    """Left-padded prompts + right-padded responses of random tokens, as the trainer builds them
+    (``padded=False``: every row full length, so micro-batches keep the rows in order)."""
     gen = torch.Generator().manual_seed(seed)
     width = prompt + response
     attention = torch.ones(rows, width, dtype=torch.long)
-    for row in range(rows):
+    for row in range(rows if padded else 0):
         attention[row, : int(torch.randint(0, prompt - 1, (1,), generator=gen))] = 0
         attention[row, width - int(torch.randint(0, response - 1, (1,), generator=gen)):] = 0
     ids = torch.randint(3, vocab, (rows, width), generator=gen) * attention
@@ -48,7 +50,7 @@ def add_training_fields(batch: dict, old_log_probs: torch.Tensor) -> dict:
 
 
 def run_megatron_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, tp: int, pp: int,
-                      out_dir: str, options: dict) -> None:
+                      out_dir: str, options: dict, padded: bool) -> None:
     """One Megatron rank: log-probs, one update (two micro-batches), exported weights -> out_dir.
 
     With world_size > tp * pp the data-parallel ranks each take their contiguous share of the rows
@@ -62,7 +64,7 @@ def run_megatron_rank(rank: int, world_size: int, rendezvous: str, model_dir: st
     options = {"max_token_len": 40, **options}
     worker = MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, optim_settings(),
                                   tensor_parallel_size=tp, pipeline_parallel_size=pp, **options)
-    batch = make_batch()
+    batch = make_batch(padded=padded)
     dp_rank, dp_size = worker.data_parallel_layout()
     rows = len(batch["input_ids"]) // dp_size
     # advantages of the whole batch (they depend on the row index), then this replica's rows
@@ -110,11 +112,12 @@ def reference(tiny_model_dir):
 
 
 def megatron_result(tmp_path, model_dir, tp: int = 1, pp: int = 1, world_size: int | None = None,
-                    **options) -> dict:
+                    padded: bool = True, **options) -> dict:
     """Rank 0's result, with log-probs and summed loss metrics assembled over the data-parallel ranks."""
     world_size = world_size or tp * pp
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    spawn(run_megatron_rank, world_size, str(tmp_path / "rendezvous"), str(model_dir), tp, pp, str(tmp_path), options)
+    spawn(run_megatron_rank, world_size, str(tmp_path / "rendezvous"), str(model_dir), tp, pp, str(tmp_path), options,
+          padded)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
     replicas = {r["dp"][0]: r for r in ranks}  # one rank per data-parallel replica
     result = dict(ranks[0])

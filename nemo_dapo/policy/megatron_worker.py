@@ -33,7 +33,7 @@ from nemo_dapo.policy.megatron_cpu_compat import enable_cpu_compat
 from nemo_dapo.policy.megatron_export import iter_hf_weights
 from nemo_dapo.policy.megatron_router_loss import load_balancing_metric, per_routed_token
 from nemo_dapo.policy.megatron_vocab import vocab_parallel_stats
-from nemo_dapo.policy.microbatch import REAL_ROWS, micro_batches, prompt_width, uniform_micro_batches
+from nemo_dapo.policy.microbatch import ROWS, micro_batches, place_rows, prompt_width, uniform_micro_batches
 from nemo_dapo.policy.torch_worker import DTYPES, lr_lambda
 from nemo_dapo.policy.weights import Bucket, bucketize
 
@@ -250,22 +250,19 @@ class MegatronPolicyWorker:
     def compute_log_prob(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> dict[str, torch.Tensor]:
         self._set_mode(train=False)
         micros = self._micro_batches(batch)
-        results: list[tuple[torch.Tensor, torch.Tensor]] = []
+        log_prob_parts, entropy_parts = [], []
 
         def collect(micro, logits):
-            real = int(micro[REAL_ROWS]) if REAL_ROWS in micro else None  # filler rows of uniform micro-batches
-            results.append(tuple(t[:real].float().cpu() for t in self._response_stats(micro, logits, temperature)))
+            rows = micro[ROWS].cpu()  # uniform micro-batches end with filler rows: not among ROWS
+            log_probs, entropy = self._response_stats(micro, logits, temperature)
+            log_prob_parts.append((rows, log_probs[: len(rows)].cpu()))
+            entropy_parts.append((rows, entropy[: len(rows)].cpu()))
             return logits.new_zeros(()), torch.tensor(0, dtype=torch.int), {}
 
         self._run_schedule(micros, collect, forward_only=True)
-        log_probs = torch.zeros(batch["responses"].shape)
-        entropy = torch.zeros(batch["responses"].shape)
-        start = 0
-        for lp, ent in results:
-            rows = slice(start, start + lp.shape[0])
-            log_probs[rows, : lp.shape[1]], entropy[rows, : lp.shape[1]] = lp.float(), ent.float()
-            start += lp.shape[0]
-        log_probs, entropy = self._from_last_stage(log_probs), self._from_last_stage(entropy)
+        shape = batch["responses"].shape
+        log_probs = self._from_last_stage(place_rows(shape, log_prob_parts))
+        entropy = self._from_last_stage(place_rows(shape, entropy_parts))
         mask = batch["response_mask"].float()
         return {"log_probs": log_probs * mask, "entropy": entropy * mask}
 

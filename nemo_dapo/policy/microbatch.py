@@ -1,7 +1,8 @@
 """Split a rank's mini-batch into micro-batches by token budget, trimming padding.
 
-Compute is proportional to padded width, so each micro-batch is cut to the longest real
-prompt and response it contains. Batches follow the layout of :mod:`nemo_dapo.policy.base`:
+Compute is proportional to padded width, so rows of similar length go together (sorted by
+length) and each micro-batch is cut to the longest real prompt and response it contains; each
+micro-batch records its rows (``ROWS``) so per-row results go back in place. Batches follow the layout of :mod:`nemo_dapo.policy.base`:
 ``input_ids`` / ``attention_mask`` / ``position_ids`` are [B, P + R] (prompt left-padded,
 response right-padded) and every other 2-D tensor is a [B, R] response-aligned field.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 FULL_WIDTH_KEYS = ("input_ids", "attention_mask", "position_ids")
+ROWS = "rows"  # in a micro-batch: the batch rows of its real (non-filler) rows, in order
 
 
 def token_budget_split(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -51,15 +53,25 @@ def trim_padding(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, t
         elif part.dim() >= 2:
             part = part[:, :response_keep]
         out[name] = part
+    out[ROWS] = index
     return out
 
 
 def micro_batches(batch: dict[str, torch.Tensor], max_tokens: int) -> list[dict[str, torch.Tensor]]:
-    lengths = batch["attention_mask"].sum(dim=1).tolist()
-    return [trim_padding(batch, rows) for rows in token_budget_split(lengths, max_tokens)]
+    """Rows longest first, cut greedily by token budget: similar lengths share a micro-batch."""
+    lengths = batch["attention_mask"].sum(dim=1)
+    order = torch.argsort(lengths, descending=True, stable=True).tolist()
+    groups = token_budget_split([int(lengths[row]) for row in order], max_tokens)
+    return [trim_padding(batch, [order[i] for i in group]) for group in groups]
 
 
-REAL_ROWS = "real_rows"  # in a uniform micro-batch: how many leading rows are real
+def place_rows(shape: torch.Size, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """A ``shape`` tensor (zeros elsewhere) with each micro-batch's ``(rows, values)`` put back in
+    place; a micro-batch's values may be narrower than ``shape`` (trimmed response padding)."""
+    out = torch.zeros(shape)
+    for rows, values in parts:
+        out[rows, : values.shape[1]] = values.float()
+    return out
 
 
 def uniform_micro_batches(batch: dict[str, torch.Tensor], max_tokens: int, multiple: int) -> list[dict[str, torch.Tensor]]:
@@ -68,10 +80,11 @@ def uniform_micro_batches(batch: dict[str, torch.Tensor], max_tokens: int, multi
 
     The batch is trimmed once and cut into equal row groups; the last groups are filled with
     copies of the first row whose ``response_mask`` is 0 (they add nothing to loss, gradients or
-    token counts), and ``REAL_ROWS`` says how many rows of each group are real.
+    token counts); ``ROWS`` names the real ones, which come first.
     """
     rows = batch["input_ids"].shape[0]
     trimmed = trim_padding(batch, list(range(rows)))
+    del trimmed[ROWS]  # set per micro-batch below
     per_micro = max(1, min(rows, max_tokens // trimmed["input_ids"].shape[1]))
     count = -(-(-(-rows // per_micro)) // multiple) * multiple
     per_micro = -(-rows // count)
@@ -81,6 +94,6 @@ def uniform_micro_batches(batch: dict[str, torch.Tensor], max_tokens: int, multi
     for start in range(0, count * per_micro, per_micro):
         real = max(0, min(per_micro, rows - start))
         part = {k: torch.cat([v[start: start + real]] + [filler[k]] * (per_micro - real)) for k, v in trimmed.items()}
-        part[REAL_ROWS] = torch.tensor(real)
+        part[ROWS] = torch.arange(start, start + real)
         micros.append(part)
     return micros

@@ -21,7 +21,7 @@ from nemo_dapo.algo.logprob import entropy_from_logits, log_probs_from_logits
 from nemo_dapo.config.schema import OptimConfig
 from nemo_dapo.policy.actor_loss import SUMMED_METRICS, actor_loss
 from nemo_dapo.policy.base import LossSettings, MiniBatch
-from nemo_dapo.policy.microbatch import micro_batches, prompt_width
+from nemo_dapo.policy.microbatch import ROWS, micro_batches, place_rows, prompt_width
 from nemo_dapo.policy.weights import Bucket, bucketize
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -87,16 +87,14 @@ class TorchPolicyWorker:
     def compute_log_prob(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> dict[str, torch.Tensor]:
         self.model.eval()
         width = batch["responses"].shape[1]
-        log_probs = torch.zeros(batch["responses"].shape)
-        entropy = torch.zeros(batch["responses"].shape)
-        start = 0
+        log_prob_parts, entropy_parts = [], []
         for micro in micro_batches(batch, self.max_token_len):
-            lp, ent = self._forward(micro, temperature)
-            rows = slice(start, start + lp.shape[0])
-            log_probs[rows, : lp.shape[1]], entropy[rows, : lp.shape[1]] = lp.float(), ent.float()
-            start += lp.shape[0]
+            log_probs, entropy = self._forward(micro, temperature)
+            log_prob_parts.append((micro[ROWS], log_probs))
+            entropy_parts.append((micro[ROWS], entropy))
         mask = batch["response_mask"][:, :width].float()
-        return {"log_probs": log_probs * mask, "entropy": entropy * mask}
+        shape = batch["responses"].shape
+        return {"log_probs": place_rows(shape, log_prob_parts) * mask, "entropy": place_rows(shape, entropy_parts) * mask}
 
     def update(self, mini_batches: list[MiniBatch], settings: LossSettings,
                correction: CorrectionSettings | None = None) -> dict[str, list[float]]:

@@ -1,0 +1,47 @@
+"""Micro-batches by token budget: rows of similar length together, padding trimmed, rows put back."""
+
+import torch
+
+from nemo_dapo.policy.microbatch import ROWS, micro_batches, place_rows, uniform_micro_batches
+
+
+def batch_of(prompts: list[int], responses: list[int], prompt_width: int = 6, response_width: int = 12) -> dict:
+    """Left-padded prompts and right-padded responses of the given real lengths (ids = row number + 1)."""
+    rows = len(prompts)
+    attention = torch.zeros(rows, prompt_width + response_width, dtype=torch.long)
+    for row, (p, r) in enumerate(zip(prompts, responses)):
+        attention[row, prompt_width - p: prompt_width + r] = 1
+    ids = (torch.arange(rows)[:, None] + 1) * attention
+    return {"input_ids": ids, "attention_mask": attention, "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+            "responses": ids[:, prompt_width:], "response_mask": attention[:, prompt_width:]}
+
+
+def test_rows_of_similar_length_share_a_micro_batch():
+    """Lengths 4, 14, 5, 13, 6 with 30 tokens per micro-batch: the two long rows go together and the
+    three short ones together (in batch order the first pair alone would already pad 4 up to 14)."""
+    batch = batch_of([2, 4, 2, 4, 3], [2, 10, 3, 9, 3])
+    micros = micro_batches(batch, 30)
+    assert [m[ROWS].tolist() for m in micros] == [[1, 3], [4, 2, 0]]
+    assert [tuple(m["input_ids"].shape) for m in micros] == [(2, 14), (3, 6)]  # 28 + 18 tokens, not 5 x 18
+    for micro in micros:  # every row is the one it claims to be, its real tokens all kept
+        for i, row in enumerate(micro[ROWS].tolist()):
+            assert set(micro["input_ids"][i].unique().tolist()) <= {0, row + 1}
+            assert micro["attention_mask"][i].sum() == batch["attention_mask"][row].sum()
+
+
+def test_results_go_back_to_their_rows():
+    batch = batch_of([2, 4, 2, 4, 3], [2, 10, 3, 9, 3])
+    per_row = torch.arange(5.0)[:, None] + torch.arange(12.0) / 100  # a distinct value per row and column
+    parts = [(m[ROWS], per_row[m[ROWS], : m["responses"].shape[1]]) for m in micro_batches(batch, 30)]
+    placed = place_rows(batch["responses"].shape, parts)
+    real = batch["response_mask"].bool()
+    assert torch.equal(placed[real], per_row[real])
+
+
+def test_uniform_micro_batches_name_their_real_rows_only():
+    batch = batch_of([2, 3, 2], [3, 4, 2])
+    micros = uniform_micro_batches(batch, 16, multiple=2)
+    assert len({tuple(m["input_ids"].shape) for m in micros}) == 1 and len(micros) % 2 == 0
+    assert [row for m in micros for row in m[ROWS].tolist()] == [0, 1, 2]
+    for micro in micros:  # filler rows after the real ones contribute no response token
+        assert micro["response_mask"][len(micro[ROWS]):].sum() == 0
