@@ -174,7 +174,6 @@ class RewardConfig:
 class CheckpointConfig:
     resume: str = "auto"  # auto | disable | <path to a checkpoint folder>
     keep_last: int = 2
-    save_optimizer: bool = True
     # megatron backend: the sharded state is written by a background process while training goes
     # on; the checkpoint becomes visible (manifest, rename, `latest`) once every rank finished
     async_save: bool = False
