@@ -18,7 +18,6 @@ class DataConfig:
     max_response_length: int = 20480
     train_batch_size: int = 512  # prompts per training step
     gen_batch_size: Optional[int] = None  # prompts per generation round; None = train_batch_size
-    val_batch_size: Optional[int] = None  # None = whole validation set at once
     truncation: str = "left"  # left | right | error
     filter_overlong_prompts: bool = True
     shuffle: bool = True
@@ -33,7 +32,6 @@ class DataConfig:
 class ModelConfig:
     path: str = ""  # Hugging Face folder (config, weights, tokenizer)
     dtype: str = "bfloat16"  # float32 | bfloat16 | float16
-    trust_remote_code: bool = False
 
 
 @dataclass
@@ -144,7 +142,6 @@ class ValSamplingConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "vllm"
     num_workers: int = 1
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.8
@@ -184,7 +181,6 @@ class TrainerConfig:
     mode: str = "sync"  # sync | async
     parameter_sync_step: int = 1  # async: local updates between two weight syncs
     max_staleness: int = 1  # async: oldest policy lag (versions) a trajectory may have; older ones are dropped
-    project_name: str = "nemo-dapo"
     experiment_name: str = "dapo"
     output_dir: str = "outputs/dapo"
     total_epochs: int = 1
