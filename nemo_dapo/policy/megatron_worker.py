@@ -222,6 +222,10 @@ class MegatronPolicyWorker:
         """Sequence parallelism splits each micro-batch's columns over TP: widths are padded to a multiple."""
         return self.parallel.tensor if self.options.sequence_parallel else 1
 
+    def padded_width(self, micro: dict[str, torch.Tensor]) -> int:
+        """The width :func:`pad_width` gives this micro-batch's model inputs."""
+        return -(-micro["input_ids"].shape[1] // self.width_multiple) * self.width_multiple
+
     def _model_inputs(self, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tokens, positions and the attention mask in the form this layer spec takes."""
         tokens, positions, mask = pad_width(micro, self.width_multiple)
@@ -237,8 +241,7 @@ class MegatronPolicyWorker:
             micro = {k: v.to(self.device, non_blocking=True) for k, v in next(data_iterator).items()}
             return model(*self._model_inputs(micro)), functools.partial(loss_fn, micro)
 
-        multiple = self.width_multiple
-        longest = max(-(-m["input_ids"].shape[1] // multiple) * multiple for m in micros)
+        longest = max(self.padded_width(micro) for micro in micros)
         # interleaved: every chunk reads each micro-batch (the loss needs it on the last chunk)
         data = [iter(micros) for _ in self.chunks] if self.parallel.virtual else iter(micros)
         get_forward_backward_func()(
@@ -309,7 +312,7 @@ class MegatronPolicyWorker:
             return loss, micro["response_mask"].sum().int(), {}
 
         micros = self._micro_batches(mini.data)
-        routed = sum(pad_width(micro, self.width_multiple)[0].numel() for micro in micros)
+        routed = sum(micro["input_ids"].shape[0] * self.padded_width(micro) for micro in micros)
         with per_routed_token(self.config, routed, self.device):
             self._run_schedule(micros, loss_fn, forward_only=False)
         for group in self.optimizer.param_groups:

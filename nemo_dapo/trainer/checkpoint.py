@@ -96,7 +96,7 @@ class CheckpointManager:
     def commit(self, staging: Path) -> Path:
         """Seal a complete staged checkpoint (manifest, fsync), rename it into place, then point
         ``latest`` at it and prune the oldest."""
-        final = self.root / staging.name.removeprefix(".tmp_")
+        final = self.root / f"global_step_{staging.name.removeprefix(STAGING_PREFIX)}"
         write_manifest(staging)
         _fsync_tree(staging)
         if final.exists():  # a checkpoint of the same step from an interrupted earlier run
