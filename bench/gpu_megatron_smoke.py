@@ -15,7 +15,10 @@ What it does, on ONE GPU (an H200 is what it is sized for; <= 8 minutes, never i
    the mini-batch) on synthetic unpadded rows, and prints per-step tokens/s, MFU and peak memory;
    overlapped gradient reduce-scatter and parameter all-gather are on, as in the cluster presets;
 5. checks an asynchronous checkpoint: saved in the background while the next update runs, then
-   loaded, the same update replayed must give the same loss and gradient norm.
+   loaded, the same update replayed must give the same loss and gradient norm;
+6. checks that packed micro-batches (THD with TransformerEngine, a block mask with the local spec)
+   give the padded ones' log-probs on rows of different lengths; ``--packing`` also trains packed.
+   Packing has not run on a GPU yet.
 
 MFU = 6 * N * tokens_per_s / peak, where N counts every parameter (embeddings included, tied
 once) and attention-score FLOPs are left out, so it is the usual "6N" model-FLOPs estimate. The
@@ -149,6 +152,36 @@ def check_async_checkpoint(worker, folder: str, args, vocab: int, settings) -> d
     return {"async_save_call_s": save_call_s, "async_save_wait_s": finish_wait_s, "replay_grad_norm_gap": gap}
 
 
+def varied_lengths(batch: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """The rows' responses cut to random lengths (multiples of 16), right-padded as the trainer pads."""
+    response = batch["responses"].shape[1]
+    gen = torch.Generator().manual_seed(seed)
+    lengths = 16 * torch.randint(1, response // 16 + 1, (batch["input_ids"].shape[0],), generator=gen)
+    response_mask = (torch.arange(response)[None] < lengths[:, None]).long()
+    attention = torch.cat([batch["attention_mask"][:, : -response], response_mask], 1)
+    ids = batch["input_ids"] * attention
+    return {**batch, "input_ids": ids, "attention_mask": attention, "responses": ids[:, -response:],
+            "response_mask": response_mask, "advantages": batch["advantages"] * response_mask}
+
+
+def check_packing_matches_padding(worker, batch: dict[str, torch.Tensor], train_packed: bool) -> float:
+    """Packed and padded micro-batches must give the same log-probs (bf16 rounding apart)."""
+    from dataclasses import replace
+
+    log_probs = []
+    for packing in (False, True):
+        worker.options = replace(worker.options, sequence_packing=packing)
+        log_probs.append(worker.compute_log_prob(batch)["log_probs"])
+    worker.options = replace(worker.options, sequence_packing=train_packed)
+    mask = batch["response_mask"].bool()
+    gap = float((log_probs[0] - log_probs[1])[mask].abs().mean())
+    print(f"packing: mean |log-prob gap| packed vs padded {gap:.2e} over {int(mask.sum())} response tokens",
+          flush=True)
+    if gap > 5e-2:
+        die(f"packed micro-batches change the log-probs by {gap:.3f} on average: rows see each other or are misplaced")
+    return gap
+
+
 def check_cpu_shims_inactive() -> None:
     from nemo_dapo.policy import megatron_cpu_compat
 
@@ -170,6 +203,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=QWEN2_05B["num_hidden_layers"])
     parser.add_argument("--impl", choices=["auto", "local", "transformer_engine"], default="auto")
     parser.add_argument("--no-fp8", action="store_true", help="bf16 even with TransformerEngine")
+    parser.add_argument("--packing", action="store_true", help="train with sequence packing (THD on TE)")
     parser.add_argument("--peak-flops", type=float, default=H200_BF16_DENSE_PEAK)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
@@ -204,7 +238,8 @@ def main() -> None:
     worker = MegatronPolicyWorker(0, 1, os.path.join(work, "rendezvous"), model_dir,
                                   asdict(OptimConfig(lr=1e-6, warmup_steps=0)), dtype="bfloat16",
                                   max_token_len=args.max_token_len, transformer_impl=impl, fp8=fp8,
-                                  overlap_grad_reduce=True, overlap_param_gather=True)
+                                  overlap_grad_reduce=True, overlap_param_gather=True,
+                                  sequence_packing=args.packing)
     print(f"worker built in {time.perf_counter() - t0:.1f}s; device {worker.device}; "
           f"backend {torch.distributed.get_backend()}", flush=True)
     if worker.device.type != "cuda" or torch.distributed.get_backend() != "nccl":
@@ -240,6 +275,8 @@ def main() -> None:
 
     replay = check_async_checkpoint(worker, os.path.join(work, "checkpoint"), args, vocab, settings)
     padding_gap = check_padding_is_masked(worker, synthetic_batch(args.rows, args.prompt, args.response, vocab, 99))
+    packing_gap = check_packing_matches_padding(
+        worker, varied_lengths(synthetic_batch(args.rows, args.prompt, args.response, vocab, 98), 98), args.packing)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     exported = sum(t.numel() * t.element_size() for bucket in worker.export_weights(512 << 20) for _, t in bucket)
@@ -249,10 +286,11 @@ def main() -> None:
     timed = results[1:] or results
     update_s = sum(r["update_s"] for r in timed) / len(timed)
     tokens_s = tokens_per_step / update_s
-    summary = {"device": device_name, "layer_spec": impl, "fp8": fp8, "n_params": n_params,
+    summary = {"device": device_name, "layer_spec": impl, "fp8": fp8, "packing": args.packing, "n_params": n_params,
                "tokens_per_step": tokens_per_step, "timed_steps": len(timed),
                "update_tokens_per_s": tokens_s, "mfu": 6 * n_params * tokens_s / args.peak_flops,
-               "peak_flops_used": args.peak_flops, "padding_logprob_gap": padding_gap, "export_s": export_s,
+               "peak_flops_used": args.peak_flops, "padding_logprob_gap": padding_gap,
+               "packing_logprob_gap": packing_gap, "export_s": export_s,
                **replay,
                "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30}
     print("SUMMARY " + json.dumps(summary), flush=True)

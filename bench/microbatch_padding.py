@@ -1,11 +1,13 @@
-"""How much padding do the micro-batches compute, length-sorted against batch order?
+"""How much padding do the micro-batches compute: batch order, length-sorted, packed?
 
     .venv/bin/python bench/microbatch_padding.py [--rows 512] [--budget 22528] [--max-response 20480]
 
 Draws one DP rank's rows with DAPO-like lengths (prompts 100-600 tokens; responses: 15 % hit the
 maximum, the rest exponential with mean 4000), splits them by the token budget of the 32B preset
-(``actor.max_token_len_per_micro_batch``) both ways and prints the micro-batch count and the
-computed (padded) tokens per real token. Pure arithmetic on masks: no model runs.
+(``actor.max_token_len_per_micro_batch``) three ways and prints the micro-batch count, the computed
+(padded) tokens per real token, and the attention score pairs per pair a row needs (sum of squared
+real lengths; packed THD attention stays within each row). Packs are padded to a multiple of 8
+(TP=8 with sequence parallelism). Pure arithmetic on masks: no model runs.
 """
 
 from __future__ import annotations
@@ -40,15 +42,24 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     from nemo_dapo.policy.microbatch import micro_batches, token_budget_split, trim_padding
+    from nemo_dapo.policy.packing import packed_micro_batches
 
     mask = dapo_like_mask(args.rows, args.max_prompt, args.max_response, args.seed)
     batch = {"input_ids": mask, "attention_mask": mask, "responses": mask[:, args.max_prompt:]}
-    real = int(mask.sum())
-    in_order = [trim_padding(batch, rows) for rows in token_budget_split(mask.sum(1).tolist(), args.budget)]
-    for name, micros in (("batch_order", in_order), ("length_sorted", micro_batches(batch, args.budget))):
-        computed = sum(m["attention_mask"].numel() for m in micros)
+    lengths = mask.sum(1)
+    real, needed_pairs = int(lengths.sum()), int((lengths ** 2).sum())
+    in_order = [trim_padding(batch, rows) for rows in token_budget_split(lengths.tolist(), args.budget)]
+    packed = packed_micro_batches(batch, args.budget, multiple=8)
+    splits = [(name, micros, sum(m["attention_mask"].numel() for m in micros),
+               sum(m["attention_mask"].shape[0] * m["attention_mask"].shape[1] ** 2 for m in micros))
+              for name, micros in (("batch_order", in_order), ("length_sorted", micro_batches(batch, args.budget)))]
+    cu = [m["cu_seqlens"].long() for m in packed]
+    splits.append(("packed", packed, sum(m["packed_ids"].numel() for m in packed),
+                   sum(int(((c[1:] - c[:-1]) ** 2).sum()) for c in cu)))
+    for name, micros, computed, pairs in splits:
         print(json.dumps({"split": name, "micro_batches": len(micros), "computed_per_real_token":
-                          round(computed / real, 3), "rows": args.rows, "budget": args.budget}))
+                          round(computed / real, 3), "attention_pairs_per_needed": round(pairs / needed_pairs, 3),
+                          "rows": args.rows, "budget": args.budget}))
 
 
 if __name__ == "__main__":

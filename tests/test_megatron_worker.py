@@ -197,6 +197,21 @@ def test_recompute_fields():
     assert "recompute_granularity" not in mm.TrainingOptions().transformer_fields()
 
 
+def test_widths_are_padded_for_sequence_parallelism_and_fp8():
+    """SP splits columns over TP; TransformerEngine's FP8 GEMMs need token counts divisible by 16."""
+    from types import SimpleNamespace
+
+    from nemo_dapo.policy import megatron_model as mm
+    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
+
+    def multiple(tp: int, **options) -> int:
+        layout = SimpleNamespace(parallel=mm.Parallelism(tp), options=mm.TrainingOptions(**options))
+        return MegatronPolicyWorker.width_multiple.fget(layout)
+
+    assert multiple(8) == 1 and multiple(8, sequence_parallel=True) == 8
+    assert multiple(1, fp8="hybrid") == 16 and multiple(6, sequence_parallel=True, fp8="hybrid") == 48
+
+
 def test_right_padding_to_a_multiple_changes_no_log_prob(tmp_path, tiny_model_dir):
     """Sequence parallelism pads each micro-batch to a multiple of TP: masked columns after every
     real token, positions continued, and the response slice unchanged."""
@@ -288,6 +303,25 @@ def test_virtual_pipeline_stages_match_single_rank(tmp_path, four_layers, four_l
     same log-probs, loss and update as one rank."""
     virtual = megatron_result(tmp_path, four_layers, pp=2, virtual_pipeline_parallel_size=2,
                               max_token_len=max_token_len)
+    assert_same_update(virtual, four_layers_single)
+
+
+@pytest.mark.parametrize("layout", [{}, {"tp": 2}, {"pp": 2}])
+def test_packed_micro_batches_give_the_unpacked_update(tmp_path, tiny_model_dir, reference, single_rank, layout):
+    """Sequence packing (each micro-batch's rows end to end in one row, a block-diagonal causal
+    mask): the same log-probs, loss and update as padded micro-batches, and as the torch worker
+    (at TP=2, as without packing, only the latter: the two roundings of a TP split and a packed
+    reduction order move updated log-probs of ~-11 by 1.5e-5)."""
+    packed = megatron_result(tmp_path, tiny_model_dir, sequence_packing=True, **layout)
+    assert_matches_torch(packed, reference)
+    if "tp" not in layout:
+        assert_same_update(packed, single_rank)
+
+
+def test_packed_interleaved_pipeline_matches_single_rank(tmp_path, four_layers, four_layers_single):
+    """Interleaved stages with packing: packs of one width, filler packs up to a multiple of PP."""
+    virtual = megatron_result(tmp_path, four_layers, pp=2, virtual_pipeline_parallel_size=2, max_token_len=30,
+                              sequence_packing=True)
     assert_same_update(virtual, four_layers_single)
 
 

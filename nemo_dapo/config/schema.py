@@ -98,7 +98,7 @@ class MegatronConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None  # interleaved 1F1B model chunks per rank; None = off
-    context_parallel_size: int = 1  # > 1 not implemented yet (needs sequence packing)
+    context_parallel_size: int = 1  # > 1 not implemented yet
     expert_model_parallel_size: int = 1
     sequence_parallel: bool = False  # needs transformer_engine and TP > 1
     transformer_impl: str = "local"  # local (CPU or GPU) | transformer_engine (GPU; fp8 and SP need it)
@@ -110,6 +110,7 @@ class MegatronConfig:
     fp8_recipe: str = "delayed"  # delayed | tensorwise | blockwise | mxfp8
     recompute_granularity: Optional[str] = None  # None | full | selective
     moe_aux_loss_coeff: float = 0.0  # MoE router load-balancing loss per routed token; 0 = off (RL loss only)
+    sequence_packing: bool = False  # micro-batch rows end to end, no padding (THD on transformer_engine)
 
 
 @dataclass

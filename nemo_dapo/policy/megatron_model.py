@@ -85,6 +85,7 @@ class TrainingOptions:
     sequence_parallel: bool = False
     recompute_granularity: str | None = None  # 'full' (every layer) | 'selective' (attention core)
     moe_aux_loss_coeff: float = 0.0  # router load-balancing loss (MoE models); 0 = off
+    sequence_packing: bool = False  # micro-batch rows end to end (THD on TransformerEngine, block mask on local)
 
     def check(self, tensor_parallel: int) -> None:
         """TransformerEngine (and so FP8 and SP, whose norms need TE's) needs a GPU and the package."""

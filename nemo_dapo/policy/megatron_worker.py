@@ -10,12 +10,15 @@ Without a GPU it runs on the CPU (gloo, local layer spec, :mod:`megatron_cpu_com
 batches move to this rank's GPU, process groups use NCCL, the CPU shims stay off, and
 ``transformer_impl`` picks the local or the TransformerEngine layer spec (``fp8`` and sequence
 parallelism need the latter; its attention takes the padding mask as ``padding_causal``). The GPU
-path is exercised only by ``bench/gpu_megatron_smoke.py``.
+path is exercised only by ``bench/gpu_megatron_smoke.py``. With ``sequence_packing`` micro-batches
+are packs (:mod:`packing`): THD boundaries for TransformerEngine, a block-diagonal causal mask for
+the local spec (which the config allows only in tests and checks: it attends over whole packs).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import random
 from typing import Iterator
 
@@ -34,6 +37,8 @@ from nemo_dapo.policy.megatron_export import iter_hf_weights
 from nemo_dapo.policy.megatron_router_loss import load_balancing_metric, per_routed_token
 from nemo_dapo.policy.megatron_vocab import vocab_parallel_stats
 from nemo_dapo.policy.microbatch import ROWS, micro_batches, place_rows, prompt_width, uniform_micro_batches
+from nemo_dapo.policy.packing import (PACKED_IDS, block_causal_mask, packed_micro_batches, scatter_rows,
+                                      uniform_packs, unpack_response_logits)
 from nemo_dapo.policy.torch_worker import DTYPES, lr_lambda
 from nemo_dapo.policy.weights import Bucket, bucketize
 
@@ -80,13 +85,13 @@ class MegatronPolicyWorker:
                  recompute_granularity: str | None = None, use_distributed_optimizer: bool = True,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                  ddp_bucket_size: int | None = None, moe_aux_loss_coeff: float = 0.0,
-                 trainable: bool = True) -> None:
+                 sequence_packing: bool = False, trainable: bool = True) -> None:
         from transformers import AutoConfig
 
         if num_threads:
             torch.set_num_threads(num_threads)
         self.options = mm.TrainingOptions(transformer_impl, fp8, fp8_recipe, sequence_parallel, recompute_granularity,
-                                          moe_aux_loss_coeff)
+                                          moe_aux_loss_coeff, sequence_packing)
         self.options.check(tensor_parallel_size)
         self.sync = mm.GradientSync(use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather,
                                     ddp_bucket_size)
@@ -202,6 +207,10 @@ class MegatronPolicyWorker:
     def _response_stats(self, micro: dict[str, torch.Tensor], logits: torch.Tensor, temperature: float,
                         entropy_grad: bool = True):
         """Log-probs and entropy of the response tokens from this rank's vocabulary columns."""
+        if PACKED_IDS in micro:
+            logits, labels, real = unpack_response_logits(logits, micro)
+            log_probs, entropy = vocab_parallel_stats(logits, labels, temperature, self.shape.vocab_size, entropy_grad)
+            return scatter_rows(log_probs, real), scatter_rows(entropy, real)
         width, length = prompt_width(micro), micro["responses"].shape[1]
         return vocab_parallel_stats(logits[:, width - 1: width - 1 + length], micro["responses"], temperature,
                                     self.shape.vocab_size, entropy_grad)
@@ -211,27 +220,48 @@ class MegatronPolicyWorker:
             chunk.train(train)
 
     def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """Token-budget micro-batches; with interleaved stages, a multiple of PP of them, all of one
-        shape (Megatron's interleaved schedule runs them in groups of PP and sends fixed shapes)."""
+        """Token-budget micro-batches (packed ones with ``sequence_packing``); with interleaved stages,
+        a multiple of PP of them, all of one shape (Megatron's interleaved schedule runs them in
+        groups of PP and sends fixed shapes)."""
+        if self.options.sequence_packing and self.parallel.virtual:
+            return uniform_packs(batch, self.max_token_len, self.width_multiple, self.parallel.pipeline)
+        if self.options.sequence_packing:
+            return packed_micro_batches(batch, self.max_token_len, self.width_multiple)
         if self.parallel.virtual:
             return uniform_micro_batches(batch, self.max_token_len, self.parallel.pipeline)
         return micro_batches(batch, self.max_token_len)
 
     @property
     def width_multiple(self) -> int:
-        """Sequence parallelism splits each micro-batch's columns over TP: widths are padded to a multiple."""
-        return self.parallel.tensor if self.options.sequence_parallel else 1
+        """Widths are padded to a multiple of TP with sequence parallelism (it splits the columns over
+        TP) and of 16 with FP8 (TransformerEngine's FP8 GEMMs need token counts divisible by 16)."""
+        return math.lcm(self.parallel.tensor if self.options.sequence_parallel else 1, 16 if self.options.fp8 else 1)
 
-    def padded_width(self, micro: dict[str, torch.Tensor]) -> int:
-        """The width :func:`pad_width` gives this micro-batch's model inputs."""
-        return -(-micro["input_ids"].shape[1] // self.width_multiple) * self.width_multiple
+    def model_shape(self, micro: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """(rows, width) of this micro-batch's model inputs: one row for a pack, else the width
+        :func:`pad_width` gives."""
+        if PACKED_IDS in micro:
+            return tuple(micro[PACKED_IDS].shape)
+        return micro["input_ids"].shape[0], -(-micro["input_ids"].shape[1] // self.width_multiple) * self.width_multiple
 
-    def _model_inputs(self, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Tokens, positions and the attention mask in the form this layer spec takes."""
-        tokens, positions, mask = pad_width(micro, self.width_multiple)
-        if self.options.transformer_impl == "transformer_engine":
-            return tokens, positions, padding_mask(mask)
-        return tokens, positions, attention_mask_4d(mask)
+    def _model_inputs(self, micro: dict[str, torch.Tensor]) -> dict:
+        """GPTModel's inputs in the form this layer spec takes: padded rows with a mask, or one pack
+        whose rows see only themselves (TransformerEngine: THD boundaries; local: a block mask)."""
+        if PACKED_IDS not in micro:
+            tokens, positions, mask = pad_width(micro, self.width_multiple)
+            te = self.options.transformer_impl == "transformer_engine"
+            return {"input_ids": tokens, "position_ids": positions,
+                    "attention_mask": padding_mask(mask) if te else attention_mask_4d(mask)}
+        inputs = {"input_ids": micro[PACKED_IDS], "position_ids": micro["packed_positions"]}
+        if self.options.transformer_impl != "transformer_engine":
+            return {**inputs, "attention_mask": block_causal_mask(micro["segments"])}
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu_seqlens = micro["cu_seqlens"]
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        return {**inputs, "attention_mask": None, "packed_seq_params": PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=longest,
+            max_seqlen_kv=longest)}
 
     def _run_schedule(self, micros: list[dict[str, torch.Tensor]], loss_fn, forward_only: bool) -> None:
         """Megatron's forward(-backward) schedule (pipelined when PP > 1) over the micro-batches."""
@@ -239,14 +269,14 @@ class MegatronPolicyWorker:
 
         def forward_step(data_iterator, model):
             micro = {k: v.to(self.device, non_blocking=True) for k, v in next(data_iterator).items()}
-            return model(*self._model_inputs(micro)), functools.partial(loss_fn, micro)
+            return model(**self._model_inputs(micro)), functools.partial(loss_fn, micro)
 
-        longest = max(self.padded_width(micro) for micro in micros)
+        shapes = [self.model_shape(micro) for micro in micros]
         # interleaved: every chunk reads each micro-batch (the loss needs it on the last chunk)
         data = [iter(micros) for _ in self.chunks] if self.parallel.virtual else iter(micros)
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=data, model=self.chunks,
-            num_microbatches=len(micros), seq_length=longest, micro_batch_size=micros[0]["input_ids"].shape[0],
+            num_microbatches=len(micros), seq_length=max(width for _, width in shapes), micro_batch_size=shapes[0][0],
             forward_only=forward_only)
 
     @torch.no_grad()
@@ -312,7 +342,7 @@ class MegatronPolicyWorker:
             return loss, micro["response_mask"].sum().int(), {}
 
         micros = self._micro_batches(mini.data)
-        routed = sum(micro["input_ids"].shape[0] * self.padded_width(micro) for micro in micros)
+        routed = sum(rows * width for rows, width in map(self.model_shape, micros))
         with per_routed_token(self.config, routed, self.device):
             self._run_schedule(micros, loss_fn, forward_only=False)
         for group in self.optimizer.param_groups:

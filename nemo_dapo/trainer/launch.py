@@ -39,7 +39,8 @@ def megatron_worker_kwargs(layout: MegatronConfig) -> dict:
             "recompute_granularity": layout.recompute_granularity,
             "use_distributed_optimizer": layout.use_distributed_optimizer,
             "overlap_grad_reduce": layout.overlap_grad_reduce, "overlap_param_gather": layout.overlap_param_gather,
-            "ddp_bucket_size": layout.ddp_bucket_size, "moe_aux_loss_coeff": layout.moe_aux_loss_coeff}
+            "ddp_bucket_size": layout.ddp_bucket_size, "moe_aux_loss_coeff": layout.moe_aux_loss_coeff,
+            "sequence_packing": layout.sequence_packing}
 
 
 def _policy_group(cfg: Config, name: str, total_optimizer_steps: int, shared: SharedGPUs | None,

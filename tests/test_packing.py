@@ -1,0 +1,87 @@
+"""Sequence packing bookkeeping (pure torch): bins, packed tokens, boundaries, response positions."""
+
+import torch
+from test_microbatch import batch_of
+
+from nemo_dapo.policy.microbatch import ROWS, prompt_width
+from nemo_dapo.policy.packing import (block_causal_mask, first_fit_decreasing, pack_rows, packed_micro_batches,
+                                      packed_width, scatter_rows, uniform_packs, unpack_response_logits)
+
+
+def padded_batch() -> dict:
+    """Six rows of varied real lengths (3 to 15 tokens), distinct random token ids."""
+    batch = batch_of([2, 6, 1, 4, 3, 5], [9, 2, 2, 11, 5, 7])
+    ids = torch.randint(1, 1000, batch["input_ids"].shape, generator=torch.Generator().manual_seed(0))
+    ids = ids * batch["attention_mask"]
+    return {**batch, "input_ids": ids, "responses": ids[:, 6:]}
+
+
+def test_first_fit_decreasing_fills_earlier_bins_first():
+    # longest first: 7 -> bin 0, 5 -> bin 1, 4 -> bin 1 (9), 3 -> bin 0 (10), 2 -> bin 2, 2 -> bin 2
+    assert first_fit_decreasing([2, 7, 4, 3, 5, 2], 10) == [[1, 3], [4, 2], [0, 5]]
+    assert first_fit_decreasing([12, 3], 10) == [[0], [1]]  # longer than the budget: alone
+
+
+def test_pack_lays_real_tokens_end_to_end_and_points_at_each_response_token():
+    batch = padded_batch()
+    rows = [2, 0, 3]
+    pack = pack_rows(batch, rows, multiple=4)
+    real = batch["attention_mask"][rows].bool()
+    lengths = real.sum(1)
+    total = int(lengths.sum())
+    width = packed_width(pack)
+    assert width % 4 == 0 and total <= width < total + 4
+    assert torch.equal(pack["packed_ids"][0, :total], batch["input_ids"][rows][real])
+    assert torch.equal(pack["cu_seqlens"][: len(rows) + 1], torch.cat([torch.zeros(1), lengths.cumsum(0)]).int())
+    assert pack["cu_seqlens"][-1] == width
+    for k, length in enumerate(lengths.tolist()):
+        start = int(pack["cu_seqlens"][k])
+        assert torch.equal(pack["packed_positions"][0, start: start + length], torch.arange(length))
+        assert (pack["segments"][start: start + length] == k).all()
+    assert torch.equal(pack[ROWS], torch.tensor(rows))
+    # the logits at response_index predict the next packed token: the row's response token
+    response_real = pack["attention_mask"][:, prompt_width(pack):].bool()
+    predicted = pack["packed_ids"][0, pack["response_index"] + 1]
+    assert torch.equal(predicted[response_real], pack["responses"][response_real])
+
+
+def test_unpack_and_scatter_put_each_response_token_in_its_row():
+    batch = padded_batch()
+    pack = pack_rows(batch, [1, 4])
+    logits = torch.randn(1, packed_width(pack), 11, requires_grad=True)
+    picked, labels, real = unpack_response_logits(logits, pack)
+    assert picked.shape == (int(real.sum()), 11) and torch.equal(labels, pack["responses"][real])
+    values = scatter_rows(picked[:, 0], real)
+    assert values.shape == pack["responses"].shape and (values[~real] == 0).all()
+    assert torch.equal(values[real], logits[0, pack["response_index"][real], 0])
+    values.sum().backward()
+    assert logits.grad[..., 0].sum() == real.sum() and logits.grad[..., 1:].abs().sum() == 0
+
+
+def test_block_causal_mask_allows_only_earlier_tokens_of_the_same_row():
+    segments = torch.tensor([0, 0, 0, 1, 1, 2])
+    blocked = block_causal_mask(segments)[0, 0]
+    for i in range(6):
+        for j in range(6):
+            assert bool(blocked[i, j]) == (j > i or segments[i] != segments[j])
+
+
+def test_packs_respect_the_budget_and_hold_every_row_once():
+    batch = padded_batch()
+    packs = packed_micro_batches(batch, max_tokens=16)
+    rows = torch.cat([pack[ROWS] for pack in packs]).sort().values
+    assert torch.equal(rows, torch.arange(batch["input_ids"].shape[0]))
+    lengths = batch["attention_mask"].sum(1)
+    assert all(lengths[pack[ROWS]].sum() <= 16 or len(pack[ROWS]) == 1 for pack in packs)
+    assert sum(packed_width(pack) for pack in packs) == lengths.sum()  # no padding at all
+
+
+def test_uniform_packs_share_one_width_and_fill_up_with_empty_packs():
+    batch = padded_batch()
+    packs = uniform_packs(batch, max_tokens=16, multiple=2, count_multiple=3)  # 4 packs + 2 fillers
+    assert len(packs) == 6 and len({packed_width(pack) for pack in packs}) == 1
+    assert packed_width(packs[0]) % 2 == 0
+    fillers = [pack for pack in packs if len(pack[ROWS]) == 0]
+    assert fillers and all(pack["response_mask"].sum() == 0 for pack in fillers)
+    real_rows = torch.cat([pack[ROWS] for pack in packs]).sort().values
+    assert torch.equal(real_rows, torch.arange(batch["input_ids"].shape[0]))
