@@ -87,7 +87,7 @@ def test_hard_timeout_from_a_thread_kills_only_the_stuck_worker(pool):
     elapsed = time.monotonic() - started
     assert results[0] == {"score": -1.0, "acc": False, "pred": "", "timeout": True}
     assert [r["acc"] for r in results[1:]] == [True, True]
-    assert 1.0 <= elapsed < 4.0
+    assert 1.0 <= elapsed < 20.0  # the limit, not the pathological answer (which never ends); loose for busy CI
     assert len(old_pids - set(pool.worker_pids)) == 1  # one worker replaced
     # The pool recovers: the replacement worker starts and scores correctly.
     after = _in_thread(lambda: pool.score_batch(["Answer: 0.5"] * 4, ["1/2"] * 4))
