@@ -16,9 +16,9 @@ What it does, on ONE GPU (an H200 is what it is sized for; <= 8 minutes, never i
    overlapped gradient reduce-scatter and parameter all-gather are on, as in the cluster presets;
 5. checks an asynchronous checkpoint: saved in the background while the next update runs, then
    loaded, the same update replayed must give the same loss and gradient norm;
-6. checks that packed micro-batches (THD with TransformerEngine, a block mask with the local spec)
-   give the padded ones' log-probs on rows of different lengths; ``--packing`` also trains packed.
-   Packing has not run on a GPU yet.
+6. checks that packed micro-batches (THD: TransformerEngine's attention, or the local spec's SDPA
+   row by row) give the padded ones' log-probs on rows of different lengths; ``--packing`` also
+   trains packed. Packing and the local spec's SDPA attention have not run on a GPU yet.
 
 MFU = 6 * N * tokens_per_s / peak, where N counts every parameter (embeddings included, tied
 once) and attention-score FLOPs are left out, so it is the usual "6N" model-FLOPs estimate. The

@@ -92,8 +92,6 @@ def test_environment_sets_model_and_data_paths(monkeypatch):
     (["actor.megatron.transformer_impl=local", "actor.megatron.sequence_parallel=false", "actor.megatron.fp8=hybrid"],
      r"fp8='hybrid': needs transformer_impl=transformer_engine"),
     (["actor.megatron.transformer_impl=te"], r"transformer_impl='te'"),
-    (["actor.megatron.transformer_impl=local", "actor.megatron.sequence_parallel=false",
-      "actor.megatron.sequence_packing=true"], r"sequence_packing=True: needs transformer_impl=transformer_engine"),
     (["actor.megatron.use_distributed_optimizer=false"],
      r"overlap_param_gather=True: needs use_distributed_optimizer=true"),
     (["actor.megatron.ddp_bucket_size=0"], r"ddp_bucket_size=0: must be a positive number"),

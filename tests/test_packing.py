@@ -4,7 +4,7 @@ import torch
 from test_microbatch import batch_of
 
 from nemo_dapo.policy.microbatch import ROWS, prompt_width
-from nemo_dapo.policy.packing import (block_causal_mask, first_fit_decreasing, pack_rows, packed_micro_batches,
+from nemo_dapo.policy.packing import (first_fit_decreasing, pack_rows, packed_micro_batches,
                                       packed_width, scatter_rows, uniform_packs, unpack_response_logits)
 
 
@@ -37,7 +37,6 @@ def test_pack_lays_real_tokens_end_to_end_and_points_at_each_response_token():
     for k, length in enumerate(lengths.tolist()):
         start = int(pack["cu_seqlens"][k])
         assert torch.equal(pack["packed_positions"][0, start: start + length], torch.arange(length))
-        assert (pack["segments"][start: start + length] == k).all()
     assert torch.equal(pack[ROWS], torch.tensor(rows))
     # the logits at response_index predict the next packed token: the row's response token
     response_real = pack["attention_mask"][:, prompt_width(pack):].bool()
@@ -56,14 +55,6 @@ def test_unpack_and_scatter_put_each_response_token_in_its_row():
     assert torch.equal(values[real], logits[0, pack["response_index"][real], 0])
     values.sum().backward()
     assert logits.grad[..., 0].sum() == real.sum() and logits.grad[..., 1:].abs().sum() == 0
-
-
-def test_block_causal_mask_allows_only_earlier_tokens_of_the_same_row():
-    segments = torch.tensor([0, 0, 0, 1, 1, 2])
-    blocked = block_causal_mask(segments)[0, 0]
-    for i in range(6):
-        for j in range(6):
-            assert bool(blocked[i, j]) == (j > i or segments[i] != segments[j])
 
 
 def test_packs_respect_the_budget_and_hold_every_row_once():

@@ -139,9 +139,6 @@ def _check_megatron(cfg: Config, problems: _Problems) -> None:
     problems.require(not mg.sequence_parallel or te, f"{key}.sequence_parallel", mg.sequence_parallel,
                      "needs transformer_impl=transformer_engine (its norms handle sequence-split activations)")
     problems.require(not mg.fp8 or te, f"{key}.fp8", mg.fp8, "needs transformer_impl=transformer_engine")
-    problems.require(not mg.sequence_packing or te, f"{key}.sequence_packing", mg.sequence_packing,
-                     "needs transformer_impl=transformer_engine (its THD attention stays within each row; the "
-                     "local spec would attend over whole packs, quadratic in their width): set it false")
     problems.require(cp == 1, f"{key}.context_parallel_size", cp,
                      "context parallelism is not implemented yet: use 1")
     _nullable_choice(problems, f"{key}.fp8", mg.fp8, FP8_FORMATS)

@@ -85,7 +85,7 @@ class TrainingOptions:
     sequence_parallel: bool = False
     recompute_granularity: str | None = None  # 'full' (every layer) | 'selective' (attention core)
     moe_aux_loss_coeff: float = 0.0  # router load-balancing loss (MoE models); 0 = off
-    sequence_packing: bool = False  # micro-batch rows end to end (THD on TransformerEngine, block mask on local)
+    sequence_packing: bool = False  # micro-batch rows end to end, attended row by row (THD)
 
     def check(self, tensor_parallel: int) -> None:
         """TransformerEngine (and so FP8 and SP, whose norms need TE's) needs a GPU and the package."""
@@ -216,13 +216,18 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
 
 
 def layer_spec(transformer_impl: str, shape: convert.ModelShape):
-    """Megatron's GPT layer spec; MoE layers get the sequential expert MLP (no grouped GEMM)."""
+    """Megatron's GPT layer spec; MoE layers get the sequential expert MLP (no grouped GEMM). The
+    local spec's core attention is torch SDPA (:mod:`megatron_attention`): fused kernels, packed rows."""
     from megatron.core.models.gpt import gpt_layer_specs
+
+    from nemo_dapo.policy.megatron_attention import SdpaAttention
 
     options = {"num_experts": shape.num_experts or None, "qk_layernorm": shape.qk_layernorm}
     if transformer_impl == "transformer_engine":
         return with_padding_mask(gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**options))
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **options)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **options)
+    spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    return spec
 
 
 def with_padding_mask(spec):

@@ -11,8 +11,8 @@ batches move to this rank's GPU, process groups use NCCL, the CPU shims stay off
 ``transformer_impl`` picks the local or the TransformerEngine layer spec (``fp8`` and sequence
 parallelism need the latter; its attention takes the padding mask as ``padding_causal``). The GPU
 path is exercised only by ``bench/gpu_megatron_smoke.py``. With ``sequence_packing`` micro-batches
-are packs (:mod:`packing`): THD boundaries for TransformerEngine, a block-diagonal causal mask for
-the local spec (which the config allows only in tests and checks: it attends over whole packs).
+are packs (:mod:`packing`) in THD form; the local spec attends with torch SDPA
+(:mod:`megatron_attention`), row by row inside a pack.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from nemo_dapo.policy.megatron_export import iter_hf_weights
 from nemo_dapo.policy.megatron_router_loss import load_balancing_metric, per_routed_token
 from nemo_dapo.policy.megatron_vocab import vocab_parallel_stats
 from nemo_dapo.policy.microbatch import ROWS, micro_batches, place_rows, prompt_width, uniform_micro_batches
-from nemo_dapo.policy.packing import (PACKED_IDS, block_causal_mask, packed_micro_batches, scatter_rows,
-                                      uniform_packs, unpack_response_logits)
+from nemo_dapo.policy.packing import (PACKED_IDS, packed_micro_batches, scatter_rows, uniform_packs,
+                                      unpack_response_logits)
 from nemo_dapo.policy.torch_worker import DTYPES, lr_lambda
 from nemo_dapo.policy.weights import Bucket, bucketize
 
@@ -245,23 +245,21 @@ class MegatronPolicyWorker:
         return micro["input_ids"].shape[0], -(-micro["input_ids"].shape[1] // self.width_multiple) * self.width_multiple
 
     def _model_inputs(self, micro: dict[str, torch.Tensor]) -> dict:
-        """GPTModel's inputs in the form this layer spec takes: padded rows with a mask, or one pack
-        whose rows see only themselves (TransformerEngine: THD boundaries; local: a block mask)."""
+        """GPTModel's inputs: padded rows with the mask this layer spec takes, or one pack in THD
+        form, whose row boundaries keep each row's attention (and RoPE positions) to itself."""
         if PACKED_IDS not in micro:
             tokens, positions, mask = pad_width(micro, self.width_multiple)
             te = self.options.transformer_impl == "transformer_engine"
             return {"input_ids": tokens, "position_ids": positions,
                     "attention_mask": padding_mask(mask) if te else attention_mask_4d(mask)}
-        inputs = {"input_ids": micro[PACKED_IDS], "position_ids": micro["packed_positions"]}
-        if self.options.transformer_impl != "transformer_engine":
-            return {**inputs, "attention_mask": block_causal_mask(micro["segments"])}
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu_seqlens = micro["cu_seqlens"]
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        return {**inputs, "attention_mask": None, "packed_seq_params": PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=longest,
-            max_seqlen_kv=longest)}
+        return {"input_ids": micro[PACKED_IDS], "position_ids": micro["packed_positions"], "attention_mask": None,
+                "packed_seq_params": PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens,
+                                                     cu_seqlens_kv=cu_seqlens, max_seqlen_q=longest,
+                                                     max_seqlen_kv=longest)}
 
     def _run_schedule(self, micros: list[dict[str, torch.Tensor]], loss_fn, forward_only: bool) -> None:
         """Megatron's forward(-backward) schedule (pipelined when PP > 1) over the micro-batches."""

@@ -7,11 +7,10 @@ of its rows (``response_mask``, ``advantages``, ... as :func:`microbatch.trim_pa
 so the loss sees the same [rows, response] tensors as without packing, and adds:
 
 - ``packed_ids`` / ``packed_positions`` [1, T]: the tokens, and positions restarting at 0 per row;
-- ``segments`` [T]: the row each token belongs to (tail padding is one more segment);
-- ``cu_seqlens`` [segments + 1] int32: segment boundaries (TransformerEngine's THD format);
+- ``cu_seqlens`` [segments + 1] int32: row boundaries, the tail padding one more segment (THD format);
 - ``response_index`` [rows, R]: the packed position whose logits predict each response token.
 
-A row attends only within its own segment (:func:`block_causal_mask`, or the THD boundaries).
+A row attends only within its own segment (the THD boundaries).
 """
 
 from __future__ import annotations
@@ -58,7 +57,6 @@ def pack_rows(batch: dict[str, torch.Tensor], rows: list[int], multiple: int = 1
     micro.update({
         PACKED_IDS: torch.nn.functional.pad(micro["input_ids"][real], (0, packed_width - total))[None],
         "packed_positions": (torch.arange(packed_width) - starts[segments])[None],
-        "segments": segments,
         "cu_seqlens": cu_seqlens,
         "response_index": response_index.clamp(max=packed_width - 1),
     })
@@ -89,13 +87,6 @@ def uniform_packs(batch: dict[str, torch.Tensor], max_tokens: int, multiple: int
 
 def packed_width(pack: dict[str, torch.Tensor]) -> int:
     return pack[PACKED_IDS].shape[1]
-
-
-def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
-    """Megatron's boolean mask (True = blocked) for a pack: causal, and no attention across segments."""
-    width = segments.shape[0]
-    future = torch.triu(torch.ones(width, width, dtype=torch.bool, device=segments.device), diagonal=1)
-    return (future | (segments[:, None] != segments[None, :]))[None, None]
 
 
 def unpack_response_logits(logits: torch.Tensor, pack: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
