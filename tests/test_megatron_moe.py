@@ -207,6 +207,13 @@ def test_ep2_update_matches_ep1(ep2, ep1):
     assert_same_update(ep2, ep1)
 
 
+def test_packed_ep2_matches_ep1(tmp_path, moe_dir, ep1, moe_reference):
+    """Packed rows (THD, q/k norms, RoPE per row) through the all-to-all dispatcher at EP=2."""
+    packed = megatron_result(tmp_path, moe_dir, world_size=2, expert_parallel_size=2, sequence_packing=True)
+    assert_same_update(packed, ep1)
+    assert_matches_torch(packed, moe_reference)
+
+
 @pytest.mark.parametrize("run", ["ep1", "ep2"])
 def test_export_of_loaded_weights_is_the_checkpoint(run, request, moe_dir):
     assert_exports_checkpoint(request.getfixturevalue(run)["loaded"], moe_dir)

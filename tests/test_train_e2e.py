@@ -155,11 +155,12 @@ def test_megatron_tp2_run_learns(workdir):
 
 def test_kl_loss_against_a_frozen_megatron_reference(workdir):
     """With a KL term a reference group is built (frozen: weights only); the KL loss is zero while
-    the actor equals it and grows once the actor has moved."""
+    the actor equals it and grows once the actor has moved. Both pack their micro-batches
+    (``sequence_packing`` reaches the actor and the reference from the config)."""
     pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
     out = workdir / "kl"
     done = train(out, "actor.backend=megatron", "actor.use_kl_loss=true", "actor.kl_loss_type=low_var_kl",
-                 "trainer.total_training_steps=4", "trainer.save_freq=0", *SMALL,
+                 "actor.megatron.sequence_packing=true", "trainer.total_training_steps=4", "trainer.save_freq=0", *SMALL,
                  "actor.ppo_mini_batch_size=8")  # one optimizer step per trainer step
     assert done.returncode == 0, done.stderr[-3000:]
     kl = [r["actor/kl_loss"] for r in records(out / "metrics.jsonl") if "actor/kl_loss" in r]
