@@ -87,7 +87,7 @@ def test_environment_sets_model_and_data_paths(monkeypatch):
      r"1 sequences per optimizer step must split evenly over DP = 128"),
     (["actor.megatron.context_parallel_size=0"], r"actor\.megatron\.context_parallel_size=0: must be >= 1"),
     (["actor.megatron.context_parallel_size=2", "actor.megatron.pipeline_model_parallel_size=1"],
-     r"context_parallel_size=2: context parallelism is not implemented yet"),
+     r"context_parallel_size=2: context parallelism splits packed rows: set actor.megatron.sequence_packing=true"),
     (["actor.megatron.transformer_impl=local"], r"sequence_parallel=True: needs transformer_impl=transformer_engine"),
     (["actor.megatron.transformer_impl=local", "actor.megatron.sequence_parallel=false", "actor.megatron.fp8=hybrid"],
      r"fp8='hybrid': needs transformer_impl=transformer_engine"),
@@ -131,7 +131,6 @@ def test_every_megatron_field_reaches_the_worker():
     mg = load_config("dapo_qwen2.5_32b").actor.megatron
     kwargs = megatron_worker_kwargs(mg)
     assert set(kwargs) <= set(inspect.signature(MegatronPolicyWorker).parameters)
-    refused = {"context_parallel_size"}  # validated to 1
-    settings = {f.name: getattr(mg, f.name) for f in fields(mg) if f.name not in refused}
+    settings = {f.name: getattr(mg, f.name) for f in fields(mg)}
     assert sorted(kwargs.values(), key=repr) == sorted(settings.values(), key=repr)
     assert kwargs["transformer_impl"] == "transformer_engine" and kwargs["recompute_granularity"] == "full"

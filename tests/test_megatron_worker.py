@@ -318,6 +318,19 @@ def test_packed_micro_batches_give_the_unpacked_update(tmp_path, tiny_model_dir,
         assert_same_update(packed, single_rank)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_context_parallel_matches_single_rank(tmp_path, tiny_model_dir, reference, single_rank, tp):
+    """CP=2 (x TP=2: four ranks): each rank holds two chunks of every packed row (load-balanced) and
+    attends to the row's gathered keys; log-probs summed over CP, gradients over DP x CP: the single
+    rank's update (at TP=2, as without CP, compared with the torch worker only)."""
+    result = megatron_result(tmp_path, tiny_model_dir, tp=tp, world_size=2 * tp, context_parallel_size=2,
+                             sequence_packing=True)
+    assert result["dp"] == (0, 1)
+    assert_matches_torch(result, reference)
+    if tp == 1:
+        assert_same_update(result, single_rank)
+
+
 def test_packed_interleaved_pipeline_matches_single_rank(tmp_path, four_layers, four_layers_single):
     """Interleaved stages with packing: packs of one width, filler packs up to a multiple of PP."""
     virtual = megatron_result(tmp_path, four_layers, pp=2, virtual_pipeline_parallel_size=2, max_token_len=30,
@@ -455,11 +468,12 @@ def resume_run(tmp_path, model_dir, world_size: int, layout: dict, resume: bool,
     ("tiny_model_dir", {"tensor_parallel_size": 2}, False),
     ("tiny_model_dir", {"tensor_parallel_size": 2}, True),
     ("four_layers", {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}, False),
+    ("tiny_model_dir", {"context_parallel_size": 2, "sequence_packing": True}, False),
 ])
 def test_save_at_two_ranks_load_at_one_continues_like_uninterrupted_run(tmp_path, request, model, layout,
                                                                         asynchronous):
-    """Saved at TP=2 (in the background, too), or at PP=2 with interleaved chunks; loaded on one
-    rank (resharded)."""
+    """Saved at TP=2 (in the background, too), at PP=2 with interleaved chunks, or at CP=2 (the
+    distributed optimizer sharded over DP x CP); loaded on one rank (resharded)."""
     model_dir = request.getfixturevalue(model)
     straight = resume_run(tmp_path, model_dir, 2, layout, resume=False, asynchronous=asynchronous)
     resumed = resume_run(tmp_path, model_dir, 1, {}, resume=True)

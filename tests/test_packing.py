@@ -5,7 +5,7 @@ from test_microbatch import batch_of
 
 from nemo_dapo.policy.microbatch import ROWS, prompt_width
 from nemo_dapo.policy.packing import (first_fit_decreasing, pack_rows, packed_micro_batches,
-                                      packed_width, scatter_rows, uniform_packs, unpack_response_logits)
+                                      packed_width, scatter_rows, uniform_packs, response_positions)
 
 
 def padded_batch() -> dict:
@@ -44,13 +44,13 @@ def test_pack_lays_real_tokens_end_to_end_and_points_at_each_response_token():
     assert torch.equal(predicted[response_real], pack["responses"][response_real])
 
 
-def test_unpack_and_scatter_put_each_response_token_in_its_row():
+def test_response_positions_and_scatter_put_each_response_token_in_its_row():
     batch = padded_batch()
     pack = pack_rows(batch, [1, 4])
     logits = torch.randn(1, packed_width(pack), 11, requires_grad=True)
-    picked, labels, real = unpack_response_logits(logits, pack)
-    assert picked.shape == (int(real.sum()), 11) and torch.equal(labels, pack["responses"][real])
-    values = scatter_rows(picked[:, 0], real)
+    positions, labels, real = response_positions(pack)
+    assert positions.shape == (int(real.sum()),) and torch.equal(labels, pack["responses"][real])
+    values = scatter_rows(logits[0, positions, 0], real)
     assert values.shape == pack["responses"].shape and (values[~real] == 0).all()
     assert torch.equal(values[real], logits[0, pack["response_index"][real], 0])
     values.sum().backward()

@@ -98,7 +98,7 @@ class MegatronConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None  # interleaved 1F1B model chunks per rank; None = off
-    context_parallel_size: int = 1  # > 1 not implemented yet
+    context_parallel_size: int = 1  # ranks sharing each packed row (> 1 needs sequence_packing)
     expert_model_parallel_size: int = 1
     sequence_parallel: bool = False  # needs transformer_engine and TP > 1
     transformer_impl: str = "local"  # local (CPU or GPU) | transformer_engine (GPU; fp8 and SP need it)

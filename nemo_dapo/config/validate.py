@@ -139,8 +139,8 @@ def _check_megatron(cfg: Config, problems: _Problems) -> None:
     problems.require(not mg.sequence_parallel or te, f"{key}.sequence_parallel", mg.sequence_parallel,
                      "needs transformer_impl=transformer_engine (its norms handle sequence-split activations)")
     problems.require(not mg.fp8 or te, f"{key}.fp8", mg.fp8, "needs transformer_impl=transformer_engine")
-    problems.require(cp == 1, f"{key}.context_parallel_size", cp,
-                     "context parallelism is not implemented yet: use 1")
+    problems.require(cp == 1 or mg.sequence_packing, f"{key}.context_parallel_size", cp,
+                     "context parallelism splits packed rows: set actor.megatron.sequence_packing=true (or use 1)")
     _nullable_choice(problems, f"{key}.fp8", mg.fp8, FP8_FORMATS)
     problems.choice(f"{key}.fp8_recipe", mg.fp8_recipe, FP8_RECIPES)
     _nullable_choice(problems, f"{key}.recompute_granularity", mg.recompute_granularity, RECOMPUTE_GRANULARITIES)

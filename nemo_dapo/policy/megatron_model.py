@@ -25,6 +25,7 @@ class Parallelism:
     pipeline: int = 1
     expert: int = 1
     virtual: int | None = None  # model chunks per pipeline rank (interleaved 1F1B); None = one
+    context: int = 1  # ranks sharing each packed row's tokens (context parallelism)
 
     @property
     def chunks_per_rank(self) -> int:
@@ -61,7 +62,8 @@ def init_distributed(rank: int, world_size: int, rendezvous: str, parallel: Para
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
-            virtual_pipeline_model_parallel_size=parallel.virtual, expert_model_parallel_size=parallel.expert)
+            virtual_pipeline_model_parallel_size=parallel.virtual, expert_model_parallel_size=parallel.expert,
+            context_parallel_size=parallel.context)
     model_parallel_cuda_manual_seed(seed)
 
 
@@ -87,8 +89,11 @@ class TrainingOptions:
     moe_aux_loss_coeff: float = 0.0  # router load-balancing loss (MoE models); 0 = off
     sequence_packing: bool = False  # micro-batch rows end to end, attended row by row (THD)
 
-    def check(self, tensor_parallel: int) -> None:
-        """TransformerEngine (and so FP8 and SP, whose norms need TE's) needs a GPU and the package."""
+    def check(self, tensor_parallel: int, context_parallel: int = 1) -> None:
+        """TransformerEngine (and so FP8 and SP, whose norms need TE's) needs a GPU and the package;
+        context parallelism splits packed rows."""
+        if context_parallel > 1 and not self.sequence_packing:
+            raise ValueError("context parallelism splits packed rows: it needs sequence_packing=True")
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise ValueError(f"transformer_impl must be one of {TRANSFORMER_IMPLS}, not {self.transformer_impl!r}")
         if self.transformer_impl == "transformer_engine" and not torch.cuda.is_available():
@@ -194,7 +199,7 @@ def transformer_config(hf_config, parallel: Parallelism, dtype: torch.dtype,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=qkv_bias,
         hidden_dropout=0.0, attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
         tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
-        virtual_pipeline_model_parallel_size=parallel.virtual,
+        virtual_pipeline_model_parallel_size=parallel.virtual, context_parallel_size=parallel.context,
         expert_model_parallel_size=parallel.expert, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         # the actor loss is already normalised by the mini-batch-wide token count: gradients are summed
@@ -385,10 +390,11 @@ def gather_param(name: str, param: torch.Tensor, shape: convert.ModelShape) -> d
 
 def takes_part_in_gather(name: str) -> bool:
     """Whether this rank must join :func:`gather_param` for ``name`` when only one replica exports:
-    the first data-parallel replica gathers dense parameters, the first expert-data-parallel
-    replica (which spans several data-parallel replicas when EP > 1) the experts."""
+    the first data-parallel replica (its first context-parallel rank) gathers dense parameters, the
+    first expert-data-parallel replica (which spans several data-parallel replicas when EP > 1) the
+    experts."""
     from megatron.core import parallel_state as ps
 
     if convert.is_expert(name):
         return ps.get_expert_data_parallel_rank() == 0
-    return ps.get_data_parallel_rank() == 0
+    return ps.get_data_parallel_rank(with_context_parallel=True) == 0

@@ -28,7 +28,7 @@ def per_routed_token(config, routed_here: int, device: torch.device):
         yield
         return
     routed = torch.tensor(float(routed_here), device=device)
-    dist.all_reduce(routed, group=parallel_state.get_data_parallel_group())
+    dist.all_reduce(routed, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     config.moe_aux_loss_coeff = coeff / routed.item()
     try:
         yield

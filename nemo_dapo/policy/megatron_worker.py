@@ -1,10 +1,10 @@
-"""PolicyWorker on Megatron-core (TP / PP / EP / DP, distributed optimizer), loaded from an HF folder.
+"""PolicyWorker on Megatron-core (TP / PP / EP / CP / DP, distributed optimizer), loaded from an HF folder.
 
 Numerically it is the torch worker's twin: the same log-prob / entropy functions, the same
 actor loss with mini-batch-wide token counts (gradients are summed over micro-batches, pipeline
 schedules and data-parallel ranks, never averaged), AdamW with the same warm-up, the same
-gradient clipping. Every rank of a data-parallel group (its TP x PP ranks) must be given the
-same rows; ``dp_rank`` / ``dp_size`` say how the driver should shard.
+gradient clipping. Every rank of a data-parallel replica (its TP x PP x CP ranks) must be given
+the same rows; ``dp_rank`` / ``dp_size`` say how the driver should shard.
 
 Without a GPU it runs on the CPU (gloo, local layer spec, :mod:`megatron_cpu_compat`). With one,
 batches move to this rank's GPU, process groups use NCCL, the CPU shims stay off, and
@@ -37,8 +37,8 @@ from nemo_dapo.policy.megatron_export import iter_hf_weights
 from nemo_dapo.policy.megatron_router_loss import load_balancing_metric, per_routed_token
 from nemo_dapo.policy.megatron_vocab import vocab_parallel_stats
 from nemo_dapo.policy.microbatch import ROWS, micro_batches, place_rows, prompt_width, uniform_micro_batches
-from nemo_dapo.policy.packing import (PACKED_IDS, packed_micro_batches, scatter_rows, uniform_packs,
-                                      unpack_response_logits)
+from nemo_dapo.policy.packing import (PACKED_IDS, context_parallel_share, packed_micro_batches, scatter_rows,
+                                      uniform_packs, response_positions)
 from nemo_dapo.policy.torch_worker import DTYPES, lr_lambda
 from nemo_dapo.policy.weights import Bucket, bucketize
 
@@ -79,7 +79,8 @@ class MegatronPolicyWorker:
     def __init__(self, rank: int, world_size: int, rendezvous: str, model_path: str, optim: dict,
                  dtype: str = "float32", total_steps: int = 1000, max_token_len: int = 16384, seed: int = 1,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, expert_parallel_size: int = 1,
-                 virtual_pipeline_parallel_size: int | None = None, num_threads: int | None = None,
+                 virtual_pipeline_parallel_size: int | None = None, context_parallel_size: int = 1,
+                 num_threads: int | None = None,
                  transformer_impl: str = "local", fp8: str | None = None, fp8_recipe: str = "delayed",
                  sequence_parallel: bool = False,
                  recompute_granularity: str | None = None, use_distributed_optimizer: bool = True,
@@ -92,14 +93,14 @@ class MegatronPolicyWorker:
             torch.set_num_threads(num_threads)
         self.options = mm.TrainingOptions(transformer_impl, fp8, fp8_recipe, sequence_parallel, recompute_granularity,
                                           moe_aux_loss_coeff, sequence_packing)
-        self.options.check(tensor_parallel_size)
+        self.options.check(tensor_parallel_size, context_parallel_size)
         self.sync = mm.GradientSync(use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather,
                                     ddp_bucket_size)
         self.sync.check()
         enable_cpu_compat()  # no-op when a GPU is present
         self.rank, self.world_size = rank, world_size
         self.parallel = mm.Parallelism(tensor_parallel_size, pipeline_parallel_size, expert_parallel_size,
-                                       virtual_pipeline_parallel_size)
+                                       virtual_pipeline_parallel_size, context_parallel_size)
         mm.init_distributed(rank, world_size, rendezvous, self.parallel, seed)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
@@ -208,12 +209,30 @@ class MegatronPolicyWorker:
                         entropy_grad: bool = True):
         """Log-probs and entropy of the response tokens from this rank's vocabulary columns."""
         if PACKED_IDS in micro:
-            logits, labels, real = unpack_response_logits(logits, micro)
-            log_probs, entropy = vocab_parallel_stats(logits, labels, temperature, self.shape.vocab_size, entropy_grad)
-            return scatter_rows(log_probs, real), scatter_rows(entropy, real)
+            return self._packed_response_stats(micro, logits, temperature, entropy_grad)
         width, length = prompt_width(micro), micro["responses"].shape[1]
         return vocab_parallel_stats(logits[:, width - 1: width - 1 + length], micro["responses"], temperature,
                                     self.shape.vocab_size, entropy_grad)
+
+    def _packed_response_stats(self, micro: dict[str, torch.Tensor], logits: torch.Tensor, temperature: float,
+                               entropy_grad: bool):
+        """The same from a pack's logits, put back in [rows, response] form. With context parallelism
+        each rank scores the response tokens it holds and the rows are summed over the CP group
+        (backward: each rank's share of the gradient reaches its own tokens only)."""
+        positions, labels, real = response_positions(micro)
+        if "cp_local" not in micro:
+            return tuple(scatter_rows(values, real) for values in vocab_parallel_stats(
+                logits[0, positions], labels, temperature, self.shape.vocab_size, entropy_grad))
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        local = micro["cp_local"][positions]
+        held = local >= 0
+        stats = vocab_parallel_stats(logits[0, local[held]], labels[held], temperature, self.shape.vocab_size,
+                                     entropy_grad)
+        group = parallel_state.get_context_parallel_group()
+        return tuple(reduce_from_tensor_model_parallel_region(
+            scatter_rows(values.new_zeros(held.shape).masked_scatter(held, values), real), group) for values in stats)
 
     def _set_mode(self, train: bool) -> None:
         for chunk in self.chunks:
@@ -223,13 +242,28 @@ class MegatronPolicyWorker:
         """Token-budget micro-batches (packed ones with ``sequence_packing``); with interleaved stages,
         a multiple of PP of them, all of one shape (Megatron's interleaved schedule runs them in
         groups of PP and sends fixed shapes)."""
-        if self.options.sequence_packing and self.parallel.virtual:
-            return uniform_packs(batch, self.max_token_len, self.width_multiple, self.parallel.pipeline)
         if self.options.sequence_packing:
-            return packed_micro_batches(batch, self.max_token_len, self.width_multiple)
+            return self._packs(batch)
         if self.parallel.virtual:
             return uniform_micro_batches(batch, self.max_token_len, self.parallel.pipeline)
         return micro_batches(batch, self.max_token_len)
+
+    def _packs(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Packed micro-batches. With context parallelism every row's segment is a multiple of 2 x CP
+        (each rank takes two chunks of it) and the pack one of CP x the width multiple; each pack
+        says which of its tokens this rank holds."""
+        cp = self.parallel.context
+        segment, multiple = (1, self.width_multiple) if cp == 1 else (2 * cp, math.lcm(2 * cp, cp * self.width_multiple))
+        if self.parallel.virtual:
+            packs = uniform_packs(batch, self.max_token_len, multiple, self.parallel.pipeline, segment)
+        else:
+            packs = packed_micro_batches(batch, self.max_token_len, multiple, segment)
+        if cp == 1:
+            return packs
+        from megatron.core import parallel_state
+
+        rank = parallel_state.get_context_parallel_rank()
+        return [context_parallel_share(pack, cp, rank) for pack in packs]
 
     @property
     def width_multiple(self) -> int:
@@ -240,6 +274,8 @@ class MegatronPolicyWorker:
     def model_shape(self, micro: dict[str, torch.Tensor]) -> tuple[int, int]:
         """(rows, width) of this micro-batch's model inputs: one row for a pack, else the width
         :func:`pad_width` gives."""
+        if "cp_index" in micro:
+            return 1, len(micro["cp_index"])
         if PACKED_IDS in micro:
             return tuple(micro[PACKED_IDS].shape)
         return micro["input_ids"].shape[0], -(-micro["input_ids"].shape[1] // self.width_multiple) * self.width_multiple
@@ -256,7 +292,10 @@ class MegatronPolicyWorker:
 
         cu_seqlens = micro["cu_seqlens"]
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        return {"input_ids": micro[PACKED_IDS], "position_ids": micro["packed_positions"], "attention_mask": None,
+        tokens, positions = micro[PACKED_IDS], micro["packed_positions"]
+        if "cp_index" in micro:  # this rank's share of the pack; the boundaries stay those of the whole pack
+            tokens, positions = tokens[:, micro["cp_index"]], positions[:, micro["cp_index"]]
+        return {"input_ids": tokens, "position_ids": positions, "attention_mask": None,
                 "packed_seq_params": PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens,
                                                      cu_seqlens_kv=cu_seqlens, max_seqlen_q=longest,
                                                      max_seqlen_kv=longest)}
@@ -366,7 +405,7 @@ class MegatronPolicyWorker:
     # ---- weights and checkpoints -----------------------------------------------------------
 
     def data_parallel_layout(self) -> tuple[int, int]:
-        """(dp_rank, dp_size): the TP x PP ranks of one replica must get the same rows."""
+        """(dp_rank, dp_size): the TP x PP x CP ranks of one replica must get the same rows."""
         return self.dp_rank, self.dp_size
 
     def export_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[Bucket]:

@@ -39,44 +39,59 @@ def first_fit_decreasing(lengths: list[int], max_tokens: int) -> list[list[int]]
     return groups
 
 
-def pack_rows(batch: dict[str, torch.Tensor], rows: list[int], multiple: int = 1, width: int = 0) -> dict[str, torch.Tensor]:
-    """One pack of ``rows``: their real tokens end to end, right-padded to a multiple of ``multiple``
-    (and to at least ``width``)."""
+def rounded_lengths(lengths: torch.Tensor, segment_multiple: int) -> torch.Tensor:
+    """Each row's segment: its real length rounded up to ``segment_multiple`` (2 x CP with context
+    parallelism, which splits every segment into 2 x CP chunks)."""
+    return -(-lengths // segment_multiple) * segment_multiple
+
+
+def pack_rows(batch: dict[str, torch.Tensor], rows: list[int], multiple: int = 1, width: int = 0,
+              segment_multiple: int = 1) -> dict[str, torch.Tensor]:
+    """One pack of ``rows``: their real tokens end to end (each row's segment padded at its end to
+    ``segment_multiple``), the pack right-padded to a multiple of ``multiple`` and at least ``width``."""
     micro = trim_padding(batch, rows)
     real = micro["attention_mask"].bool()
     lengths = real.sum(dim=1)
-    total = int(lengths.sum())
+    segments = rounded_lengths(lengths, segment_multiple)
+    total = int(segments.sum())
     packed_width = max(width, -(-total // multiple) * multiple)
-    segment_lengths = torch.cat([lengths, torch.tensor([packed_width - total])]) if packed_width > total else lengths
+    segment_lengths = torch.cat([segments, torch.tensor([packed_width - total])]) if packed_width > total else segments
     cu_seqlens = torch.nn.functional.pad(torch.cumsum(segment_lengths, 0), (1, 0)).to(torch.int32)
-    segments = torch.repeat_interleave(torch.arange(len(segment_lengths)), segment_lengths)
     starts = cu_seqlens[:-1].long()
+    targets = starts[: len(rows), None] + real.long().cumsum(dim=1) - 1  # each real token's place in the pack
+    packed_ids = torch.zeros(packed_width, dtype=micro["input_ids"].dtype)
+    packed_ids[targets[real]] = micro["input_ids"][real]
+    segment_of = torch.repeat_interleave(torch.arange(len(segment_lengths)), segment_lengths)
     response_width = micro["responses"].shape[1]
     prompt_lengths = real[:, : prompt_width(micro)].sum(dim=1)
-    response_index = starts[: len(lengths), None] + prompt_lengths[:, None] - 1 + torch.arange(response_width)
+    response_index = starts[: len(rows), None] + prompt_lengths[:, None] - 1 + torch.arange(response_width)
     micro.update({
-        PACKED_IDS: torch.nn.functional.pad(micro["input_ids"][real], (0, packed_width - total))[None],
-        "packed_positions": (torch.arange(packed_width) - starts[segments])[None],
+        PACKED_IDS: packed_ids[None],
+        "packed_positions": (torch.arange(packed_width) - starts[segment_of])[None],
         "cu_seqlens": cu_seqlens,
         "response_index": response_index.clamp(max=packed_width - 1),
     })
     return micro
 
 
-def packed_micro_batches(batch: dict[str, torch.Tensor], max_tokens: int, multiple: int = 1) -> list[dict[str, torch.Tensor]]:
+def packed_micro_batches(batch: dict[str, torch.Tensor], max_tokens: int, multiple: int = 1,
+                         segment_multiple: int = 1) -> list[dict[str, torch.Tensor]]:
     """The batch's rows in packs of at most ``max_tokens`` real tokens (see the module docstring)."""
     lengths = batch["attention_mask"].sum(dim=1).tolist()
-    return [pack_rows(batch, group, multiple) for group in first_fit_decreasing(lengths, max_tokens)]
+    return [pack_rows(batch, group, multiple, segment_multiple=segment_multiple)
+            for group in first_fit_decreasing(lengths, max_tokens)]
 
 
-def uniform_packs(batch: dict[str, torch.Tensor], max_tokens: int, multiple: int, count_multiple: int) -> list[dict[str, torch.Tensor]]:
+def uniform_packs(batch: dict[str, torch.Tensor], max_tokens: int, multiple: int, count_multiple: int,
+                  segment_multiple: int = 1) -> list[dict[str, torch.Tensor]]:
     """Packs of one width, a multiple of ``count_multiple`` of them (Megatron's interleaved pipeline
     schedule sends fixed shapes in groups of PP); filler packs repeat the first with ``response_mask``
     0 and no ``ROWS``, so they add nothing to the loss, the gradients or the token counts."""
-    lengths = batch["attention_mask"].sum(dim=1).tolist()
-    groups = first_fit_decreasing(lengths, max_tokens)
-    width = max(-(-sum(lengths[row] for row in group) // multiple) * multiple for group in groups)
-    packs = [pack_rows(batch, group, multiple, width) for group in groups]
+    lengths = batch["attention_mask"].sum(dim=1)
+    groups = first_fit_decreasing(lengths.tolist(), max_tokens)
+    segments = rounded_lengths(lengths, segment_multiple)
+    width = max(-(-int(segments[group].sum()) // multiple) * multiple for group in groups)
+    packs = [pack_rows(batch, group, multiple, width, segment_multiple) for group in groups]
     while len(packs) % count_multiple:
         filler = dict(packs[0])
         filler["response_mask"] = torch.zeros_like(filler["response_mask"])
@@ -85,15 +100,32 @@ def uniform_packs(batch: dict[str, torch.Tensor], max_tokens: int, multiple: int
     return packs
 
 
+def context_parallel_share(pack: dict[str, torch.Tensor], cp_size: int, cp_rank: int) -> dict[str, torch.Tensor]:
+    """The pack with this context-parallel rank's share of its tokens marked: of every segment (a
+    multiple of 2 x CP long) the chunks ``cp_rank`` and ``2 x CP - 1 - cp_rank``, in that order
+    (Megatron's load-balanced split, which evens out causal attention work, and what its RoPE
+    expects). ``cp_index`` [T / CP]: the pack positions this rank holds; ``cp_local`` [T]: each
+    pack position's index among them, -1 where another rank holds it."""
+    cu_seqlens = pack["cu_seqlens"].tolist()
+    pieces = []
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        chunk = (end - start) // (2 * cp_size)
+        pieces += [torch.arange(start + j * chunk, start + (j + 1) * chunk) for j in (cp_rank, 2 * cp_size - 1 - cp_rank)]
+    index = torch.cat(pieces)
+    local = torch.full((packed_width(pack),), -1, dtype=torch.long)
+    local[index] = torch.arange(len(index))
+    return {**pack, "cp_index": index, "cp_local": local}
+
+
 def packed_width(pack: dict[str, torch.Tensor]) -> int:
     return pack[PACKED_IDS].shape[1]
 
 
-def unpack_response_logits(logits: torch.Tensor, pack: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The logits [N, V] at the pack's N real response positions, their labels [N] and the [rows, R]
-    mask saying where they go (response tokens after a row's end are not computed)."""
+def response_positions(pack: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pack positions [N] whose logits score its N real response tokens, those tokens [N], and the
+    [rows, R] mask saying where they go (response columns after a row's end are not computed)."""
     real = pack["attention_mask"][:, prompt_width(pack):].bool()
-    return logits[0, pack["response_index"][real]], pack["responses"][real], real
+    return pack["response_index"][real], pack["responses"][real], real
 
 
 def scatter_rows(values: torch.Tensor, real: torch.Tensor) -> torch.Tensor:

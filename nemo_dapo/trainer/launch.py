@@ -29,10 +29,10 @@ def resolve_paths(cfg: Config) -> Config:
 
 
 def megatron_worker_kwargs(layout: MegatronConfig) -> dict:
-    """``actor.megatron`` as MegatronPolicyWorker arguments (context parallelism is refused by the
-    config validation: the worker does not implement it)."""
+    """``actor.megatron`` as MegatronPolicyWorker arguments."""
     return {"tensor_parallel_size": layout.tensor_model_parallel_size,
             "pipeline_parallel_size": layout.pipeline_model_parallel_size,
+            "context_parallel_size": layout.context_parallel_size,
             "virtual_pipeline_parallel_size": layout.virtual_pipeline_model_parallel_size,
             "expert_parallel_size": layout.expert_model_parallel_size, "transformer_impl": layout.transformer_impl,
             "fp8": layout.fp8, "fp8_recipe": layout.fp8_recipe, "sequence_parallel": layout.sequence_parallel,
