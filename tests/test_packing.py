@@ -4,8 +4,8 @@ import torch
 from test_microbatch import batch_of
 
 from nemo_dapo.policy.microbatch import ROWS, prompt_width
-from nemo_dapo.policy.packing import (first_fit_decreasing, pack_rows, packed_micro_batches,
-                                      packed_width, scatter_rows, uniform_packs, response_positions)
+from nemo_dapo.policy.packing import (context_parallel_share, first_fit_decreasing, pack_rows, packed_micro_batches, packed_width,
+                                      response_positions, scatter_rows, uniform_packs)
 
 
 def padded_batch() -> dict:
@@ -76,3 +76,23 @@ def test_uniform_packs_share_one_width_and_fill_up_with_empty_packs():
     assert fillers and all(pack["response_mask"].sum() == 0 for pack in fillers)
     real_rows = torch.cat([pack[ROWS] for pack in packs]).sort().values
     assert torch.equal(real_rows, torch.arange(batch["input_ids"].shape[0]))
+
+
+def test_context_parallel_shares_split_every_row_into_balanced_chunks():
+    """CP=2: rows padded to multiples of 4; rank r holds chunks r and 3 - r of every row, together
+    the ranks hold each position once, and ``cp_local`` inverts ``cp_index``."""
+    batch = padded_batch()
+    pack = pack_rows(batch, [0, 2, 5], multiple=8, segment_multiple=4)
+    cu_seqlens = pack["cu_seqlens"].tolist()
+    assert all((end - start) % 4 == 0 for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]))
+    shares = [context_parallel_share(pack, 2, rank) for rank in range(2)]
+    assert torch.equal(torch.cat([share["cp_index"] for share in shares]).sort().values,
+                       torch.arange(packed_width(pack)))
+    start, end = cu_seqlens[0], cu_seqlens[1]
+    chunk = (end - start) // 4
+    assert torch.equal(shares[0]["cp_index"][: 2 * chunk],
+                       torch.cat([torch.arange(0, chunk), torch.arange(3 * chunk, 4 * chunk)]))
+    assert torch.equal(shares[1]["cp_index"][: 2 * chunk], torch.arange(chunk, 3 * chunk))
+    for share in shares:
+        assert torch.equal(share["cp_local"][share["cp_index"]], torch.arange(len(share["cp_index"])))
+        assert (share["cp_local"] >= 0).sum() == packed_width(pack) // 2

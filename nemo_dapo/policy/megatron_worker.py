@@ -37,8 +37,8 @@ from nemo_dapo.policy.megatron_export import iter_hf_weights
 from nemo_dapo.policy.megatron_router_loss import load_balancing_metric, per_routed_token
 from nemo_dapo.policy.megatron_vocab import vocab_parallel_stats
 from nemo_dapo.policy.microbatch import ROWS, micro_batches, place_rows, prompt_width, uniform_micro_batches
-from nemo_dapo.policy.packing import (PACKED_IDS, context_parallel_share, packed_micro_batches, scatter_rows,
-                                      uniform_packs, response_positions)
+from nemo_dapo.policy.packing import (PACKED_IDS, context_parallel_share, packed_micro_batches, response_positions,
+                                      scatter_rows, uniform_packs)
 from nemo_dapo.policy.torch_worker import DTYPES, lr_lambda
 from nemo_dapo.policy.weights import Bucket, bucketize
 
