@@ -41,6 +41,13 @@ class MiniBatch:
     global_seq_count: float
 
 
+def require_trainable(trainable: bool, what: str) -> None:
+    """A worker built with ``trainable=False`` (the KL reference) keeps weights only."""
+    if not trainable:
+        raise RuntimeError(f"{what}: this worker was built with trainable=False (a reference model): "
+                           "it only computes log-probs")
+
+
 class PolicyWorker(Protocol):
     def ready(self) -> bool: ...
 

@@ -30,7 +30,7 @@ from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.config.schema import OptimConfig
 from nemo_dapo.policy import megatron_model as mm
 from nemo_dapo.policy.actor_loss import SUMMED_METRICS, actor_loss
-from nemo_dapo.policy.base import LossSettings, MiniBatch
+from nemo_dapo.policy.base import LossSettings, MiniBatch, require_trainable
 from nemo_dapo.policy.megatron_convert import ModelShape
 from nemo_dapo.policy.megatron_cpu_compat import enable_cpu_compat
 from nemo_dapo.policy.megatron_export import iter_hf_weights
@@ -149,11 +149,6 @@ class MegatronPolicyWorker:
         ddp_config = self.sync.ddp_config()
         return [DistributedDataParallel(self.config, ddp_config, model, disable_bucketing=vp_stage > 0)
                 for vp_stage, model in enumerate(self.models)]
-
-    def _require_trainable(self, what: str) -> None:
-        if not self.trainable:
-            raise RuntimeError(f"{what}: this worker was built with trainable=False (a reference model): "
-                               "it only computes log-probs")
 
     def _install_overlap_hooks(self) -> None:
         """The schedule's hooks for overlapped gradient reduction (as Megatron's training loop): no
@@ -351,7 +346,7 @@ class MegatronPolicyWorker:
 
     def update(self, mini_batches: list[MiniBatch], settings: LossSettings,
                correction: CorrectionSettings | None = None) -> dict[str, list[float]]:
-        self._require_trainable("update")
+        require_trainable(self.trainable, "update")
         self._set_mode(train=True)
         metrics: dict[str, list[float]] = {}
         for mini in mini_batches:
@@ -420,7 +415,7 @@ class MegatronPolicyWorker:
     def save(self, path: str, asynchronous: bool = False) -> None:
         from nemo_dapo.policy.megatron_checkpoint import save_checkpoint
 
-        self._require_trainable("save")
+        require_trainable(self.trainable, "save")
         save_checkpoint(self, path, asynchronous)
 
     @functools.cached_property
@@ -438,7 +433,7 @@ class MegatronPolicyWorker:
     def load(self, path: str) -> None:
         from nemo_dapo.policy.megatron_checkpoint import load_checkpoint
 
-        self._require_trainable("load")
+        require_trainable(self.trainable, "load")
         load_checkpoint(self, path)
 
     def rng_state(self) -> dict:

@@ -20,7 +20,7 @@ from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.algo.logprob import entropy_from_logits, log_probs_from_logits
 from nemo_dapo.config.schema import OptimConfig
 from nemo_dapo.policy.actor_loss import SUMMED_METRICS, actor_loss
-from nemo_dapo.policy.base import LossSettings, MiniBatch
+from nemo_dapo.policy.base import LossSettings, MiniBatch, require_trainable
 from nemo_dapo.policy.microbatch import ROWS, micro_batches, place_rows, prompt_width
 from nemo_dapo.policy.weights import Bucket, bucketize
 
@@ -98,8 +98,7 @@ class TorchPolicyWorker:
 
     def update(self, mini_batches: list[MiniBatch], settings: LossSettings,
                correction: CorrectionSettings | None = None) -> dict[str, list[float]]:
-        if not self.trainable:
-            raise RuntimeError("update: this worker was built with trainable=False (a reference model)")
+        require_trainable(self.trainable, "update")
         self.model.train()
         metrics: dict[str, list[float]] = {}
         for mini in mini_batches:
