@@ -285,8 +285,13 @@ class MegatronPolicyWorker:
                     "attention_mask": padding_mask(mask) if te else attention_mask_4d(mask)}
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        cu_seqlens = micro["cu_seqlens"]
-        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        # read once per micro-batch on the host: the local spec's attention and Megatron's unfused
+        # RoPE split by these boundaries in every layer (a device copy would sync there each time);
+        # TransformerEngine's kernels take them on the device
+        bounds = micro["cu_seqlens"].cpu()
+        longest = int((bounds[1:] - bounds[:-1]).max())
+        te = self.options.transformer_impl == "transformer_engine"
+        cu_seqlens = micro["cu_seqlens"] if te else bounds
         tokens, positions = micro[PACKED_IDS], micro["packed_positions"]
         if "cp_index" in micro:  # this rank's share of the pack; the boundaries stay those of the whole pack
             tokens, positions = tokens[:, micro["cp_index"]], positions[:, micro["cp_index"]]
