@@ -2,9 +2,10 @@
 
 Compute is proportional to padded width, so rows of similar length go together (sorted by
 length) and each micro-batch is cut to the longest real prompt and response it contains; each
-micro-batch records its rows (``ROWS``) so per-row results go back in place. Batches follow the layout of :mod:`nemo_dapo.policy.base`:
-``input_ids`` / ``attention_mask`` / ``position_ids`` are [B, P + R] (prompt left-padded,
-response right-padded) and every other 2-D tensor is a [B, R] response-aligned field.
+micro-batch records its rows (``ROWS``) so per-row results go back in place. Batches follow the
+layout of :mod:`nemo_dapo.policy.base`: ``input_ids`` / ``attention_mask`` / ``position_ids`` are
+[B, P + R] (prompt left-padded, response right-padded) and every other 2-D tensor is a [B, R]
+response-aligned field.
 """
 
 from __future__ import annotations
