@@ -110,7 +110,7 @@ class MegatronConfig:
     fp8_recipe: str = "delayed"  # delayed | tensorwise | blockwise | mxfp8
     recompute_granularity: Optional[str] = None  # None | full | selective
     moe_aux_loss_coeff: float = 0.0  # MoE router load-balancing loss per routed token; 0 = off (RL loss only)
-    sequence_packing: bool = False  # micro-batch rows end to end, no padding (THD on transformer_engine)
+    sequence_packing: bool = False  # micro-batch rows end to end, no padding (THD: each row attends to itself)
 
 
 @dataclass
