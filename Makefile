@@ -1,7 +1,7 @@
 # `make train` runs the embedded default (tiny CPU DAPO); `make test` runs the test suite.
 # Both create .venv on first use (python3.11) and refresh it when pyproject.toml changes.
 VENV ?= .venv
-EXTRAS ?= test,rollout,cluster,megatron,launch
+EXTRAS ?= test,rollout,cluster,megatron,launch,gguf
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)-$(EXTRAS)
 PYTEST_ARGS ?=

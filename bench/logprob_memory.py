@@ -8,7 +8,10 @@ response log-probs and entropy are computed from one micro-batch's logits, for:
 - ``gathered``: the full-vocabulary logits on every rank (what ``parallel_output=False`` gives),
   scored with :mod:`nemo_dapo.algo.logprob` (the torch worker's formulas);
 - ``vocab_parallel``: this rank's ``V / TP`` columns, scored with
-  :func:`nemo_dapo.policy.megatron_vocab.vocab_parallel_stats` (the Megatron worker).
+  :func:`nemo_dapo.policy.megatron_vocab.vocab_parallel_stats` (the Megatron worker before chunking);
+- ``head_whole`` / ``head_chunked``: from the final hidden states through the output layer, the
+  whole micro-batch's logits at once (before) or :func:`nemo_dapo.algo.logprob.chunked_token_stats`
+  (both workers now); here the output layer's input and weight are counted too.
 
 Runs on one process: the TP all-reduces are over a group of one, so only the shard's width
 matters. The logits tensor itself (the output layer's result) is counted for both. Prints one
@@ -48,9 +51,11 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--entropy-grad", action="store_true", help="entropy bonus on (entropy_coeff != 0)")
+    parser.add_argument("--hidden", type=int, default=576, help="hidden size for the head_* variants")
     args = parser.parse_args()
 
-    from nemo_dapo.algo.logprob import entropy_from_logits, log_probs_from_logits
+    from nemo_dapo.algo.logprob import (chunk_tokens_for, chunked_token_stats, entropy_from_logits,
+                                        log_probs_from_logits, token_stats)
     from nemo_dapo.policy import megatron_model as mm
     from nemo_dapo.policy.megatron_cpu_compat import enable_cpu_compat
     from nemo_dapo.policy.megatron_vocab import vocab_parallel_stats
@@ -70,10 +75,22 @@ def main() -> None:
         logits = torch.randn(1, args.tokens, width, dtype=dtype, requires_grad=True)
         return vocab_parallel_stats(logits, labels.clamp(max=width - 1), 1.0, width, args.entropy_grad)
 
-    for name, compute in (("gathered", gathered), ("vocab_parallel", vocab_parallel)):
+    head = torch.nn.Linear(args.hidden, args.vocab, bias=False).to(dtype)
+
+    def head_whole():
+        hidden = torch.randn(1, args.tokens, args.hidden, dtype=dtype, requires_grad=True)
+        return token_stats(head(hidden), labels)
+
+    def head_chunked():
+        hidden = torch.randn(1, args.tokens, args.hidden, dtype=dtype, requires_grad=True)
+        return chunked_token_stats(hidden, labels, head, token_stats, chunk_tokens_for(args.vocab))
+
+    variants = (("gathered", gathered), ("vocab_parallel", vocab_parallel), ("head_whole", head_whole),
+                ("head_chunked", head_chunked))
+    for name, compute in variants:
         kept = saved_bytes(compute)
         print(json.dumps({"variant": name, "tokens": args.tokens, "vocab": args.vocab, "tp": args.tp,
-                          "entropy_grad": args.entropy_grad or name == "gathered",
+                          "entropy_grad": args.entropy_grad or name != "vocab_parallel",
                           "saved_for_backward_mib": round(kept / 2**20, 1),
                           "bytes_per_token": round(kept / args.tokens)}), flush=True)
 

@@ -1,11 +1,15 @@
 """Where does a training step's time go? Per-stage seconds, generation share, weight-sync time,
-tokens/s and peak memory of the tiny preset (or any preset) on this machine.
+tokens/s and peak memory of the tiny preset (or any preset) on this machine, side by side with
+the same loop in a single process.
 
-    .venv/bin/python bench/step_breakdown.py [--config tiny_cpu] [--steps 30] [key=value ...]
+    .venv/bin/python bench/step_breakdown.py [--config tiny_cpu] [--steps 30] [--no-baseline] [key=value ...]
 
 Runs the real trainer for ``--steps`` steps (first 3 dropped as warm-up), samples the memory
-of the whole process tree (driver, Ray, vLLM, policy workers) every 0.2 s, prints a table and
-writes ``step_breakdown.json`` into the run's output folder.
+of the whole process tree (driver, Ray, vLLM, policy workers) every 0.2 s, then the baseline of
+:mod:`_single_process` (HF ``generate`` + the same trainer, loss and optimizer in one process)
+on the same config; prints both and their ratio and writes ``step_breakdown.json``. Memory is
+the proportional set size summed over the tree: resident sizes would count pages the processes
+share (Ray's object store, the mapped model files) once per process.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ class TreeMemory(threading.Thread):
             total = 0
             for proc in [me, *me.children(recursive=True)]:
                 try:
-                    total += proc.memory_info().rss
+                    total += proc.memory_full_info().pss
                 except psutil.Error:
                     pass
             self.peak_bytes = max(self.peak_bytes, total)
@@ -63,28 +67,47 @@ def summarise(metrics_file: Path, skip: int) -> dict:
             "gen_rounds_per_step": statistics.mean(r.get("dapo/num_gen_batches", 1.0) for r in steps)}
 
 
-def main() -> None:
-    args = bench_parser(__doc__).parse_args()
-    output = Path("outputs/bench_step_breakdown")
-    overrides = [f"trainer.total_training_steps={args.steps}", "trainer.test_freq=0", "trainer.val_before_train=false",
-                 f"trainer.save_freq={args.steps}", "checkpoint.resume=disable", f"trainer.output_dir={output}",
-                 *args.overrides]
+def measured_run(run, config: str, output: Path, steps: int, extra: list[str]) -> dict:
+    """``run(cfg)`` for ``steps`` steps into ``output``, with its timings and peak memory."""
+    overrides = [f"trainer.total_training_steps={steps}", "trainer.test_freq=0", "trainer.val_before_train=false",
+                 f"trainer.save_freq={steps}", "checkpoint.resume=disable", f"trainer.output_dir={output}", *extra]
     (output / "metrics.jsonl").unlink(missing_ok=True)
     memory = TreeMemory()
     memory.start()
     started = time.time()
-    run_training(load_config(args.config, overrides))
+    run(load_config(config, overrides))
     memory.stop()
     report = summarise(output / "metrics.jsonl", skip=3)
-    report.update({"wall_s": time.time() - started, "peak_rss_gib": memory.peak_bytes / 2**30, "config": args.config,
-                   "overrides": args.overrides})
-    (output / "step_breakdown.json").write_text(json.dumps(report, indent=1))
-    print(f"step {report['step_s']:.3f} s over {report['steps_measured']} steps "
+    report.update({"wall_s": time.time() - started, "peak_memory_gib": memory.peak_bytes / 2**30})
+    return report
+
+
+def print_report(name: str, report: dict) -> None:
+    print(f"{name}: step {report['step_s']:.3f} s over {report['steps_measured']} steps "
           f"({report['gen_rounds_per_step']:.2f} generation rounds/step, {report['tokens_per_step']:.0f} tokens/step)")
     for stage, seconds in report["stage_s"].items():
         print(f"  {stage:<13} {seconds:7.3f} s  {100 * seconds / report['step_s']:5.1f} %")
-    print(f"generation share {100 * report['gen_share']:.1f} %, weight sync {1000 * report['weight_sync_s']:.1f} ms, "
-          f"{report['tokens_per_s']:.0f} tokens/s, peak memory (all processes) {report['peak_rss_gib']:.2f} GiB")
+    print(f"  generation share {100 * report['gen_share']:.1f} %, weight sync {1000 * report['weight_sync_s']:.1f} ms, "
+          f"{report['tokens_per_s']:.0f} tokens/s, peak memory (all processes) {report['peak_memory_gib']:.2f} GiB")
+
+
+def main() -> None:
+    parser = bench_parser(__doc__)
+    parser.add_argument("--no-baseline", action="store_true", help="skip the single-process loop")
+    args = parser.parse_args()
+    output = Path("outputs/bench_step_breakdown")
+    report = {"config": args.config, "overrides": args.overrides,
+              "ours": measured_run(run_training, args.config, output, args.steps, args.overrides)}
+    print_report("nemo-dapo (Ray + vLLM)", report["ours"])
+    if not args.no_baseline:
+        from _single_process import run_single_process
+
+        report["single_process"] = measured_run(run_single_process, args.config, output / "single_process",
+                                                args.steps, args.overrides)
+        print_report("single process (HF generate, same loop)", report["single_process"])
+        report["step_ratio"] = report["ours"]["step_s"] / report["single_process"]["step_s"]
+        print(f"our step / single-process step = {report['step_ratio']:.2f}")
+    (output / "step_breakdown.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

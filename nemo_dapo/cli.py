@@ -36,7 +36,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from nemo_dapo.evaluate import evaluate
 
     metrics = evaluate(args.model, args.data, n=args.n, temperature=args.temperature, top_p=args.top_p,
-                       max_tokens=args.max_tokens, max_prompt_length=args.max_prompt_length)
+                       max_tokens=args.max_tokens, max_prompt_length=args.max_prompt_length, unique=args.unique)
     for key, value in metrics.items():
         print(f"{key}: {value:.4f}")
     return 0
@@ -50,6 +50,17 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     tokenizer = args.tokenizer or resolve_paths(from_yaml((Path(args.checkpoint) / "config.yaml").read_text())).model.path
     print(export_hf(args.checkpoint, tokenizer, args.output))
+    return 0
+
+
+def _cmd_import_gguf(args: argparse.Namespace) -> int:
+    from nemo_dapo.model.gguf_import import GGUFImportError, import_gguf
+
+    try:
+        print(import_gguf(args.gguf_file, args.output))
+    except GGUFImportError as err:
+        print(f"nemo-dapo import-gguf: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -78,12 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--top-p", type=float, default=0.7)
     evaluate.add_argument("--max-tokens", type=int, default=20480, help="response budget (capped by the model)")
     evaluate.add_argument("--max-prompt-length", type=int, default=2048)
+    evaluate.add_argument("--unique", action="store_true",
+                          help="score repeated rows once (verl's AIME files hold each problem 32 times)")
     evaluate.set_defaults(fn=_cmd_eval)
     export = sub.add_parser("export", help="checkpoint -> Hugging Face folder (weights + tokenizer)")
     export.add_argument("checkpoint", help="a checkpoints/global_step_N folder")
     export.add_argument("output", help="folder to write")
     export.add_argument("--tokenizer", help="folder holding the tokenizer files (default: the base model's)")
     export.set_defaults(fn=_cmd_export)
+    gguf = sub.add_parser("import-gguf", help="a local GGUF file (Llama / Qwen2 / Qwen3) -> Hugging Face folder")
+    gguf.add_argument("gguf_file", help="the .gguf file (any quantization; weights are dequantized to fp32)")
+    gguf.add_argument("output", help="folder to write (config, safetensors, tokenizer, provenance.json)")
+    gguf.set_defaults(fn=_cmd_import_gguf)
     sub.add_parser("selfcheck", help="check the DAPO math against hand-computed values").set_defaults(fn=_cmd_selfcheck)
     config = sub.add_parser("config", help="print the resolved, validated config")
     config.add_argument("--config", default=DEFAULT_PRESET, help="preset name in conf/ or a YAML path")

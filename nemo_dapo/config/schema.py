@@ -129,6 +129,9 @@ class ActorConfig:
     ppo_epochs: int = 1
     ppo_mini_batch_size: int = 32  # prompts per optimizer step
     max_token_len_per_micro_batch: int = 16384
+    # response positions per output-layer chunk when computing log-probs and entropy (recomputed in
+    # backward, so a micro-batch's [tokens, vocab] logits never exist). None: 128 MiB of fp32 logits
+    logits_chunk_tokens: Optional[int] = None
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
@@ -196,6 +199,9 @@ class TrainerConfig:
     # GPU mode: training ranks and vLLM engines share every GPU and take turns (the engines sleep
     # while the policy trains). false: each group gets GPUs of its own. Ignored in CPU mode.
     colocate: bool = False
+    # CPU threads of each policy, reference and rollout worker. None: the cores of its node divided
+    # among the workers of its group there (all the cores on a CPU machine, whose stages take turns)
+    cpu_threads_per_worker: Optional[int] = None
 
 
 @dataclass

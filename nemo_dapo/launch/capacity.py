@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from nemo_dapo.algo.logprob import chunk_tokens_for
 from nemo_dapo.config.schema import Config
 from nemo_dapo.config.validate import is_colocated, needs_reference, training_world_size
 from nemo_dapo.launch.architectures import Architecture
@@ -133,8 +134,13 @@ def activation_bytes(arch: Architecture, layout: Layout, tokens: float, elt: int
     return {"none": stored, "selective": stored, "full": full}
 
 
-def logits_bytes(arch: Architecture, layout: Layout, tokens: float, elt: int) -> float:
-    return tokens * arch.vocab_size / layout.tp * (elt + 4 + 4)
+def logits_bytes(arch: Architecture, layout: Layout, tokens: float, elt: int, chunk_tokens: int | None = None) -> float:
+    """The output layer's logits alive at once: one chunk of response positions (the workers score
+    ``actor.logits_chunk_tokens`` at a time, see :func:`nemo_dapo.algo.logprob.chunked_token_stats`),
+    with their fp32 copy and softmax."""
+    columns = arch.vocab_size / layout.tp
+    chunk = chunk_tokens or chunk_tokens_for(math.ceil(columns))
+    return min(tokens, chunk) * columns * (elt + 4 + 4)
 
 
 @dataclass(frozen=True)
@@ -174,7 +180,8 @@ def training_memory(cfg: Config, arch: Architecture, reserve_gib: float) -> Trai
     return TrainingMemory(
         params=params.total, weights=params.total * elt / GIB, gradients=params.total * GRAD_BYTES / GIB,
         optimizer=optimizer / GIB, activations={k: v / GIB for k, v in activations.items()},
-        recompute=layout.recompute or "none", logits=logits_bytes(arch, layout, tokens, elt) / GIB,
+        recompute=layout.recompute or "none",
+        logits=logits_bytes(arch, layout, tokens, elt, cfg.actor.logits_chunk_tokens) / GIB,
         reserve=reserve_gib,
         # the reference worker is built frozen: weights only, in the same layout as the actor
         reference=params.total * elt / GIB if needs_reference(cfg) and is_colocated(cfg) else 0.0)

@@ -129,6 +129,30 @@ def startup_shape_problems(cfg: Config) -> list[str]:
     return shape_problems(cfg, arch)
 
 
+def cpu_memory_problems(cfg: Config, host_gib: float) -> list[str]:
+    """A CPU-mode run (``trainer.n_gpus_per_node=0``) whose workers cannot fit ``host_gib`` of memory
+    together: each policy rank's update (fp32 weights, gradients, Adam, activations of one
+    micro-batch, one logits chunk) plus each engine's weights and KV cache. Refused before any
+    worker starts, naming the micro-batch budget, which the activations grow with."""
+    if cfg.trainer.n_gpus_per_node > 0:
+        return []
+    try:
+        arch = resolve_architecture(cfg.model.path)
+    except (ValueError, KeyError):
+        return []
+    training = training_memory(cfg, arch, reserve_gib=0.0)
+    engine = arch.total_params() * 4 / 2**30 + 1.0  # fp32 weights + the engines' 1 GiB KV cache on CPU
+    need = training.total * cfg.actor.num_workers + engine * cfg.rollout.num_workers
+    if need <= HOST_MEMORY_FRACTION * host_gib:
+        return []
+    return [f"actor.max_token_len_per_micro_batch={cfg.actor.max_token_len_per_micro_batch}: the workers need about "
+            f"{need:.1f} GiB ({training.activations['none']:.1f} GiB of activations per policy rank) of this machine's "
+            f"{host_gib:.1f} GiB; lower it (activations grow with it) or use fewer actor.num_workers"]
+
+
+HOST_MEMORY_FRACTION = 0.85  # the rest: driver, Ray, the reward pool, the page cache
+
+
 def make_plan(cfg: Config, config_name: str, gpu_memory_gib: float, reserve_gib: float) -> Plan:
     try:
         arch = resolve_architecture(cfg.model.path)

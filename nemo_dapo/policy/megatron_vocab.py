@@ -9,8 +9,12 @@ all-reduced over the TP group. Equal to :mod:`nemo_dapo.algo.logprob` on the gat
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
+
+from nemo_dapo.algo.logprob import chunked_token_stats
 
 
 def vocab_parallel_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float, vocab_size: int,
@@ -42,3 +46,48 @@ def vocab_parallel_stats(logits: torch.Tensor, labels: torch.Tensor, temperature
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = log_norm - reduce_sum((exp * shifted).sum(dim=-1)) / sum_exp
     return log_probs, entropy
+
+
+
+class DeferredOutputLayer:
+    """Makes GPTModel's ``output_layer`` hand back its input, so that the model returns its final
+    hidden states instead of logits; :meth:`response_stats` then applies the real layer chunk by
+    chunk (:func:`~nemo_dapo.algo.logprob.chunked_token_stats`) at the response positions only.
+
+    GPTModel calls ``output_layer(hidden, weight=..., runtime_gather_output=...)`` and returns the
+    first result as [b, s, ...]: here [b, s, hidden], never [b, s, vocab / TP]. Only the instance's
+    ``forward`` is replaced: the module, its parameter names, checkpoints, DDP hooks and weight
+    export are untouched. With sequence parallelism the hidden states are gathered over TP here and
+    the layer runs without its own gather (its input-gradient all-reduce then sums the gradient,
+    which the gather's backward splits back), as Megatron does for its last-token logits. That
+    path needs TransformerEngine and is not run on CPU.
+    """
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        self.layer = layer
+        self.sequence_parallel = bool(getattr(layer, "sequence_parallel", False))
+        self._weight: torch.Tensor | None = None
+        layer.forward = self._hand_back_hidden
+
+    def _hand_back_hidden(self, hidden: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        self._weight = weight  # the embedding's weight when input and output embeddings are tied
+        return hidden, None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's ``[..., V_padded / TP]`` logit columns of ``hidden`` (the real layer)."""
+        self.layer.sequence_parallel = False  # already gathered
+        try:
+            return type(self.layer).forward(self.layer, hidden, weight=self._weight)[0]
+        finally:
+            self.layer.sequence_parallel = self.sequence_parallel
+
+    def response_stats(self, hidden: torch.Tensor, labels: torch.Tensor, temperature: float, vocab_size: int,
+                       entropy_grad: bool, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`vocab_parallel_stats` of ``logits(hidden)``, ``chunk_tokens`` positions at a time."""
+        stats = functools.partial(vocab_parallel_stats, temperature=temperature, vocab_size=vocab_size,
+                                  entropy_grad=entropy_grad)
+        return chunked_token_stats(hidden, labels, self.logits, stats, chunk_tokens)

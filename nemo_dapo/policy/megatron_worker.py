@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_dapo.algo.correction import CorrectionSettings
+from nemo_dapo.algo.logprob import chunk_tokens_for
 from nemo_dapo.config.schema import OptimConfig
 from nemo_dapo.policy import megatron_model as mm
 from nemo_dapo.policy.actor_loss import SUMMED_METRICS, actor_loss
@@ -35,12 +36,13 @@ from nemo_dapo.policy.megatron_convert import ModelShape
 from nemo_dapo.policy.megatron_cpu_compat import enable_cpu_compat
 from nemo_dapo.policy.megatron_export import iter_hf_weights
 from nemo_dapo.policy.megatron_router_loss import load_balancing_metric, per_routed_token
-from nemo_dapo.policy.megatron_vocab import vocab_parallel_stats
+from nemo_dapo.policy.megatron_vocab import DeferredOutputLayer
 from nemo_dapo.policy.microbatch import ROWS, micro_batches, place_rows, prompt_width, uniform_micro_batches
 from nemo_dapo.policy.packing import (PACKED_IDS, context_parallel_share, packed_micro_batches, response_positions,
                                       scatter_rows, uniform_packs)
 from nemo_dapo.policy.torch_worker import DTYPES, lr_lambda
 from nemo_dapo.policy.weights import Bucket, bucketize
+from nemo_dapo.threads import use_cpu_threads
 
 
 def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -80,17 +82,17 @@ class MegatronPolicyWorker:
                  dtype: str = "float32", total_steps: int = 1000, max_token_len: int = 16384, seed: int = 1,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, expert_parallel_size: int = 1,
                  virtual_pipeline_parallel_size: int | None = None, context_parallel_size: int = 1,
-                 num_threads: int | None = None,
+                 num_threads: int | None = None, workers_per_node: int = 1,
                  transformer_impl: str = "local", fp8: str | None = None, fp8_recipe: str = "delayed",
                  sequence_parallel: bool = False,
                  recompute_granularity: str | None = None, use_distributed_optimizer: bool = True,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                  ddp_bucket_size: int | None = None, moe_aux_loss_coeff: float = 0.0,
-                 sequence_packing: bool = False, trainable: bool = True) -> None:
+                 sequence_packing: bool = False, logits_chunk_tokens: int | None = None,
+                 trainable: bool = True) -> None:
         from transformers import AutoConfig
 
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        use_cpu_threads(num_threads, workers_per_node, f"Megatron policy worker {rank}")
         self.options = mm.TrainingOptions(transformer_impl, fp8, fp8_recipe, sequence_parallel, recompute_granularity,
                                           moe_aux_loss_coeff, sequence_packing)
         self.options.check(tensor_parallel_size, context_parallel_size)
@@ -112,6 +114,9 @@ class MegatronPolicyWorker:
         self.optim_cfg = OptimConfig(**optim)
         self.lr_factor = lr_lambda(self.optim_cfg, total_steps)
         self.max_token_len = max_token_len
+        columns = mm.padded_vocab_size(self.shape.vocab_size, tensor_parallel_size) // tensor_parallel_size
+        self.chunk_tokens = logits_chunk_tokens or chunk_tokens_for(columns)
+        self.output: DeferredOutputLayer | None = None  # set by _build on the last pipeline stage
         self.steps_done = 0
         self.trainable = trainable
         self.models = self._build(model_path)
@@ -138,6 +143,8 @@ class MegatronPolicyWorker:
             # training dtype (the torch-norm fallback of the local spec is built on the CPU in fp32)
             model.to(device=self.device, dtype=self.config.params_dtype)
             mm.load_local_weights(model, mm.local_weights(full, self.shape, self.parallel.tensor, vp_stage))
+            if getattr(model, "output_layer", None) is not None:  # the last stage's last chunk
+                self.output = DeferredOutputLayer(model.output_layer)
             models.append(model)
         return models
 
@@ -200,31 +207,35 @@ class MegatronPolicyWorker:
 
     # ---- forward ---------------------------------------------------------------------------
 
-    def _response_stats(self, micro: dict[str, torch.Tensor], logits: torch.Tensor, temperature: float,
-                        entropy_grad: bool = True):
-        """Log-probs and entropy of the response tokens from this rank's vocabulary columns."""
-        if PACKED_IDS in micro:
-            return self._packed_response_stats(micro, logits, temperature, entropy_grad)
-        width, length = prompt_width(micro), micro["responses"].shape[1]
-        return vocab_parallel_stats(logits[:, width - 1: width - 1 + length], micro["responses"], temperature,
-                                    self.shape.vocab_size, entropy_grad)
+    def _stats(self, hidden: torch.Tensor, labels: torch.Tensor, temperature: float, entropy_grad: bool):
+        """Log-probs and entropy of ``labels`` from this rank's vocabulary columns, computed from the
+        final hidden states in chunks (:class:`DeferredOutputLayer`)."""
+        return self.output.response_stats(hidden, labels, temperature, self.shape.vocab_size, entropy_grad,
+                                          self.chunk_tokens)
 
-    def _packed_response_stats(self, micro: dict[str, torch.Tensor], logits: torch.Tensor, temperature: float,
+    def _response_stats(self, micro: dict[str, torch.Tensor], hidden: torch.Tensor, temperature: float,
+                        entropy_grad: bool = True):
+        """Log-probs and entropy of the response tokens (``hidden``: the model's output, [b, s, h])."""
+        if PACKED_IDS in micro:
+            return self._packed_response_stats(micro, hidden, temperature, entropy_grad)
+        width, length = prompt_width(micro), micro["responses"].shape[1]
+        return self._stats(hidden[:, width - 1: width - 1 + length], micro["responses"], temperature, entropy_grad)
+
+    def _packed_response_stats(self, micro: dict[str, torch.Tensor], hidden: torch.Tensor, temperature: float,
                                entropy_grad: bool):
-        """The same from a pack's logits, put back in [rows, response] form. With context parallelism
-        each rank scores the response tokens it holds and the rows are summed over the CP group
+        """The same from a pack, put back in [rows, response] form. With context parallelism each
+        rank scores the response tokens it holds and the rows are summed over the CP group
         (backward: each rank's share of the gradient reaches its own tokens only)."""
         positions, labels, real = response_positions(micro)
         if "cp_local" not in micro:
-            return tuple(scatter_rows(values, real) for values in vocab_parallel_stats(
-                logits[0, positions], labels, temperature, self.shape.vocab_size, entropy_grad))
+            return tuple(scatter_rows(values, real)
+                         for values in self._stats(hidden[0, positions], labels, temperature, entropy_grad))
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
         local = micro["cp_local"][positions]
         held = local >= 0
-        stats = vocab_parallel_stats(logits[0, local[held]], labels[held], temperature, self.shape.vocab_size,
-                                     entropy_grad)
+        stats = self._stats(hidden[0, local[held]], labels[held], temperature, entropy_grad)
         group = parallel_state.get_context_parallel_group()
         return tuple(reduce_from_tensor_model_parallel_region(
             scatter_rows(values.new_zeros(held.shape).masked_scatter(held, values), real), group) for values in stats)
@@ -322,12 +333,12 @@ class MegatronPolicyWorker:
         micros = self._micro_batches(batch)
         log_prob_parts, entropy_parts = [], []
 
-        def collect(micro, logits):
+        def collect(micro, hidden):
             rows = micro[ROWS].cpu()  # uniform micro-batches end with filler rows: not among ROWS
-            log_probs, entropy = self._response_stats(micro, logits, temperature)
+            log_probs, entropy = self._response_stats(micro, hidden, temperature)
             log_prob_parts.append((rows, log_probs[: len(rows)].cpu()))
             entropy_parts.append((rows, entropy[: len(rows)].cpu()))
-            return logits.new_zeros(()), torch.tensor(0, dtype=torch.int), {}
+            return hidden.new_zeros(()), torch.tensor(0, dtype=torch.int), {}
 
         self._run_schedule(micros, collect, forward_only=True)
         shape = batch["responses"].shape
@@ -369,8 +380,8 @@ class MegatronPolicyWorker:
         self.optimizer.zero_grad()
         step_metrics: dict[str, list[float]] = {}
 
-        def loss_fn(micro, logits):
-            log_probs, entropy = self._response_stats(micro, logits, settings.temperature,
+        def loss_fn(micro, hidden):
+            log_probs, entropy = self._response_stats(micro, hidden, settings.temperature,
                                                       entropy_grad=settings.entropy_coeff != 0)
             loss, micro_metrics = actor_loss(log_probs, entropy, micro, settings, mini.global_token_count,
                                              mini.global_seq_count, correction)

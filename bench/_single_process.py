@@ -1,0 +1,117 @@
+"""The baseline of ``step_breakdown.py``: the same trainer loop in one process, no Ray, no vLLM.
+
+What a user of a single-process library (TRL-style) would run: one Hugging Face model that
+generates with ``model.generate`` and trains in place. It drives :class:`DAPOTrainer` itself, so
+the data order, rewards, dynamic sampling, advantages, loss, micro-batching and optimizer are
+ours line for line; only generation (HF instead of vLLM), orchestration (direct calls instead
+of Ray actors) and the weight sync (none: one model) differ. The ratio of the two step times is
+then the cost or gain of the engine and the orchestration, measured rather than guessed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Iterator
+
+import torch
+
+from nemo_dapo.algo.metrics import reduce_metrics
+from nemo_dapo.rollout.base import Generation, SamplingSettings
+from nemo_dapo.trainer.batching import mini_batches_per_rank, worker_inputs
+
+
+class InProcessPolicy:
+    """The PolicyGroup calls the trainer makes, on one TorchPolicyWorker in this process."""
+
+    world_size = 1
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+
+    def compute_log_prob(self, batch, temperature: float) -> dict[str, torch.Tensor]:
+        width = batch["responses"].shape[1]
+        out = self.worker.compute_log_prob(worker_inputs(batch), temperature)
+        return {key: value[:, :width] for key, value in out.items()}
+
+    def update(self, batch, settings, prompts_per_mini_batch: int, ppo_epochs: int, correction=None) -> dict:
+        minis = mini_batches_per_rank(batch, prompts_per_mini_batch, 1, ppo_epochs)[0]
+        return reduce_metrics(self.worker.update(minis, settings, correction))
+
+    def export_weights(self, bucket_bytes: int) -> Iterator:
+        return iter(())  # generation uses the trained model itself
+
+    def save(self, path: str, asynchronous: bool = False) -> None:
+        self.worker.save(path)
+
+    def finish_save(self, blocking: bool = True) -> bool:
+        return True
+
+    def load(self, path: str) -> None:
+        self.worker.load(path)
+
+
+class HFGenerate:
+    """The RolloutGroup calls the trainer makes, answered by ``model.generate`` on the policy's model."""
+
+    def __init__(self, model, pad_id: int, eos_id: int) -> None:
+        self.model, self.pad_id, self.eos_id = model, pad_id, eos_id
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Generation]:
+        self.model.eval()
+        width = max(map(len, prompts))
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=sampling.temperature > 0,
+                                  temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
+                                  max_new_tokens=sampling.max_tokens, num_return_sequences=sampling.n,
+                                  pad_token_id=self.pad_id, eos_token_id=self.eos_id, use_cache=True,
+                                  return_dict_in_generate=True, output_scores=True)
+        tokens = out.sequences[:, width:]
+        scores = torch.stack(out.scores, dim=1).float().log_softmax(-1)  # the processed distribution
+        picked = scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        generations = [Generation() for _ in prompts]
+        for row in range(tokens.shape[0]):
+            ended = (tokens[row] == self.eos_id).nonzero()
+            length = int(ended[0]) + 1 if len(ended) else tokens.shape[1]
+            generation = generations[row // sampling.n]
+            generation.token_ids.append(tokens[row, :length].tolist())
+            generation.log_probs.append(picked[row, :length].tolist())
+            generation.finish_reasons.append("stop" if len(ended) else "length")
+        return generations
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self, tags=None) -> None:
+        pass
+
+    def update_weights(self, bucket_refs, version: int) -> None:
+        for _ in bucket_refs:
+            pass
+
+
+def run_single_process(cfg) -> dict:
+    """``nemo-dapo train`` with the single-process policy and HF generation; returns the summary."""
+    from transformers import AutoTokenizer
+
+    from nemo_dapo.data import RLDataset
+    from nemo_dapo.policy.torch_worker import TorchPolicyWorker
+    from nemo_dapo.reward.manager import RewardManager
+    from nemo_dapo.trainer.fit import DAPOTrainer
+    from nemo_dapo.trainer.launch import resolve_paths
+
+    cfg = resolve_paths(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    data = RLDataset(cfg.data.train_files, tokenizer, max_prompt_length=cfg.data.max_prompt_length,
+                     truncation=cfg.data.truncation, filter_overlong_prompts=cfg.data.filter_overlong_prompts)
+    worker = TorchPolicyWorker(0, 1, "", cfg.model.path, asdict(cfg.actor.optim), dtype=cfg.model.dtype,
+                               max_token_len=cfg.actor.max_token_len_per_micro_batch, seed=cfg.trainer.seed,
+                               num_threads=cfg.trainer.cpu_threads_per_worker)
+    buffer = cfg.reward.overlong_buffer
+    with RewardManager(cfg.reward.scorer, max_response_length=cfg.data.max_response_length,
+                       overlong_enable=buffer.enable, buffer_len=buffer.len, penalty_factor=buffer.penalty_factor,
+                       num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as reward:
+        rollout = HFGenerate(worker.model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+        trainer = DAPOTrainer(cfg, InProcessPolicy(worker), rollout, tokenizer, data, None, reward)
+        return trainer.fit()

@@ -1,0 +1,41 @@
+"""How many CPU threads a worker process computes with, set explicitly at its start.
+
+Ray exports ``OMP_NUM_THREADS`` from an actor's CPU request (1 by default), so a worker that
+leaves torch alone computes on one core however many the node has. Every worker (policy,
+reference, rollout) therefore calls :func:`use_cpu_threads` first: an explicit count, or the
+cores this process may run on divided among the workers of its group that share the node and
+compute at the same time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+def visible_cores() -> int:
+    """Cores this process may run on (its affinity mask, not the machine's total)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def threads_for(requested: int | None, workers_per_node: int) -> int:
+    """``requested`` when set, else an equal share of the visible cores (at least one)."""
+    if requested:
+        return requested
+    return max(1, visible_cores() // max(workers_per_node, 1))
+
+
+def use_cpu_threads(requested: int | None, workers_per_node: int, who: str) -> int:
+    """Set torch's intra-op threads (and ``OMP_NUM_THREADS`` for libraries started later) and log it
+    once. Call before any library that fixes its thread pool at import (vLLM's CPU worker replaces
+    ``torch.set_num_threads`` with a no-op once it has started)."""
+    import torch
+
+    threads = threads_for(requested, workers_per_node)
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    log.info("%s: %d CPU threads (%d cores visible, %d workers of the group per node%s)", who, threads,
+             visible_cores(), workers_per_node, ", set by config" if requested else "")
+    return threads

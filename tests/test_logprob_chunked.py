@@ -1,0 +1,85 @@
+"""Chunked log-probs and entropy: equal to the whole-logits computation, gradients included, and
+never holding a micro-batch's ``[tokens, vocab]`` logits for the backward."""
+
+import functools
+
+import pytest
+import torch
+
+from nemo_dapo.algo.logprob import chunk_tokens_for, chunked_token_stats, token_stats
+
+TOKENS, HIDDEN, VOCAB, TEMPERATURE = 37, 16, 301, 0.7
+
+
+def problem(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(2, TOKENS, HIDDEN, generator=gen) * 2).requires_grad_(True)
+    head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(VOCAB, HIDDEN, generator=gen))
+    labels = torch.randint(0, VOCAB, (2, TOKENS), generator=gen)
+    return hidden, head, labels
+
+
+def loss_and_grads(chunk_tokens: int | None):
+    """Values and gradients (w.r.t. hidden and the output layer) of a loss using both outputs."""
+    hidden, head, labels = problem()
+    stats = functools.partial(token_stats, temperature=TEMPERATURE)
+    if chunk_tokens is None:
+        log_probs, entropy = stats(head(hidden), labels)
+    else:
+        log_probs, entropy = chunked_token_stats(hidden, labels, head, stats, chunk_tokens)
+    (log_probs * torch.linspace(-1, 1, TOKENS)).sum().add(0.3 * entropy.sum()).backward()
+    return log_probs.detach(), entropy.detach(), hidden.grad, head.weight.grad
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 5, 37, 74, 1000])  # 5 does not divide 74 positions
+def test_chunked_equals_whole_logits_values_and_gradients(chunk_tokens):
+    expected = loss_and_grads(None)
+    got = loss_and_grads(chunk_tokens)
+    for name, want, have in zip(("log_probs", "entropy", "d hidden", "d weight"), expected, got):
+        assert torch.allclose(have, want, atol=1e-4, rtol=1e-5), (name, (have - want).abs().max())
+
+
+def test_without_gradients_no_graph_is_kept():
+    hidden, head, labels = problem()
+    with torch.no_grad():
+        log_probs, entropy = chunked_token_stats(hidden, labels, head, token_stats, 8)
+    assert not log_probs.requires_grad and not entropy.requires_grad
+    assert torch.allclose(log_probs, token_stats(head(hidden), labels)[0].detach(), atol=1e-5)
+
+
+def saved_for_backward(compute) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward of ``compute()``."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        compute()
+    return sum(storages.values())
+
+
+def test_the_backward_keeps_no_full_logits():
+    hidden, head, labels = problem()
+    logits_bytes = 2 * TOKENS * VOCAB * 4
+    whole = saved_for_backward(lambda: token_stats(head(hidden), labels))
+    chunked = saved_for_backward(lambda: chunked_token_stats(hidden, labels, head, token_stats, 8))
+    assert whole >= logits_bytes  # the unchunked computation keeps the logits (or their softmax)
+    assert chunked < logits_bytes / 4, (chunked, logits_bytes)  # inputs and output layer only
+
+
+def test_chunk_size_follows_the_vocabulary():
+    assert chunk_tokens_for(49152) == 682  # SmolLM2: 128 MiB of fp32 logits per chunk
+    assert chunk_tokens_for(151936) == 220  # Qwen2.5
+    assert chunk_tokens_for(10**12) == 1
+
+
+def test_no_positions_still_back_propagates_to_the_output_layer():
+    hidden, head, labels = problem()
+    log_probs, entropy = chunked_token_stats(hidden[:, :0], labels[:, :0], head, token_stats, 8)
+    assert log_probs.shape == (2, 0) and log_probs.requires_grad  # a rank holding no response token
+    (log_probs.sum() + entropy.sum()).backward()
+    assert head.weight.grad is not None and head.weight.grad.abs().max() == 0

@@ -1,0 +1,68 @@
+"""Every worker computes on the cores it was given, not on the one thread Ray's
+``OMP_NUM_THREADS=1`` would leave it."""
+
+import pytest
+import torch
+
+from nemo_dapo.threads import threads_for, visible_cores
+
+
+def test_thread_share_of_the_visible_cores():
+    cores = visible_cores()
+    assert threads_for(None, 1) == cores
+    assert threads_for(None, 2) == max(1, cores // 2)
+    assert threads_for(None, 10 * cores) == 1
+    assert threads_for(3, 2) == 3  # an explicit trainer.cpu_threads_per_worker wins
+
+
+def test_workers_per_node_follow_the_layout():
+    from nemo_dapo.config import load_config
+    from nemo_dapo.trainer.launch import workers_per_node
+
+    cpu = load_config("tiny_cpu", [])
+    assert workers_per_node(cpu, 2) == 2  # a CPU machine: the whole group shares it
+    gpu = load_config("tiny_cpu", ["trainer.n_gpus_per_node=8"])
+    assert workers_per_node(gpu, 16) == 8 and workers_per_node(gpu, 4, gpus_per_worker=4) == 2
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
+
+    ray = init_ray(num_cpus=4)
+    yield ray
+    shutdown_ray()
+
+
+def remote_threads(group) -> list[int]:
+    import ray
+
+    return ray.get([w.__ray_call__.remote(lambda _: torch.get_num_threads()) for w in group.workers.workers])
+
+
+def test_policy_and_rollout_workers_in_ray_use_the_machine_cores(local_ray, tiny_model_dir):
+    from nemo_dapo.config import load_config
+    from nemo_dapo.trainer.launch import _policy_group, _rollout_group
+
+    cfg = load_config("tiny_cpu", [f"model.path={tiny_model_dir}"])
+    policy = _policy_group(cfg, "threads_actor", 1, None)
+    rollout = _rollout_group(cfg, None)
+    try:
+        # Ray gives each actor one CPU and exports OMP_NUM_THREADS=1; the workers set their own
+        assert remote_threads(policy) == [visible_cores()]
+        assert remote_threads(rollout) == [visible_cores()]
+    finally:
+        policy.workers.shutdown()
+        rollout.workers.shutdown()
+
+
+def test_an_explicit_thread_count_is_applied(local_ray, tiny_model_dir):
+    from nemo_dapo.config import load_config
+    from nemo_dapo.trainer.launch import _policy_group
+
+    cfg = load_config("tiny_cpu", [f"model.path={tiny_model_dir}", "trainer.cpu_threads_per_worker=3"])
+    policy = _policy_group(cfg, "threads_explicit", 1, None)
+    try:
+        assert remote_threads(policy) == [3]
+    finally:
+        policy.workers.shutdown()
