@@ -82,7 +82,7 @@ class MegatronPolicyWorker:
                  dtype: str = "float32", total_steps: int = 1000, max_token_len: int = 16384, seed: int = 1,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, expert_parallel_size: int = 1,
                  virtual_pipeline_parallel_size: int | None = None, context_parallel_size: int = 1,
-                 num_threads: int | None = None, workers_per_node: int = 1,
+                 num_threads: int | None = None, workers_per_node: int | None = None,
                  transformer_impl: str = "local", fp8: str | None = None, fp8_recipe: str = "delayed",
                  sequence_parallel: bool = False,
                  recompute_granularity: str | None = None, use_distributed_optimizer: bool = True,
@@ -92,7 +92,7 @@ class MegatronPolicyWorker:
                  trainable: bool = True) -> None:
         from transformers import AutoConfig
 
-        use_cpu_threads(num_threads, workers_per_node, f"Megatron policy worker {rank}")
+        use_cpu_threads(num_threads, workers_per_node or world_size, f"Megatron policy worker {rank}")
         self.options = mm.TrainingOptions(transformer_impl, fp8, fp8_recipe, sequence_parallel, recompute_granularity,
                                           moe_aux_loss_coeff, sequence_packing)
         self.options.check(tensor_parallel_size, context_parallel_size)

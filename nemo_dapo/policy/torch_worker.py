@@ -54,14 +54,14 @@ def init_data_parallel(rank: int, world_size: int, rendezvous: str) -> None:
 class TorchPolicyWorker:
     def __init__(self, rank: int, world_size: int, rendezvous: str, model_path: str, optim: dict,
                  dtype: str = "float32", total_steps: int = 1000, max_token_len: int = 16384,
-                 seed: int = 1, num_threads: int | None = None, workers_per_node: int = 1,
+                 seed: int = 1, num_threads: int | None = None, workers_per_node: int | None = None,
                  logits_chunk_tokens: int | None = None, trainable: bool = True) -> None:
         """``dtype`` is the compute precision: the parameters, their gradients and the optimizer stay
         fp32 (the master copy), matmuls run in ``dtype`` under autocast, and the log-prob and entropy
         reductions are fp32 whatever ``dtype`` is."""
         from transformers import AutoModelForCausalLM
 
-        use_cpu_threads(num_threads, workers_per_node, f"torch policy worker {rank}")
+        use_cpu_threads(num_threads, workers_per_node or world_size, f"torch policy worker {rank}")
         self.rank, self.world_size = rank, world_size
         init_data_parallel(rank, world_size, rendezvous)
         torch.manual_seed(seed + rank)

