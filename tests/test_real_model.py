@@ -150,7 +150,8 @@ def test_a_cpu_micro_batch_budget_that_cannot_fit_is_refused_at_start_up(smollm2
     assert cpu_memory_problems(preset, host_gib=24) == []
     huge = load_config("smollm2_cpu", [f"model.path={smollm2_dir}", "actor.max_token_len_per_micro_batch=65536"])
     [problem] = cpu_memory_problems(huge, host_gib=24)
-    assert problem.startswith("actor.max_token_len_per_micro_batch=65536: the workers need about") and "24.0 GiB" in problem
+    assert problem.startswith("actor.max_token_len_per_micro_batch=65536: the workers need about")
+    assert "24.0 GiB" in problem
     # the logits term no longer grows with the micro-batch: one 49k-vocabulary chunk of 682 positions
     arch = resolve_architecture(str(smollm2_dir))
     assert training_memory(preset, arch, 0).logits == training_memory(huge, arch, 0).logits

@@ -87,7 +87,8 @@ class TorchPolicyWorker:
         The decoder runs once; the output layer only at the response positions, in chunks
         (:func:`~nemo_dapo.algo.logprob.chunked_token_stats`), so no ``[tokens, vocab]`` logits of
         the whole micro-batch are ever alive."""
-        with torch.autocast(self.model.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+        low_precision = self.compute_dtype != torch.float32
+        with torch.autocast(self.model.device.type, dtype=self.compute_dtype, enabled=low_precision):
             hidden = self.model.base_model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
                                            position_ids=micro["position_ids"]).last_hidden_state
             width = prompt_width(micro)

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 
 def resolve_paths(cfg: Config) -> Config:
-    """Replace the built-in model / data names (``tiny``, ``smollm2-135m-instruct``) by real paths (building them once)."""
+    """Replace the built-in model / data names (``tiny``, ``smollm2-135m-instruct``, ...) by real paths
+    (building them once)."""
     model_path, train_files, val_files = resolve_builtin(cfg.model.path, cfg.data.train_files, cfg.data.val_files)
     return replace(cfg, model=replace(cfg.model, path=model_path),
                    data=replace(cfg.data, train_files=train_files, val_files=val_files))
