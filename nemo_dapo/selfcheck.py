@@ -14,7 +14,8 @@ from rich.table import Table
 from nemo_dapo.algo.advantage import get_advantage_estimator
 from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.algo.kl import kl_penalty
-from nemo_dapo.algo.loss import aggregate_loss, policy_loss
+from nemo_dapo.algo.loss import aggregate_loss
+from nemo_dapo.algo.policy_losses import dapo_loss
 from nemo_dapo.algo.sampling import GroupAccumulator
 from nemo_dapo.algo.shaping import overlong_penalty
 from nemo_dapo.reward.math_dapo import compute_score
@@ -22,7 +23,7 @@ from nemo_dapo.reward.math_dapo import compute_score
 
 def _one_token_loss(log_ratio: float, advantage: float) -> float:
     t = lambda v: torch.tensor([[float(v)]])
-    return policy_loss(t(0.0), t(log_ratio), t(advantage), torch.ones(1, 1))[0].item()
+    return dapo_loss(t(0.0), t(log_ratio), t(advantage), torch.ones(1, 1))[0].item()
 
 
 def _checks() -> list[tuple[str, float, float]]:

@@ -5,13 +5,14 @@ import math
 import pytest
 import torch
 
-from nemo_dapo.algo.loss import aggregate_loss, policy_loss, reinforce_loss
+from nemo_dapo.algo.loss import aggregate_loss, reinforce_loss
+from nemo_dapo.algo.policy_losses import dapo_loss
 
 
 def one_token(old, new, adv, **kw):
     """Loss of a single valid token, so the aggregated loss is the token loss itself."""
     t = lambda v: torch.tensor([[float(v)]])
-    return policy_loss(t(old), t(new), t(adv), torch.ones(1, 1), **kw)
+    return dapo_loss(t(old), t(new), t(adv), torch.ones(1, 1), **kw)
 
 
 def test_unclipped_ratio_gives_minus_a_r():
@@ -63,7 +64,7 @@ def test_dual_clip_must_exceed_one():
 
 def test_gradient_zero_where_clipped():
     new = torch.tensor([[math.log(1.5), math.log(1.1)]], requires_grad=True)
-    loss, _ = policy_loss(torch.zeros(1, 2), new, torch.ones(1, 2), torch.ones(1, 2))
+    loss, _ = dapo_loss(torch.zeros(1, 2), new, torch.ones(1, 2), torch.ones(1, 2))
     loss.backward()
     assert new.grad[0, 0].item() == 0.0
     assert new.grad[0, 1].item() == pytest.approx(-1.1 / 2)  # d(-r)/dlp = -r, token-mean over 2
@@ -71,7 +72,7 @@ def test_gradient_zero_where_clipped():
 
 def test_rollout_is_weights_scale_the_token_loss():
     t = lambda *v: torch.tensor([list(map(float, v))])
-    loss, _ = policy_loss(t(0, 0), t(0, 0), t(1, 1), torch.ones(1, 2), rollout_is_weights=t(0.5, 2.0))
+    loss, _ = dapo_loss(t(0, 0), t(0, 0), t(1, 1), torch.ones(1, 2), rollout_is_weights=t(0.5, 2.0))
     assert loss.item() == pytest.approx(-(0.5 + 2.0) / 2)
 
 
@@ -122,7 +123,7 @@ def _random_batch(seed=0, rows=8, width=7):
 
 def _grad(old, new, adv, mask, mode, **agg):
     new = new.clone().requires_grad_(True)
-    loss, _ = policy_loss(old, new, adv, mask, loss_agg_mode=mode, **agg)
+    loss, _ = dapo_loss(old, new, adv, mask, loss_agg_mode=mode, **agg)
     loss.backward()
     return new.grad
 
@@ -158,7 +159,7 @@ def test_data_parallel_average_gives_the_full_batch_gradient(mode):
     for rank_rows in (slice(0, 4), slice(4, 8)):
         total = torch.zeros_like(weight)
         for rows in (slice(rank_rows.start, rank_rows.start + 2), slice(rank_rows.start + 2, rank_rows.stop)):
-            loss, _ = policy_loss(old[rows], new[rows] + weight, adv[rows], mask[rows], loss_agg_mode=mode, **counts)
+            loss, _ = dapo_loss(old[rows], new[rows] + weight, adv[rows], mask[rows], loss_agg_mode=mode, **counts)
             total += torch.autograd.grad(loss, weight)[0]
         rank_grads.append(total)
     ddp_average = (rank_grads[0] + rank_grads[1]) / 2

@@ -1,7 +1,7 @@
-"""Policy losses and loss aggregation (SPEC 1-2).
+"""Loss aggregation, the bypass-mode REINFORCE loss and the entropy term (SPEC 1-2).
 
-Every loss here returns a per-token loss matrix that :func:`aggregate_loss` turns into a
-scalar. Aggregation takes optional *global* denominators (token / sequence counts over the
+The policy losses (:mod:`nemo_dapo.algo.policy_losses`) and the ones here build a per-token
+loss matrix that :func:`aggregate_loss` turns into a scalar. Aggregation takes optional *global* denominators (token / sequence counts over the
 whole mini-batch and all data-parallel ranks): with them, summing the gradients of all
 micro-batches and ranks gives exactly the gradient of the un-split mini-batch, whatever the
 micro-batch size or parallel layout. The reference recipe averages per micro-batch and
@@ -83,48 +83,6 @@ def aggregate_loss(
 
 def _at_least_one(count) -> torch.Tensor:
     return torch.as_tensor(count, dtype=torch.float32).clamp(min=1.0)
-
-
-def policy_loss(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.28,
-    clip_ratio_c: float = 10.0,
-    loss_agg_mode: str | LossAggMode = LossAggMode.TOKEN_MEAN,
-    rollout_is_weights: torch.Tensor | None = None,
-    **agg_kwargs,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Decoupled-clip PPO loss with dual clip (SPEC 1).
-
-    ``r = exp(clamp(lp - old_lp, -20, 20))``; ``C1 = max(-A r, -A clip(r, 1-eps_low, 1+eps_high))``;
-    where ``A < 0`` the loss is further capped at ``-A * clip_ratio_c`` (dual clip), so a huge
-    ratio on a bad token cannot dominate the update. Optional rollout IS weights multiply the
-    per-token loss. Returns the aggregated loss and float metrics ``pg_clipfrac``,
-    ``pg_clipfrac_lower`` and ``ppo_kl``.
-    """
-    if clip_ratio_c <= 1.0:
-        raise ValueError(f"actor.clip_ratio_c={clip_ratio_c}: the dual-clip bound must be > 1.0 (DAPO uses 10)")
-    log_ratio = torch.clamp(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    clip_max = torch.maximum(unclipped, clipped)
-    dual_bound = -advantages * clip_ratio_c
-    dual_clipped = torch.minimum(dual_bound, clip_max)
-    negative = advantages < 0
-    loss_mat = torch.where(negative, dual_clipped, clip_max)
-    if rollout_is_weights is not None:
-        loss_mat = loss_mat * rollout_is_weights.detach()
-    metrics = {
-        "pg_clipfrac": masked_mean((clipped > unclipped).float(), response_mask).item(),
-        "pg_clipfrac_lower": masked_mean(((clip_max > dual_bound) & negative).float(), response_mask).item(),
-        "ppo_kl": masked_mean(-log_ratio, response_mask).item(),
-    }
-    return aggregate_loss(loss_mat, response_mask, loss_agg_mode, **agg_kwargs), metrics
 
 
 def reinforce_loss(

@@ -71,6 +71,9 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    # DAPO's overlong filtering: responses the engine stopped at data.max_response_length leave the
+    # loss and its denominators (their group keeps their score for advantages and dynamic sampling)
+    overlong_filtering: bool = False
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
@@ -120,6 +123,9 @@ class ActorConfig:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.28
     clip_ratio_c: float = 10.0
+    # the policy loss by name (nemo_dapo/algo/policy_losses.py): dapo (decoupled + dual clip),
+    # gspo, gspo_token, cispo, gmpo, or "your.module:name" for one you registered yourself
+    policy_loss: str = "dapo"
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: Optional[float] = None  # seq-mean-token-sum-norm constant; None = max_response_length
     entropy_coeff: float = 0.0

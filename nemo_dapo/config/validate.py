@@ -12,6 +12,7 @@ from nemo_dapo.algo.advantage import registered_estimators
 from nemo_dapo.algo.correction import IS_LEVELS, LOSS_TYPES, PRESETS, CorrectionSettings, parse_rs_modes
 from nemo_dapo.algo.kl import KL_PENALTY_NAMES
 from nemo_dapo.algo.loss import LOSS_AGG_MODES
+from nemo_dapo.algo.policy_losses import policy_loss_problems
 from nemo_dapo.config.schema import Config, RolloutCorrectionConfig
 
 
@@ -76,6 +77,11 @@ def _check_actor(cfg: Config, problems: _Problems) -> None:
     problems.require(actor.clip_ratio_c > 1, "actor.clip_ratio_c", actor.clip_ratio_c,
                      "the dual-clip bound must be > 1 (DAPO uses 10)")
     problems.choice("actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
+    problems.extend(policy_loss_problems(actor.policy_loss, actor.loss_agg_mode))
+    problems.require(actor.policy_loss == "dapo" or correction_settings(cfg.algorithm.rollout_correction).loss_type
+                     != "reinforce", "actor.policy_loss", actor.policy_loss,
+                     "bypass mode's REINFORCE loss (rollout_correction loss_type=reinforce) takes the place of the "
+                     "policy loss: keep actor.policy_loss=dapo, or use loss_type=ppo_clip")
     problems.choice("actor.kl_loss_type", actor.kl_loss_type, KL_PENALTY_NAMES)
     problems.require(actor.ppo_epochs >= 1, "actor.ppo_epochs", actor.ppo_epochs, "must be >= 1")
     problems.require(actor.max_token_len_per_micro_batch > 0, "actor.max_token_len_per_micro_batch",
@@ -304,3 +310,16 @@ def validate(cfg: Config, placement: bool = True) -> Config:
         check(cfg, problems)
     raise_problems(problems)
     return cfg
+
+
+def combination_notes(cfg: Config) -> list[str]:
+    """What a legal but easily misread combination of settings does (logged at start-up)."""
+    notes = []
+    if cfg.algorithm.overlong_filtering and cfg.reward.overlong_buffer.enable:
+        buffer = cfg.reward.overlong_buffer
+        notes.append(
+            f"algorithm.overlong_filtering with reward.overlong_buffer: truncated responses leave the loss, so the "
+            f"soft punishment acts on the finished responses longer than "
+            f"{cfg.data.max_response_length - buffer.len} tokens (and on truncated ones only through their "
+            f"group's advantage baseline)")
+    return notes

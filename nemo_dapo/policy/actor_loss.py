@@ -1,8 +1,8 @@
 """The DAPO actor loss of one micro-batch, shared by every training backend.
 
 Backends differ in how they produce per-token log-probs and entropy; what they do with them
-(clip, aggregate with mini-batch-wide counts, entropy bonus, KL loss, bypass-mode
-correction) is here, once, built from ``nemo_dapo.algo``.
+(the policy loss named by ``actor.policy_loss``, aggregated with mini-batch-wide counts,
+entropy bonus, KL loss, bypass-mode correction) is here, once, built from ``nemo_dapo.algo``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 
 from nemo_dapo.algo.correction import CorrectionSettings, apply_rollout_correction
 from nemo_dapo.algo.kl import kl_penalty
-from nemo_dapo.algo.loss import aggregate_loss, masked_mean, policy_loss, reinforce_loss
+from nemo_dapo.algo.loss import aggregate_loss, masked_mean, reinforce_loss
+from nemo_dapo.algo.policy_losses import get_policy_loss
 from nemo_dapo.policy.base import LossSettings
 
 
@@ -34,7 +35,7 @@ def actor_loss(log_probs: torch.Tensor, entropy: torch.Tensor, micro: dict[str, 
         pg_loss, pg_metrics = reinforce_loss(log_probs, micro["advantages"], mask, loss_agg_mode=settings.loss_agg_mode,
                                              rollout_is_weights=weights, **agg)
     else:
-        pg_loss, pg_metrics = policy_loss(
+        pg_loss, pg_metrics = get_policy_loss(settings.policy_loss).fn(
             old_log_probs, log_probs, micro["advantages"], mask, clip_ratio_low=settings.clip_ratio_low,
             clip_ratio_high=settings.clip_ratio_high, clip_ratio_c=settings.clip_ratio_c,
             loss_agg_mode=settings.loss_agg_mode, rollout_is_weights=weights, **agg)

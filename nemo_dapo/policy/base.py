@@ -22,6 +22,7 @@ class LossSettings:
     clip_ratio_high: float = 0.28
     clip_ratio_c: float = 10.0
     loss_agg_mode: str = "token-mean"
+    policy_loss: str = "dapo"  # a name in nemo_dapo.algo.policy_losses (or "module:name")
     norm_constant: float | None = None
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False

@@ -60,10 +60,16 @@ def build_rollout_batch(prompt_ids: Sequence[Sequence[int]], generations: Sequen
     return RolloutBatch(tensors, {"uid": uids, "finish_reason": finish, **repeated})
 
 
+def loss_mask(batch: RolloutBatch) -> torch.Tensor:
+    """The tokens the loss sees: ``loss_mask`` once a filter set one (overlong filtering, rejection
+    sampling), else every response token."""
+    return batch["loss_mask"] if "loss_mask" in batch else batch["response_mask"]
+
+
 def worker_inputs(batch: RolloutBatch) -> dict[str, torch.Tensor]:
     """The tensors a policy worker reads: full sequences plus response-aligned fields.
 
-    ``response_mask`` sent to the worker is the loss mask (after rejection sampling, if any);
+    ``response_mask`` sent to the worker is the loss mask (after the filters, if any);
     ``attention_mask`` keeps every generated token so the forward pass sees the real context.
     """
     attention = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1)
@@ -72,7 +78,7 @@ def worker_inputs(batch: RolloutBatch) -> dict[str, torch.Tensor]:
         "input_ids": torch.cat([batch["prompts"], batch["responses"]], dim=1),
         "attention_mask": attention,
         "position_ids": position_ids,
-        "response_mask": batch["loss_mask"] if "loss_mask" in batch else batch["response_mask"],
+        "response_mask": loss_mask(batch),
     }
     data.update({name: batch[name] for name in WORKER_FIELDS if name in batch})
     return data

@@ -30,7 +30,8 @@ from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.trainer.batching import build_rollout_batch
 from nemo_dapo.trainer.checkpoint import CheckpointManager
 from nemo_dapo.trainer.preemption import Preempted, PreemptionSignals, record_preemption
-from nemo_dapo.trainer.stages import add_advantages, add_rewards, add_rollout_correction, batch_metrics, score_batch
+from nemo_dapo.trainer.stages import (add_advantages, add_overlong_filter, add_rewards, add_rollout_correction,
+                                      batch_metrics, score_batch)
 from nemo_dapo.trainer.tracking import StageTimer, Tracker
 from nemo_dapo.trainer.validation import accuracy_metrics
 
@@ -42,7 +43,7 @@ def loss_settings(cfg: Config, correction: CorrectionSettings) -> LossSettings:
     actor = cfg.actor
     return LossSettings(
         clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c,
-        loss_agg_mode=actor.loss_agg_mode,
+        loss_agg_mode=actor.loss_agg_mode, policy_loss=actor.policy_loss,
         norm_constant=actor.loss_scale_factor or float(cfg.data.max_response_length),
         entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
         kl_loss_type=actor.kl_loss_type, loss_type=correction.loss_type, bypass_mode=correction.bypass_mode,
@@ -154,6 +155,7 @@ class DAPOTrainer:
             batch.add("ref_log_probs", ref["log_probs"])
         with timer("adv"):
             metrics.update(add_rewards(batch, self.cfg, self.kl_controller))
+            metrics.update(add_overlong_filter(batch, self.cfg))
             if not bypass:
                 metrics.update(add_rollout_correction(batch, self.correction))
             add_advantages(batch, self.cfg)

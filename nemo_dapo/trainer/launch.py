@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 from nemo_dapo.config import Config
 from nemo_dapo.config.schema import MegatronConfig
-from nemo_dapo.config.validate import (is_colocated, needs_reference, policy_groups, raise_problems,
-                                       separate_groups_problems)
+from nemo_dapo.config.validate import (combination_notes, is_colocated, needs_reference, policy_groups,
+                                       raise_problems, separate_groups_problems)
 from nemo_dapo.model.builtin import resolve_builtin
 
 if TYPE_CHECKING:
@@ -144,6 +144,8 @@ def run_training(cfg: Config) -> dict:
     from nemo_dapo.trainer.fit import DAPOTrainer
 
     cfg = resolve_paths(cfg)
+    for note in combination_notes(cfg):
+        log.info(note)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     data_kwargs = {"max_prompt_length": cfg.data.max_prompt_length, "truncation": cfg.data.truncation,
                    "filter_overlong_prompts": cfg.data.filter_overlong_prompts}

@@ -14,6 +14,7 @@ from nemo_dapo.algo.kl import apply_kl_in_reward
 from nemo_dapo.algo.metrics import data_metrics
 from nemo_dapo.config.schema import Config
 from nemo_dapo.reward.manager import RewardManager
+from nemo_dapo.trainer.batching import loss_mask
 
 
 def score_batch(batch: RolloutBatch, reward: RewardManager, tokenizer) -> None:
@@ -40,17 +41,29 @@ def add_rewards(batch: RolloutBatch, cfg: Config, kl_controller) -> dict[str, fl
     return metrics
 
 
+def add_overlong_filter(batch: RolloutBatch, cfg: Config) -> dict[str, float]:
+    """DAPO's overlong filtering: rows the engine stopped at the length limit (finish reason
+    ``length``, not a token-count guess) get an empty ``loss_mask``, so they leave the loss and every
+    denominator built from it (mini-batch token and sequence counts, on every rank). Their scores
+    stay: the group's advantages and dynamic sampling were computed with them."""
+    if not cfg.algorithm.overlong_filtering:
+        return {}
+    truncated = torch.tensor([reason == "length" for reason in batch["finish_reason"]])
+    batch.add("loss_mask", batch["response_mask"] * (~truncated).to(batch["response_mask"].dtype)[:, None])
+    return {"overlong/filtered_fraction": float(truncated.float().mean())}
+
+
 def add_rollout_correction(batch: RolloutBatch, settings: CorrectionSettings) -> dict[str, float]:
     """Decoupled mode: IS weights / rejection once per batch against the recomputed old policy.
 
     Without any correction configured this still measures the train/rollout mismatch.
     """
-    weights, loss_mask, metrics = apply_rollout_correction(batch["old_log_probs"], batch["rollout_log_probs"],
-                                                           batch["response_mask"].float(), settings)
+    weights, kept, metrics = apply_rollout_correction(batch["old_log_probs"], batch["rollout_log_probs"],
+                                                      loss_mask(batch).float(), settings)
     if weights is not None:
         batch.add("is_weights", weights)
-    if settings.rollout_rs:
-        batch.add("loss_mask", loss_mask.long())
+    if settings.rollout_rs:  # narrows the overlong filter's mask when both are on
+        batch.add("loss_mask", kept.long(), overwrite=True)
     return metrics
 
 
