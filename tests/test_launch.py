@@ -61,6 +61,48 @@ def test_slurm_dryrun_prints_the_complete_batch_script(tmp_path):
     assert not list(tmp_path.rglob("*_sbatch.sh")), "a dry run leaves no experiment behind"
 
 
+def test_slurm_allocation_defaults_to_the_presets_shape(tmp_path):
+    done = launch("--config", "dapo_qwen2.5_32b", "--executor", "slurm", "--dryrun", home=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "#SBATCH --nodes=16\n" in done.stdout and "#SBATCH --gpus-per-node=8\n" in done.stdout
+    assert " trainer.nnodes=16 trainer.n_gpus_per_node=8 actor.num_workers=128" in done.stdout
+    on_cpus = launch("--config", "tiny_cpu", "--executor", "slurm", "--dryrun", home=tmp_path)
+    assert on_cpus.returncode == 0, on_cpus.stderr[-3000:]
+    assert "#SBATCH --nodes=1\n" in on_cpus.stdout and "--gpus-per-node" not in on_cpus.stdout
+
+
+def test_the_batch_script_requeues_preemptions_and_a_few_crashes_never_an_invalid_config(tmp_path):
+    done = launch("--config", "dapo_qwen2.5_32b", "--executor", "slurm", "--dryrun", "--max-crash-restarts", "2",
+                  home=tmp_path / "home")
+    assert done.returncode == 0, done.stderr[-3000:]
+    script = done.stdout
+    policy = re.search(r"^scontrol\(\) \{\n.*?^\}$", script, re.MULTILINE | re.DOTALL).group(0)
+    requeue = re.search(r"^if \[ \$exitcode -ne 0 \]; then\n.*?^fi$", script, re.MULTILINE | re.DOTALL).group(0)
+    assert script.index(policy) < script.index(requeue)  # defined before NeMo-Run's requeue block runs
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    log = tmp_path / "scontrol.log"
+
+    def job_ends_with(code: int, restart: int) -> bool:
+        """Run the script's own policy and requeue block after an exit ``code``; True if it requeued."""
+        before = log.read_text() if log.exists() else ""
+        env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SCONTROL_LOG": str(log), "LOG_DIR": str(tmp_path / "logs"),
+               "SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": str(restart), "TORCHX_MAX_RETRIES": "20"}
+        ended = subprocess.run(["bash", "-c", f"{policy}\nexitcode={code}\n{requeue}"], env=env,
+                               capture_output=True, text=True)
+        assert ended.returncode == code, ended.stderr
+        return (log.read_text() if log.exists() else "") != before
+
+    assert not job_ends_with(2, restart=0)  # an invalid config fails the same way every time
+    assert job_ends_with(3, restart=0) and job_ends_with(3, restart=1)  # preempted: resumes from its checkpoint
+    assert job_ends_with(1, restart=2) and job_ends_with(137, restart=3)  # two crashes are requeued...
+    assert not job_ends_with(1, restart=4)  # ...the third is not
+    assert job_ends_with(3, restart=4) and not job_ends_with(3, restart=20)  # --max-restarts bounds them all
+    assert log.read_text().splitlines()[0] == "requeue 42"
+
+
 def test_invalid_config_fails_before_anything_is_launched(tmp_path):
     done = launch("--executor", "slurm", "--dryrun", "actor.clip_ratio_c=0.5", home=tmp_path)
     assert done.returncode == 2 and "actor.clip_ratio_c" in done.stderr, done.stderr[-2000:]

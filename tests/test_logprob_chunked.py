@@ -6,6 +6,7 @@ import functools
 import pytest
 import torch
 
+from bench.logprob_memory import saved_bytes  # the bench measures with the counter this test checks
 from nemo_dapo.algo.logprob import chunk_tokens_for, chunked_token_stats, token_stats
 
 TOKENS, HIDDEN, VOCAB, TEMPERATURE = 37, 16, 301, 0.7
@@ -49,24 +50,11 @@ def test_without_gradients_no_graph_is_kept():
     assert torch.allclose(log_probs, token_stats(head(hidden), labels)[0].detach(), atol=1e-5)
 
 
-def saved_for_backward(compute) -> int:
-    """Bytes of the distinct storages autograd keeps for the backward of ``compute()``."""
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        compute()
-    return sum(storages.values())
-
-
 def test_the_backward_keeps_no_full_logits():
     hidden, head, labels = problem()
     logits_bytes = 2 * TOKENS * VOCAB * 4
-    whole = saved_for_backward(lambda: token_stats(head(hidden), labels))
-    chunked = saved_for_backward(lambda: chunked_token_stats(hidden, labels, head, token_stats, 8))
+    whole = saved_bytes(lambda: token_stats(head(hidden), labels))
+    chunked = saved_bytes(lambda: chunked_token_stats(hidden, labels, head, token_stats, 8))
     assert whole >= logits_bytes  # the unchunked computation keeps the logits (or their softmax)
     assert chunked < logits_bytes / 4, (chunked, logits_bytes)  # inputs and output layer only
 

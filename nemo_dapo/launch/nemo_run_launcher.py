@@ -8,6 +8,8 @@ trainer's container), then NeMo-Run's ``srun`` runs ``nemo-dapo train`` once, on
 Preemption: ``--signal=USR1@600`` reaches the trainer (Ray ignores USR1), which checkpoints and
 exits 3; NeMo-Run's script requeues a run that exited non-zero while fewer than
 ``--max-restarts`` restarts happened, and the requeued run resumes (``checkpoint.resume=auto``).
+Its requeue goes through :func:`requeue_policy_lines` first: never after an invalid config
+(exit 2), after a crash only ``--max-crash-restarts`` times.
 
 Local (``--executor local``): the same ``nemo-dapo train`` as a NeMo-Run task on this machine,
 with its own Ray on 127.0.0.1.
@@ -35,8 +37,9 @@ def add_parser(subparsers) -> None:
     launch.add_argument("--name", help="experiment name (default: the config name)")
     launch.add_argument("--ckpt-dir", help="trainer.output_dir (Slurm default: REMOTE_JOB_DIR/NAME/outputs)")
     slurm = launch.add_argument_group("slurm")
-    slurm.add_argument("--nodes", type=int, default=1)
-    slurm.add_argument("--gpus-per-node", type=int, default=8, help="0 runs Ray and the trainer on CPUs")
+    slurm.add_argument("--nodes", type=int, help="default: the preset's trainer.nnodes")
+    slurm.add_argument("--gpus-per-node", type=int,
+                       help="default: the preset's trainer.n_gpus_per_node; 0 runs Ray and the trainer on CPUs")
     slurm.add_argument("--time", default="04:00:00", help="time limit per run, HH:MM:SS")
     slurm.add_argument("--account")
     slurm.add_argument("--partition")
@@ -49,7 +52,10 @@ def add_parser(subparsers) -> None:
     slurm.add_argument("--ssh-identity", help="SSH private key file")
     slurm.add_argument("--remote-job-dir", help="with --ssh-host: shared folder on the cluster for NeMo-Run's "
                        "job folders (on a login node they are $NEMORUN_HOME/experiments, which must be shared)")
-    slurm.add_argument("--max-restarts", type=int, default=20, help="requeues after a preemption or failure")
+    slurm.add_argument("--max-restarts", type=int, default=20,
+                       help="requeues in all (preemptions, exit 3, and crashes); an invalid config (exit 2) never requeues")
+    slurm.add_argument("--max-crash-restarts", type=int, default=2,
+                       help="of those, requeues after a crash (exit 1 or a signal): a failing job stops soon")
     slurm.add_argument("--python", default="python3", help="interpreter in the container (or on the nodes)")
     launch.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_training_steps=10")
     launch.set_defaults(fn=run_launch)
@@ -59,11 +65,20 @@ def run_launch(args: argparse.Namespace) -> int:
     """Validate the config here (a typo fails now, not in the queue), then dry-run or run the experiment."""
     if args.executor == "slurm":
         args.remote_job_dir = remote_job_dir(args)
+        allocation_from_preset(args)
     overrides = trainer_overrides(args)
     load_config(args.config, overrides)
     if args.executor == "local":
         return _launch_local(args, overrides)
     return _launch_slurm(args, overrides)
+
+
+def allocation_from_preset(args: argparse.Namespace) -> None:
+    """Nodes and GPUs per node the preset (with the user's overrides) was written for, unless given:
+    a 16-node preset launched without ``--nodes`` asks for 16 nodes, not 1."""
+    trainer = load_config(args.config, args.overrides, placement=False).trainer
+    args.nodes = trainer.nnodes if args.nodes is None else args.nodes
+    args.gpus_per_node = trainer.n_gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
 
 
 def remote_job_dir(args: argparse.Namespace) -> str:
@@ -151,6 +166,32 @@ def slurm_env(args: argparse.Namespace) -> dict[str, str]:
     return {key: shlex.quote(value) for key, value in env.items()}  # NeMo-Run writes `export KEY=value`
 
 
+def requeue_policy_lines(max_crash_restarts: int) -> str:
+    """A ``scontrol`` shell function for NeMo-Run's batch script, whose requeue block runs
+    ``scontrol requeue`` after any non-zero exit (``$exitcode``): requeue after a preemption
+    (exit 3); after a crash (exit 1 or a signal) ``max_crash_restarts`` times, counted in
+    ``$LOG_DIR/crash_restarts`` across requeues; never after an invalid config (exit 2), which
+    would fail the same way each time. Every other ``scontrol`` call passes through."""
+    return "\n".join([
+        "# nemo-dapo's requeue policy (exit 3: preempted; 2: invalid config; other: crash)",
+        "scontrol() {",
+        '    if [ "${1:-}" != requeue ]; then command scontrol "$@"; return; fi',
+        '    local crashes_file="${LOG_DIR:-$PWD}/crash_restarts" crashes',
+        '    case "${exitcode:-1}" in',
+        "        3) ;;",
+        '        2) echo "nemo-dapo: invalid configuration (exit 2): not requeued" >&2; return 0 ;;',
+        '        *) crashes=$(cat "$crashes_file" 2>/dev/null || echo 0)',
+        f'           if [ "$crashes" -ge {max_crash_restarts} ]; then',
+        f'               echo "nemo-dapo: exit $exitcode after {max_crash_restarts} crash restarts: not requeued" >&2',
+        "               return 0",
+        "           fi",
+        '           mkdir -p "$(dirname "$crashes_file")" && echo $((crashes + 1)) >"$crashes_file" ;;',
+        "    esac",
+        '    command scontrol "$@"',
+        "}",
+    ])
+
+
 def ray_setup_lines(remote_task_dir: str, mounts: list[str]) -> str:
     """Batch-script lines that start Ray over the allocation before NeMo-Run's srun of the trainer.
 
@@ -196,7 +237,8 @@ def _launch_slurm(args: argparse.Namespace, overrides: list[str]) -> int:
         experiment.add(task, name="train")
         job_executor = experiment.jobs[0].executor  # the experiment's copy, now with its cluster folders
         remote_task_dir = f"{job_executor.tunnel.job_dir}/{Path(job_executor.job_dir).name}"
-        job_executor.setup_lines = ray_setup_lines(remote_task_dir, job_executor.container_mounts)
+        job_executor.setup_lines = "\n".join([requeue_policy_lines(args.max_crash_restarts),
+                                               ray_setup_lines(remote_task_dir, job_executor.container_mounts)])
         if args.dryrun:
             experiment.dryrun(log=False, delete_exp_dir=False)
             print(batch_script(job_executor))
