@@ -9,7 +9,8 @@ import sys
 
 from importlib import import_module
 
-from nemo_dapo.config import DEFAULT_PRESET, ConfigError, list_presets, load_config, to_yaml
+from nemo_dapo.config import DEFAULT_PRESET, list_presets, load_config, to_yaml
+from nemo_dapo.errors import InputError
 from nemo_dapo.trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
 
 # Sub-commands that live in their own light modules, each exposing ``add_parser(subparsers)``
@@ -54,13 +55,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_import_gguf(args: argparse.Namespace) -> int:
-    from nemo_dapo.model.gguf_import import GGUFImportError, import_gguf
+    from nemo_dapo.model.gguf_import import import_gguf
 
-    try:
-        print(import_gguf(args.gguf_file, args.output))
-    except GGUFImportError as err:
-        print(f"nemo-dapo import-gguf: {err}", file=sys.stderr)
-        return 2
+    print(import_gguf(args.gguf_file, args.output))
     return 0
 
 
@@ -117,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except ConfigError as err:
+    except InputError as err:  # a config, data or model the user gave: the message, no traceback
         print(f"nemo-dapo: {err}", file=sys.stderr)
         return 2
     except Preempted as stop:  # a checkpoint was saved: the batch script requeues the job

@@ -177,6 +177,17 @@ def test_dataset_error_is_a_value_error():
     assert issubclass(DatasetError, ValueError)
 
 
+def test_train_on_a_malformed_row_exits_2_with_the_message_alone(tmp_path, capsys):
+    from nemo_dapo.cli import main
+
+    path = write_jsonl(tmp_path / "bad.jsonl", [good_row(), without(good_row(), "prompt")])
+    code = main(["train", f"data.train_files=[{path}]", f"trainer.output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "bad.jsonl row 1 (line 2): field 'prompt' is missing" in err, err[-2000:]
+    assert "Traceback" not in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before anything ran
+
+
 def test_malformed_parquet_missing_ground_truth(tmp_path):
     rows = [good_row(), {**good_row(), "reward_model": {"ground_truth": None, "style": "rule"}}]
     path = write_parquet(tmp_path / "aime.parquet", rows)

@@ -195,6 +195,9 @@ class TrainerConfig:
     output_dir: str = "outputs/dapo"
     total_epochs: int = 1
     total_training_steps: Optional[int] = None  # None: epochs x batches per epoch
+    # stop once this many samples were generated (sync mode): a budget that is fair to dynamic
+    # sampling, whose steps generate more than train_batch_size x n. None: steps only
+    total_generated_samples: Optional[int] = None
     test_freq: int = 5  # <= 0: no periodic validation
     save_freq: int = 5  # <= 0: no periodic checkpoint
     val_before_train: bool = True

@@ -14,9 +14,10 @@ from nemo_dapo.algo.kl import KL_PENALTY_NAMES
 from nemo_dapo.algo.loss import LOSS_AGG_MODES
 from nemo_dapo.algo.policy_losses import policy_loss_problems
 from nemo_dapo.config.schema import Config, RolloutCorrectionConfig
+from nemo_dapo.errors import InputError
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
     """A config that cannot run; the message lists every problem found."""
 
 
@@ -282,6 +283,10 @@ def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
     problems.require(trainer.total_epochs >= 1, "trainer.total_epochs", trainer.total_epochs, "must be >= 1")
     problems.require(trainer.total_training_steps is None or trainer.total_training_steps >= 1,
                      "trainer.total_training_steps", trainer.total_training_steps, "must be >= 1 or null")
+    budget = trainer.total_generated_samples
+    problems.require(budget is None or budget >= 1, "trainer.total_generated_samples", budget, "must be >= 1 or null")
+    problems.require(budget is None or trainer.mode == "sync", "trainer.total_generated_samples", budget,
+                     "counts the synchronous trainer's rounds only: use trainer.mode=sync or leave it null")
     problems.require(bool(trainer.output_dir), "trainer.output_dir", trainer.output_dir, "must name a folder")
     problems.require(set(trainer.loggers) <= {"console", "tensorboard"}, "trainer.loggers", trainer.loggers,
                      "choose from ['console', 'tensorboard']")

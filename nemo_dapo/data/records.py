@@ -15,6 +15,8 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from nemo_dapo.errors import InputError
+
 MESSAGE_ROLES = ("system", "user", "assistant")
 
 _TYPE_NAMES = {str: "a string", list: "a list", dict: "an object (dict)"}
@@ -23,7 +25,7 @@ _PROMPT_HINT = "each row needs prompt=[{'role': str, 'content': str}, ...]"
 _REWARD_HINT = "each row needs reward_model={'ground_truth': str}"
 
 
-class DatasetError(ValueError):
+class DatasetError(InputError, ValueError):
     """A dataset file or row does not follow the expected verl format."""
 
 

@@ -16,6 +16,8 @@ import os
 import shutil
 from pathlib import Path
 
+from nemo_dapo.errors import InputError
+
 log = logging.getLogger(__name__)
 
 # GGUF ``general.architecture`` -> the transformers class built from it
@@ -24,7 +26,7 @@ SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausal
 ROUND_TRIP_PROBES = ("What is 23+48?\nAnswer: 71", "  two spaces\tand a tab", "<|im_start|>user\nhi<|im_end|>")
 
 
-class GGUFImportError(ValueError):
+class GGUFImportError(InputError, ValueError):
     """A GGUF file that cannot become a Hugging Face folder here (names the file and the fix)."""
 
 
