@@ -20,6 +20,23 @@ from nemo_dapo.threads import use_cpu_threads
 
 log = logging.getLogger(__name__)
 CPU_BLOCK_SIZE = 32
+RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
+
+
+class _QuietReload(logging.Filter):
+    """vLLM logs every weight reload twice at INFO and warns "RotaryEmbedding: Failed to load
+    weights" each time: its cos/sin cache is computed, never in a checkpoint. Once per step and
+    engine, that hid the training log; drop those lines and keep every other warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return False
+        return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
+
+
+def quiet_weight_reloads() -> None:
+    for name in RELOAD_LOGGERS:
+        logging.getLogger(name).addFilter(_QuietReload())
 
 
 def repack_cpu_moe_experts(worker) -> int:
@@ -50,6 +67,8 @@ class VLLMRolloutWorker:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         from vllm import LLM
         from vllm.platforms import current_platform
+
+        quiet_weight_reloads()
 
         self.rank = rank
         self._version = 0
