@@ -11,6 +11,7 @@ from importlib import import_module
 
 from nemo_dapo.config import DEFAULT_PRESET, list_presets, load_config, to_yaml
 from nemo_dapo.errors import InputError
+from nemo_dapo.trainer.checkpoint import CheckpointWriteError
 from nemo_dapo.trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
 
 # Sub-commands that live in their own light modules, each exposing ``add_parser(subparsers)``
@@ -117,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as err:  # a config, data or model the user gave: the message, no traceback
         print(f"nemo-dapo: {err}", file=sys.stderr)
         return 2
+    except CheckpointWriteError as err:  # nothing lost: the message says what is left to resume from
+        print(f"nemo-dapo: {err}", file=sys.stderr)
+        return 1
     except Preempted as stop:  # a checkpoint was saved: the batch script requeues the job
         print(f"nemo-dapo: {stop}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE

@@ -1,10 +1,12 @@
 """Atomic checkpoints: manifest verification, retention, fallback to the previous good one."""
 
+import errno
 import os
+import subprocess
 
 import pytest
 
-from nemo_dapo.trainer.checkpoint import CheckpointError, CheckpointManager, verify
+from nemo_dapo.trainer.checkpoint import CheckpointError, CheckpointManager, CheckpointWriteError, verify
 
 
 def writer(payload: bytes):
@@ -85,3 +87,39 @@ def test_crash_inside_write_leaves_previous_checkpoint(tmp_path):
         manager.save(2, crash)
     assert manager.resolve_resume("auto").name == "global_step_1"
     assert (tmp_path / "latest").read_text() == "global_step_1"
+
+
+def test_a_full_disk_mid_save_keeps_the_previous_checkpoint_and_removes_the_partial_one(tmp_path, tiny_model_dir):
+    """The real writer (the torch worker's state) on a tmpfs just larger than one checkpoint; where
+    the sandbox cannot mount one, the same writer fails with an injected ENOSPC half-way."""
+    from nemo_dapo.policy.torch_worker import TorchPolicyWorker
+    from tests.test_megatron_worker import optim_settings
+
+    worker = TorchPolicyWorker(0, 1, "", str(tiny_model_dir), optim_settings(), max_token_len=40)
+    probe = CheckpointManager(tmp_path / "probe").save(1, lambda folder: worker.save(str(folder / "policy")))
+    size = sum(p.stat().st_size for p in probe.rglob("*") if p.is_file())
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size * 1.5)}", "tmpfs", str(small)],
+                             capture_output=True).returncode == 0
+    try:
+        manager = CheckpointManager(small / "checkpoints")
+        manager.save(1, lambda folder: worker.save(str(folder / "policy")))
+
+        def second(folder):
+            worker.save(str(folder / "policy"))
+            if not mounted:  # no small file system here: fail as a full disk would, after a partial write
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        with pytest.raises(CheckpointWriteError) as failure:
+            manager.save(2, second)
+        message = str(failure.value)
+        assert f"could not be written to {small / 'checkpoints' / '.tmp_global_step_2'}" in message
+        assert "No space left on device" in message or "file write failed" in message, message
+        assert f"the previous checkpoint {small / 'checkpoints' / 'global_step_1'} is intact" in message
+        assert not list((small / "checkpoints").glob(".tmp_*"))  # the partial folder is gone
+        assert (small / "checkpoints" / "latest").read_text() == "global_step_1"
+        assert manager.resolve_resume("auto") == verify(small / "checkpoints" / "global_step_1")
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(small)], check=True)

@@ -27,6 +27,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded; the message says which file and why."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint that could not be written (disk full, quota, I/O error). The partial folder is
+    gone and the previous checkpoint is still ``latest``; the message names the path and the cause."""
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -90,15 +95,21 @@ class CheckpointManager:
         staging = self.root / f"{STAGING_PREFIX}{step}"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
-        write(staging)
+        try:
+            write(staging)
+        except Exception as err:  # torch.save reports a full disk as a RuntimeError, safetensors as its own
+            self._abandon(staging, err)
         return staging
 
     def commit(self, staging: Path) -> Path:
         """Seal a complete staged checkpoint (manifest, fsync), rename it into place, then point
         ``latest`` at it and prune the oldest."""
         final = self.root / f"global_step_{staging.name.removeprefix(STAGING_PREFIX)}"
-        write_manifest(staging)
-        _fsync_tree(staging)
+        try:
+            write_manifest(staging)
+            _fsync_tree(staging)
+        except OSError as err:  # a background write may only fail here, when its files are sealed
+            self._abandon(staging, err)
         if final.exists():  # a checkpoint of the same step from an interrupted earlier run
             shutil.rmtree(final)
         os.replace(staging, final)
@@ -107,6 +118,17 @@ class CheckpointManager:
         os.replace(pointer, self.root / "latest")
         self._prune()
         return final
+
+    def _abandon(self, staging: Path, error: Exception) -> None:
+        """Remove a partly written checkpoint and say what is left to resume from."""
+        shutil.rmtree(staging, ignore_errors=True)
+        latest = self.root / "latest"
+        previous = (f"the previous checkpoint {self.root / latest.read_text().strip()} is intact and still `latest`"
+                    if latest.is_file() else "there is no earlier checkpoint")
+        raise CheckpointWriteError(
+            f"checkpoint of step {staging.name.removeprefix(STAGING_PREFIX)} could not be written to {staging}: "
+            f"{error}; the partial folder was removed and {previous}. Free space (or fix the file system), then "
+            f"run again with checkpoint.resume=auto") from error
 
     def _prune(self) -> None:
         for _, path in self.step_folders()[self.keep_last:]:
