@@ -110,6 +110,8 @@ def test_sigkill_resume_same_prompts_then_fallback_and_new_dp_size(workdir):
     consumed = [i for step in range(1, 9) for i in by_step[step]["consumed"]]
     rounds = expected_rounds(1800, 12, seed=1, count=sum(1 for _ in consumed) // 12)
     assert consumed == [i for r in rounds for i in r]  # no prompt skipped, none repeated
+    # the generated-sample count (trainer.total_generated_samples' axis) survives the kill: every round of 8
+    assert json.loads((out / "summary.json").read_text())["generated_samples"] == 8 * len(consumed)
 
     newest = out / "checkpoints" / "global_step_8"
     (newest / "trainer_state.pt").write_bytes(b"damaged on purpose")

@@ -111,11 +111,8 @@ class RolloutGroup:
 
         return len(ray.wait(handles, num_returns=len(handles), timeout=0)[0]) == len(handles)
 
-    @staticmethod
-    def collect(handles: list) -> list[Generation]:
-        import ray
-
-        return [generation for part in ray.get(handles) for generation in part]
+    def collect(self, handles: list) -> list[Generation]:
+        return [generation for part in self.workers.gather(handles, "generate") for generation in part]
 
     def sleep(self) -> None:
         """Engines release their GPU memory to the colocated training ranks (no-op where they can't)."""
@@ -127,14 +124,12 @@ class RolloutGroup:
     def update_weights(self, bucket_refs: Iterable, version: int) -> None:
         """Stream weight buckets (object refs) into every engine as they come, through a bounded
         queue per engine: no process holds the whole model on the way."""
-        import ray
-
         queues = self._weight_queues()
         pending = [worker.receive_weights.remote(queue, version) for worker, queue in zip(self.workers.workers, queues)]
         for ref in bucket_refs:
             self._push(queues, pending, [ref])  # wrapped: the engine fetches the bucket itself
         self._push(queues, pending, None)
-        versions = ray.get(pending)
+        versions = self.workers.gather(pending, "receive_weights")
         if set(versions) != {version}:
             raise RuntimeError(f"rollout engines report weight versions {versions}, expected {version}")
 

@@ -211,6 +211,10 @@ class TrainerConfig:
     # CPU threads of each policy, reference and rollout worker. None: the cores of its node divided
     # among the workers of its group there (all the cores on a CPU machine, whose stages take turns)
     cpu_threads_per_worker: Optional[int] = None
+    # the longest the driver waits on one call of a worker group (engine start, generate, log-probs,
+    # update, weight sync, checkpoint save) before failing with the group, call and ranks named.
+    # A dead worker fails at once. None: wait forever
+    remote_timeout_s: Optional[float] = 7200.0
 
 
 @dataclass

@@ -283,6 +283,8 @@ def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
     problems.require(trainer.total_epochs >= 1, "trainer.total_epochs", trainer.total_epochs, "must be >= 1")
     problems.require(trainer.total_training_steps is None or trainer.total_training_steps >= 1,
                      "trainer.total_training_steps", trainer.total_training_steps, "must be >= 1 or null")
+    problems.require(trainer.remote_timeout_s is None or trainer.remote_timeout_s > 0, "trainer.remote_timeout_s",
+                     trainer.remote_timeout_s, "must be > 0 seconds, or null to wait forever")
     budget = trainer.total_generated_samples
     problems.require(budget is None or budget >= 1, "trainer.total_generated_samples", budget, "must be >= 1 or null")
     problems.require(budget is None or trainer.mode == "sync", "trainer.total_generated_samples", budget,

@@ -71,6 +71,7 @@ class DAPOTrainer:
         self.kl_controller = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.global_step = 0
         self.weight_version = 0
+        self.generated_samples = 0
         self.initial_val: dict[str, float] = {}
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(self.sampler)
 
@@ -95,6 +96,7 @@ class DAPOTrainer:
         items = [self.train_data[i] for i in indices]
         with timer("gen"):
             generations = self.rollout.generate([it["prompt_ids"] for it in items], self._sampling())
+        self.generated_samples += len(items) * self.cfg.rollout.n
         fields = {"ground_truth": [it["ground_truth"] for it in items],
                   "data_source": [it["data_source"] for it in items], "prompt_index": [it["index"] for it in items]}
         batch = build_rollout_batch([it["prompt_ids"] for it in items], generations, fields,
@@ -136,6 +138,7 @@ class DAPOTrainer:
             self.sync_weights()
             self.rollout.wake_up(["kv_cache"])
         self._finish_step_metrics(batch, metrics, timer, step_start)
+        metrics["rollout/generated_samples"] = float(self.generated_samples)  # cumulative: the budget's axis
         self._record_prompts(consumed, batch)
         return metrics
 
@@ -210,6 +213,7 @@ class DAPOTrainer:
     # ----------------------------------------------------------------- checkpoints
     def trainer_state(self) -> dict:
         return {"global_step": self.global_step, "weight_version": self.weight_version,
+                "generated_samples": self.generated_samples,
                 "sampler": self.sampler.state_dict(),
                 "accumulator": self.accumulator.state_dict() if self.accumulator else None,
                 "kl_coef": self.kl_controller.value, "initial_val": self.initial_val,
@@ -252,6 +256,7 @@ class DAPOTrainer:
         np.random.set_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])
         self.weight_version = state["weight_version"]
+        self.generated_samples = state.get("generated_samples", 0)  # checkpoints from before the budget existed
         self.sync_weights()  # the engines started from the base model: give them the checkpoint's weights
         log.info("resumed from %s at step %d", path, self.global_step)
 
@@ -270,11 +275,11 @@ class DAPOTrainer:
             self.tracker.log(self.initial_val, self.global_step)
         last_val = dict(self.initial_val)
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="DAPO", dynamic_ncols=True)
-        while self.global_step < self.total_steps:
+        while self.global_step < self.total_steps and not self._budget_spent():
             self.finish_checkpoint(blocking=False)
             metrics = self.train_step()
             self.global_step += 1
-            done = self.global_step >= self.total_steps
+            done = self.global_step >= self.total_steps or self._budget_spent()
             if self._due(self.cfg.trainer.test_freq) or (done and self.val_data is not None):
                 last_val = self.validate()
                 metrics.update(last_val)
@@ -304,8 +309,13 @@ class DAPOTrainer:
     def _due(self, freq: int) -> bool:
         return freq > 0 and self.global_step % freq == 0
 
+    def _budget_spent(self) -> bool:
+        budget = self.cfg.trainer.total_generated_samples
+        return budget is not None and self.generated_samples >= budget
+
     def _write_summary(self, last_val: dict[str, float], wall_s: float) -> dict:
         summary = {"initial_val_acc": self._val_acc(self.initial_val), "final_val_acc": self._val_acc(last_val),
-                   "steps": self.global_step, "wall_s": wall_s, "initial_val": self.initial_val, "final_val": last_val}
+                   "steps": self.global_step, "generated_samples": self.generated_samples, "wall_s": wall_s,
+                   "initial_val": self.initial_val, "final_val": last_val}
         (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary

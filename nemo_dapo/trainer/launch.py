@@ -71,7 +71,7 @@ def _policy_group(cfg: Config, name: str, total_optimizer_steps: int, shared: Sh
     gpus = 1 if cfg.trainer.n_gpus_per_node > 0 else 0
     slots = shared.training_slots(cfg.actor.num_workers) if shared else None
     return PolicyGroup(WorkerGroup(worker_cls, cfg.actor.num_workers, name=name, num_gpus_per_worker=gpus,
-                                   worker_kwargs=kwargs, slots=slots))
+                                   worker_kwargs=kwargs, slots=slots, call_timeout_s=cfg.trainer.remote_timeout_s))
 
 
 def _rollout_group(cfg: Config, shared: SharedGPUs | None) -> RolloutGroup:
@@ -91,7 +91,8 @@ def _rollout_group(cfg: Config, shared: SharedGPUs | None) -> RolloutGroup:
     gpus = tp if cfg.trainer.n_gpus_per_node > 0 else 0
     slots = shared.engine_slots(cfg.rollout.num_workers, tp) if shared else None
     return RolloutGroup(WorkerGroup(VLLMRolloutWorker, cfg.rollout.num_workers, name="rollout",
-                                    num_gpus_per_worker=gpus, worker_kwargs=kwargs, slots=slots))
+                                    num_gpus_per_worker=gpus, worker_kwargs=kwargs, slots=slots,
+                                    call_timeout_s=cfg.trainer.remote_timeout_s))
 
 
 @dataclass
