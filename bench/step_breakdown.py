@@ -5,7 +5,7 @@ the same loop in a single process.
     .venv/bin/python bench/step_breakdown.py [--config tiny_cpu] [--steps 30] [--no-baseline] [key=value ...]
 
 Runs the real trainer for ``--steps`` steps (first 3 dropped as warm-up), samples the memory
-of the whole process tree (driver, Ray, vLLM, policy workers) every 0.2 s, then the baseline of
+of the whole process tree (driver, Ray, vLLM, policy workers) every 2 s, then the baseline of
 :mod:`_single_process` (HF ``generate`` + the same trainer, loss and optimizer in one process)
 on the same config; prints both and their ratio and writes ``step_breakdown.json``. Memory is
 the proportional set size summed over the tree: resident sizes would count pages the processes
@@ -27,6 +27,9 @@ from _common import bench_parser
 from nemo_dapo.config import load_config
 from nemo_dapo.trainer.launch import run_training
 
+# reading a process's proportional set size walks its page tables: every 0.2 s over the ~10
+# processes of a real-model run that took most of a core from the 2 the run computes on
+SAMPLE_EVERY_S = 2.0
 STAGES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "sync_weights")
 
 
@@ -48,7 +51,7 @@ class TreeMemory(threading.Thread):
                 except psutil.Error:
                     pass
             self.peak_bytes = max(self.peak_bytes, total)
-            time.sleep(0.2)
+            time.sleep(SAMPLE_EVERY_S)
 
     def stop(self) -> None:
         self._stop_event.set()

@@ -7,10 +7,14 @@ dependencies build llama.cpp, which we do not use). :mod:`nemo_dapo.model.gguf_i
 file into a Hugging Face folder once; the folder keeps the package's license and a
 ``provenance.json``.
 
-``smollm2-135m-arith`` adds the task: two-digit additions and subtractions, and a short
-supervised warm-up on the train split that teaches the DAPO answer format (``Answer: N``). Untrained, the model rambles at temperature 1.0 and almost never writes an
-answer line, so every group scores -1 and DAPO has no signal; the held-out split is never
-seen by the warm-up.
+``smollm2-135m-arith`` adds the task: two-digit additions and subtractions, and a very short
+supervised warm-up on the train split that starts to teach the DAPO answer format
+(``Answer: N``). Untrained, the model rambles at temperature 1.0 and almost never writes an
+answer line, so every group scores -1 and DAPO has no signal. Warmed up fully, it always
+writes the line and is right as often as its arithmetic allows, and DAPO has little left to
+find in a CPU-sized run. Four steps leave it in between: some samples of a group answer and
+some are right, so groups are informative, and what DAPO learns first is to answer every time,
+then to answer right. The held-out split is never seen by the warm-up.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from nemo_dapo.data.synthetic import ArithmeticSpec, write_arithmetic_dataset
+from nemo_dapo.errors import InputError
 from nemo_dapo.model.cache import cached_build
 from nemo_dapo.model.warmup import WarmupSpec, warm_up
 
@@ -39,7 +44,7 @@ RECIPE_VERSION = 1  # bump when the build changes in a way the specs do not capt
 TASK_PROMPT = "What is {question}?"
 
 
-class BuiltinModelError(RuntimeError):
+class BuiltinModelError(InputError, RuntimeError):
     """A built-in model whose source is not installed (the message says how to install it)."""
 
 
@@ -87,7 +92,10 @@ class ArithTaskSpec:
     task: ArithmeticSpec = field(default_factory=lambda: ArithmeticSpec(
         min_first=10, max_first=99, min_second=10, max_second=99, num_train=4000, num_val=200,
         prompt_template=TASK_PROMPT))
-    warmup: WarmupSpec = field(default_factory=lambda: WarmupSpec(steps=30, batch_size=16, lr=3e-5))
+    # 4 steps: the format half-learned (held-out mean@4 ~0.06 at temperature 1.0, some groups right).
+    # 8 or more steps teach it fully and leave DAPO nothing it can learn in 45 minutes: 30 steps
+    # give mean@4 0.35 and pass@4 0.51, and 10 DAPO steps from there moved mean@4 by 0.003
+    warmup: WarmupSpec = field(default_factory=lambda: WarmupSpec(steps=4, batch_size=16, lr=3e-5))
 
     def digest(self) -> str:
         payload = json.dumps({"spec": asdict(self), "recipe": RECIPE_VERSION, "base": PACKAGE_VERSION}, sort_keys=True)
