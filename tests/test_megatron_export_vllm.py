@@ -6,6 +6,8 @@ from dataclasses import asdict
 import pytest
 import torch
 
+from tests.ranks import spawn
+
 pytestmark = [
     pytest.mark.megatron,
     pytest.mark.skipif(importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
@@ -60,11 +62,8 @@ def greedy_after_export(rank: int, world_size: int, model_dir: str, out_file: st
 
 @pytest.mark.parametrize("family", ["tiny_model_dir", "moe_dir", "smollm2_dir"])  # Qwen2, Qwen3-MoE, real Llama
 def test_greedy_output_after_megatron_export_equals_hf(family, request, tmp_path):
-    import torch.multiprocessing as mp
-
     out_file = str(tmp_path / "greedy.pt")
-    mp.start_processes(greedy_after_export, args=(1, str(request.getfixturevalue(family)), out_file), nprocs=1,
-                       start_method="spawn", join=True)
+    spawn(greedy_after_export, 1, str(request.getfixturevalue(family)), out_file)
     result = torch.load(out_file)
     assert result["names_equal"] and result["tensors_equal"]
     assert result["fresh"] == result["expected"]  # vLLM's own load of the checkpoint answers as HF does

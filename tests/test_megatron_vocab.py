@@ -11,6 +11,8 @@ import os
 import pytest
 import torch
 
+from tests.ranks import spawn
+
 pytestmark = [
     pytest.mark.megatron,
     pytest.mark.skipif(importlib.util.find_spec("megatron") is None
@@ -46,12 +48,9 @@ def run_rank(rank: int, world_size: int, rendezvous: str, out_dir: str) -> None:
 
 
 def test_two_vocabulary_shards_give_the_gathered_log_probs_entropy_and_gradients(tmp_path):
-    import torch.multiprocessing as mp
-
     from nemo_dapo.algo.logprob import entropy_from_logits, log_probs_from_logits
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.start_processes(run_rank, args=(2, str(tmp_path / "rdv"), str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn(run_rank, 2, str(tmp_path / "rdv"), str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
     logits, labels = sample()

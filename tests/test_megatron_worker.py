@@ -11,6 +11,8 @@ from dataclasses import asdict
 import pytest
 import torch
 
+from tests.ranks import spawn
+
 pytestmark = [
     pytest.mark.megatron,
     pytest.mark.skipif(importlib.util.find_spec("megatron") is None
@@ -87,12 +89,6 @@ def exported(worker, bucket_bytes: int = 1 << 30) -> dict:
     return {name: tensor for bucket in worker.export_weights(bucket_bytes) for name, tensor in bucket}
 
 
-def spawn(fn, world_size: int, *args) -> None:
-    import torch.multiprocessing as mp
-
-    mp.start_processes(fn, args=(world_size, *args), nprocs=world_size, start_method="spawn", join=True)
-
-
 def torch_reference(model_dir) -> dict:
     from nemo_dapo.policy.base import LossSettings, MiniBatch
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
@@ -115,7 +111,6 @@ def megatron_result(tmp_path, model_dir, tp: int = 1, pp: int = 1, world_size: i
                     padded: bool = True, **options) -> dict:
     """Rank 0's result, with log-probs and summed loss metrics assembled over the data-parallel ranks."""
     world_size = world_size or tp * pp
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     spawn(run_megatron_rank, world_size, str(tmp_path / "rendezvous"), str(model_dir), tp, pp, str(tmp_path), options,
           padded)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
@@ -406,7 +401,6 @@ def test_overlapped_gradient_reduce_and_parameter_gather_give_the_same_updates(t
     """DP = 2, buckets of 20k parameters (several per rank): reduce-scatters started inside the
     backward of the last micro-batch (however many there are) and parameter all-gathers deferred to
     the next forward give the same two updates, exported weights and log-probs as plain DP."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     for overlap in (False, True):
         spawn(run_overlap_rank, 2, str(tmp_path / f"rdv_{overlap}"), str(tiny_model_dir), str(tmp_path), overlap)
     runs = {name: [torch.load(tmp_path / f"{name}{rank}.pt", weights_only=False) for rank in range(2)]

@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from tests.test_megatron_worker import make_batch, spawn
+from tests.ranks import spawn
+from tests.test_megatron_worker import make_batch
 
 requires_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                        reason="megatron-core is not installed (optional 'megatron' extra)")
@@ -116,7 +117,6 @@ def test_torch_megatron_tp1_tp3_and_vllm_score_the_same_sequences(smollm2_dir, t
     worker = TorchPolicyWorker(0, 1, "", str(smollm2_dir), {}, max_token_len=64, logits_chunk_tokens=5)
     torch_lp = worker.compute_log_prob(batch)["log_probs"]
     del worker
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     results = {}
     for tp in (1, 3):
         out = tmp_path / f"tp{tp}"
