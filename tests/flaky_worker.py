@@ -1,4 +1,4 @@
-"""A Ray worker for the driver's failure handling (tests/test_cluster_loopback.py), importable by
+"""A Ray worker for the driver's failure handling (tests/test_remote_calls.py), importable by
 Ray's worker processes (pytest imports test modules under names they cannot)."""
 
 import os

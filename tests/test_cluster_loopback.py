@@ -102,21 +102,3 @@ def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(ray_cluster, tiny_
     assert [who for ip, who in listeners if not is_loopback(ip)] == []
     assert is_loopback("::ffff:127.0.0.1") and not is_loopback("0.0.0.0") and not is_loopback("::")
 
-
-
-def test_a_silent_or_dead_worker_fails_the_call_naming_group_call_and_rank(ray_cluster):
-    from nemo_dapo.cluster.worker_group import RemoteCallError, WorkerGroup
-    from tests.flaky_worker import Napper
-
-    stuck, crashed = (WorkerGroup(Napper, 2, name=name, num_cpus_per_worker=0.5, call_timeout_s=3)
-                      for name in ("stuck", "crashed"))
-    try:
-        assert stuck.call_all("nap", 0.1) == [0, 1]
-        with pytest.raises(RemoteCallError, match=r"stuck\.nap: rank\(s\) \[1\] gave no answer within 3 s "
-                                                  r"\(trainer\.remote_timeout_s\); their logs: /\S+/logs"):
-            stuck.call_all("nap", 60)
-        with pytest.raises(RemoteCallError, match=r"crashed\.die: a worker died \(\w+"):
-            crashed.call_all("die")
-    finally:
-        stuck.shutdown()
-        crashed.shutdown()

@@ -1,0 +1,32 @@
+"""The driver never hangs on a worker group: a silent worker times out and a dead one fails at
+once, both naming the group, the call, the ranks and where their logs are. Its own Ray cluster:
+the groups of other modules must not hold the CPUs these workers are placed on."""
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
+
+    yield init_ray(num_cpus=2)
+    shutdown_ray()
+
+
+
+def test_a_silent_or_dead_worker_fails_the_call_naming_group_call_and_rank(ray_cluster):
+    from nemo_dapo.cluster.worker_group import RemoteCallError, WorkerGroup
+    from tests.flaky_worker import Napper
+
+    stuck, crashed = (WorkerGroup(Napper, 2, name=name, num_cpus_per_worker=0.5, call_timeout_s=3)
+                      for name in ("stuck", "crashed"))
+    try:
+        assert stuck.call_all("nap", 0.1) == [0, 1]
+        with pytest.raises(RemoteCallError, match=r"stuck\.nap: rank\(s\) \[1\] gave no answer within 3 s "
+                                                  r"\(trainer\.remote_timeout_s\); their logs: /\S+/logs"):
+            stuck.call_all("nap", 60)
+        with pytest.raises(RemoteCallError, match=r"crashed\.die: a worker died \(\w+"):
+            crashed.call_all("die")
+    finally:
+        stuck.shutdown()
+        crashed.shutdown()
