@@ -24,6 +24,7 @@ from _common import bench_parser
 
 from nemo_dapo.config import load_config
 from nemo_dapo.trainer.launch import run_training
+from nemo_dapo.trainer.validation import mean_val_accuracy
 
 NAIVE = {"actor.clip_ratio_high": 0.2, "actor.loss_agg_mode": "seq-mean-token-mean",
          "algorithm.overlong_filtering": False, "reward.overlong_buffer.enable": False,
@@ -58,18 +59,13 @@ def run_row(config: str, settings: dict, seed: int, budget: int, output: Path, e
     started = time.time()
     summary = run_training(load_config(config, overrides))
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-    curve = [(r["rollout/generated_samples"], _val_acc(r)) for r in records if _val_acc(r) is not None
-             and "rollout/generated_samples" in r]
+    curve = [(r["rollout/generated_samples"], mean_val_accuracy(r)) for r in records
+             if mean_val_accuracy(r) is not None and "rollout/generated_samples" in r]
     steps = [r for r in records if "actor/entropy" in r]
     return {"final_val_acc": summary["final_val_acc"], "initial_val_acc": summary["initial_val_acc"],
             "entropy_end": steps[-1]["actor/entropy"], "generated_samples": summary["generated_samples"],
             "steps": summary["steps"], "wall_s": time.time() - started,
             "curve": [(0.0, summary["initial_val_acc"]), *curve]}
-
-
-def _val_acc(record: dict) -> float | None:
-    accs = [v for k, v in record.items() if k.startswith("val-core/") and "/acc/mean@" in k]
-    return sum(accs) / len(accs) if accs else None
 
 
 def mean_std(values: list[float]) -> str:
@@ -83,7 +79,8 @@ def table(results: dict[str, list[dict]]) -> str:
         lines.append(f"| {name} | {mean_std([r['final_val_acc'] for r in runs])} | "
                      f"{mean_std([r['entropy_end'] for r in runs])} | "
                      f"{statistics.mean(r['generated_samples'] for r in runs):.0f} | "
-                     f"{statistics.mean(r['steps'] for r in runs):.1f} | {statistics.mean(r['wall_s'] for r in runs):.0f} | "
+                     f"{statistics.mean(r['steps'] for r in runs):.1f} | "
+                     f"{statistics.mean(r['wall_s'] for r in runs):.0f} | "
                      f"{PAPER_AIME.get(name, '-')} |")
     return "\n".join(lines)
 

@@ -105,4 +105,3 @@ class WorkerGroup:
         if self._own_placement is not None:
             remove_placement_group(self._own_placement)
             self._own_placement = None
-

@@ -53,7 +53,8 @@ def add_parser(subparsers) -> None:
     slurm.add_argument("--remote-job-dir", help="with --ssh-host: shared folder on the cluster for NeMo-Run's "
                        "job folders (on a login node they are $NEMORUN_HOME/experiments, which must be shared)")
     slurm.add_argument("--max-restarts", type=int, default=20,
-                       help="requeues in all (preemptions, exit 3, and crashes); an invalid config (exit 2) never requeues")
+                       help="requeues in all (preemptions, exit 3, and crashes); "
+                       "an invalid config (exit 2) never requeues")
     slurm.add_argument("--max-crash-restarts", type=int, default=2,
                        help="of those, requeues after a crash (exit 1 or a signal): a failing job stops soon")
     slurm.add_argument("--python", default="python3", help="interpreter in the container (or on the nodes)")

@@ -20,7 +20,8 @@ from nemo_dapo.threads import use_cpu_threads
 
 log = logging.getLogger(__name__)
 CPU_BLOCK_SIZE = 32
-RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
+RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
+                  "vllm.model_executor.model_loader.reload.inplace")
 
 
 class _QuietReload(logging.Filter):
@@ -35,8 +36,11 @@ class _QuietReload(logging.Filter):
 
 
 def quiet_weight_reloads() -> None:
+    """Install the filter once per logger, however many engines this process builds."""
     for name in RELOAD_LOGGERS:
-        logging.getLogger(name).addFilter(_QuietReload())
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _QuietReload) for f in logger.filters):
+            logger.addFilter(_QuietReload())
 
 
 def repack_cpu_moe_experts(worker) -> int:

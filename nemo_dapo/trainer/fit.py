@@ -33,7 +33,7 @@ from nemo_dapo.trainer.preemption import Preempted, PreemptionSignals, record_pr
 from nemo_dapo.trainer.stages import (add_advantages, add_overlong_filter, add_rewards, add_rollout_correction,
                                       batch_metrics, score_batch)
 from nemo_dapo.trainer.tracking import StageTimer, Tracker
-from nemo_dapo.trainer.validation import accuracy_metrics
+from nemo_dapo.trainer.validation import accuracy_metrics, mean_val_accuracy
 
 log = logging.getLogger(__name__)
 WEIGHT_BUCKET_BYTES = 512 << 20
@@ -206,10 +206,6 @@ class DAPOTrainer:
         score_batch(batch, self.reward, self.tokenizer)
         return accuracy_metrics(batch["acc"], batch["data_source"], batch["uid"], val.n)
 
-    def _val_acc(self, metrics: dict[str, float]) -> float | None:
-        accs = [v for k, v in metrics.items() if k.startswith("val-core/") and "/acc/mean@" in k]
-        return float(np.mean(accs)) if accs else None
-
     # ----------------------------------------------------------------- checkpoints
     def trainer_state(self) -> dict:
         return {"global_step": self.global_step, "weight_version": self.weight_version,
@@ -288,7 +284,7 @@ class DAPOTrainer:
                 self.save_checkpoint()
             bar.update(1)
             bar.set_postfix(score=f"{metrics.get('critic/score/mean', 0):.3f}", acc=f"{metrics.get('critic/acc/mean', 0):.3f}",
-                            val=f"{self._val_acc(last_val) or 0:.3f}")
+                            val=f"{mean_val_accuracy(last_val) or 0:.3f}")
             if preemption.requested and not done:
                 self._stop_preempted(preemption.received, bar)
         bar.close()
@@ -314,7 +310,8 @@ class DAPOTrainer:
         return budget is not None and self.generated_samples >= budget
 
     def _write_summary(self, last_val: dict[str, float], wall_s: float) -> dict:
-        summary = {"initial_val_acc": self._val_acc(self.initial_val), "final_val_acc": self._val_acc(last_val),
+        summary = {"initial_val_acc": mean_val_accuracy(self.initial_val),
+                   "final_val_acc": mean_val_accuracy(last_val),
                    "steps": self.global_step, "generated_samples": self.generated_samples, "wall_s": wall_s,
                    "initial_val": self.initial_val, "final_val": last_val}
         (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -31,3 +31,9 @@ def accuracy_metrics(accs: Sequence[bool], data_sources: Sequence[str], uids: Se
             metrics[f"val-aux/{source}/pass@{k}"] = float(np.mean([pass_at_k(len(g), sum(g), k) for g in groups]))
             k *= 2
     return metrics
+
+
+def mean_val_accuracy(metrics: dict[str, float]) -> float | None:
+    """The mean of the ``val-core/<source>/acc/mean@k`` entries of one validation, None without any."""
+    accs = [v for k, v in metrics.items() if k.startswith("val-core/") and "/acc/mean@" in k]
+    return float(np.mean(accs)) if accs else None
