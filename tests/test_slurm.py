@@ -112,7 +112,9 @@ class Job:
     def wait_for(self, what: str, condition, timeout: float = 150) -> None:
         deadline = time.monotonic() + timeout
         while not condition():
-            assert time.monotonic() < deadline, f"job {self.id}: no {what} after {timeout:.0f} s\n{self.log()[-4000:]}"
+            assert time.monotonic() < deadline, (f"job {self.id}: no {what} after {timeout:.0f} s (state "
+                                                 f"{self.field('JobState')}, reason {self.field('Reason')})\n"
+                                                 f"{self.log()[-4000:]}")
             time.sleep(0.5)
 
     def release_requeued(self, restarts: int) -> None:

@@ -76,6 +76,16 @@ wait_for_node() {
     done
 }
 
+# Jobs of an earlier run on a controller that was still up: cancel them and wait until they are gone.
+cancel_leftover_jobs() {
+    local deadline=$((SECONDS + 90))
+    scancel --partition=local 2>/dev/null || true
+    while [ -n "$(squeue --noheader --states=RUNNING,PENDING,COMPLETING,SUSPENDED 2>/dev/null)" ]; do
+        [ $SECONDS -lt $deadline ] || die "earlier jobs still in the queue after 90 s; see $SLURM_LOCAL_DIR/log/"
+        sleep 1
+    done
+}
+
 start() {
     local daemon
     for daemon in munged slurmctld slurmd sinfo; do
@@ -86,9 +96,12 @@ start() {
     [ -s "$CONF" ] || write_slurm_conf
     start_munge
     export SLURM_CONF=$CONF
-    pid_alive "$SLURM_LOCAL_DIR/slurmctld.pid" || slurmctld -f "$CONF"
+    # A fresh controller starts clean (-c): a run killed before its `stop` leaves saved jobs
+    # behind that would come back RUNNING and hold every CPU of the node.
+    pid_alive "$SLURM_LOCAL_DIR/slurmctld.pid" || slurmctld -c -f "$CONF"
     pid_alive "$SLURM_LOCAL_DIR/slurmd.pid" || slurmd -f "$CONF" -N localhost
     wait_for_node
+    cancel_leftover_jobs
     echo "export SLURM_CONF=$CONF"
 }
 
