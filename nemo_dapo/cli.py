@@ -63,7 +63,14 @@ def _cmd_import_gguf(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    print(to_yaml(load_config(args.config, args.overrides)), end="")
+    from nemo_dapo.config.reference import explain, reference_markdown
+
+    if args.explain:
+        print(explain(args.explain))
+    elif args.reference:
+        print(reference_markdown(), end="")
+    else:
+        print(to_yaml(load_config(args.config, args.overrides)), end="")
     return 0
 
 
@@ -100,8 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     gguf.add_argument("output", help="folder to write (config, safetensors, tokenizer, provenance.json)")
     gguf.set_defaults(fn=_cmd_import_gguf)
     sub.add_parser("selfcheck", help="check the DAPO math against hand-computed values").set_defaults(fn=_cmd_selfcheck)
-    config = sub.add_parser("config", help="print the resolved, validated config")
+    config = sub.add_parser("config", help="print the resolved, validated config, or explain a setting")
     config.add_argument("--config", default=DEFAULT_PRESET, help="preset name in conf/ or a YAML path")
+    config.add_argument("--explain", metavar="KEY", help="help, type, default, allowed values and the presets "
+                        "setting KEY (e.g. actor.clip_ratio_high)")
+    config.add_argument("--reference", action="store_true",
+                        help="every setting as markdown (the source of docs/configuration.md)")
     config.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.clip_ratio_high=0.3")
     config.set_defaults(fn=_cmd_config)
     sub.add_parser("presets", help="list the presets in conf/").set_defaults(fn=_cmd_presets)

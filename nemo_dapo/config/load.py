@@ -38,7 +38,7 @@ def preset_path(name_or_path: str) -> Path:
     return candidate
 
 
-def _read_preset(name_or_path: str, seen: tuple[str, ...] = ()) -> DictConfig:
+def read_preset(name_or_path: str, seen: tuple[str, ...] = ()) -> DictConfig:
     path = preset_path(name_or_path)
     if str(path) in seen:
         raise ConfigError(f"presets include each other in a loop: {' -> '.join(seen + (str(path),))}")
@@ -46,7 +46,7 @@ def _read_preset(name_or_path: str, seen: tuple[str, ...] = ()) -> DictConfig:
     parents = raw.pop("defaults", [])
     merged = OmegaConf.create()
     for parent in parents:
-        merged = OmegaConf.merge(merged, _read_preset(str(parent), seen + (str(path),)))
+        merged = OmegaConf.merge(merged, read_preset(str(parent), seen + (str(path),)))
     return OmegaConf.merge(merged, raw)
 
 
@@ -60,7 +60,7 @@ def load_config(name_or_path: str | None = DEFAULT_PRESET, overrides: Sequence[s
     try:
         layers = [schema]
         if name_or_path:
-            layers.append(_read_preset(name_or_path))
+            layers.append(read_preset(name_or_path))
         layers.append(OmegaConf.from_dotlist(list(overrides)))
         merged = OmegaConf.merge(*layers)
         cfg = OmegaConf.to_object(merged)

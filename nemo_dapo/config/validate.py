@@ -8,11 +8,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from nemo_dapo.algo.advantage import registered_estimators
-from nemo_dapo.algo.correction import IS_LEVELS, LOSS_TYPES, PRESETS, CorrectionSettings, parse_rs_modes
-from nemo_dapo.algo.kl import KL_PENALTY_NAMES
-from nemo_dapo.algo.loss import LOSS_AGG_MODES
+from nemo_dapo.algo.correction import PRESETS, CorrectionSettings, parse_rs_modes
 from nemo_dapo.algo.policy_losses import policy_loss_problems
+from nemo_dapo.config.reference import settings as schema_settings
 from nemo_dapo.config.schema import Config, RolloutCorrectionConfig
 from nemo_dapo.errors import InputError
 
@@ -26,8 +24,23 @@ class _Problems(list):
         if not ok:
             self.append(f"{key}={value!r}: {allowed}")
 
-    def choice(self, key: str, value, choices) -> None:
-        self.require(value in choices, key, value, f"choose one of {sorted(map(str, choices))}")
+
+def _check_choices(cfg: Config, problems: _Problems) -> None:
+    """Every enumerated setting against the choices the schema declares for it.
+
+    null passes where the field is optional and null is not one of the choices: there it means
+    "unset" (the preset's or the derived value). A list setting checks each element. The
+    megatron group is checked only with that backend (the torch backend ignores it).
+    """
+    for setting in schema_settings().values():
+        choices = setting.choices
+        if choices is None or (setting.key.startswith("actor.megatron.") and cfg.actor.backend != "megatron"):
+            continue
+        value = setting.value_in(cfg)
+        if value is None and None not in choices and setting.type_name.endswith("or null"):
+            continue
+        if not all(v in choices for v in (value if isinstance(value, list) else [value])):
+            problems.append(f"{setting.key}={value!r}: choose one of {setting.allowed_text()}")
 
 
 def correction_settings(cfg: RolloutCorrectionConfig) -> CorrectionSettings:
@@ -43,9 +56,6 @@ def correction_settings(cfg: RolloutCorrectionConfig) -> CorrectionSettings:
 
 def _check_algorithm(cfg: Config, problems: _Problems) -> None:
     algo = cfg.algorithm
-    problems.choice("algorithm.adv_estimator", algo.adv_estimator, registered_estimators())
-    problems.choice("algorithm.kl_penalty", algo.kl_penalty, KL_PENALTY_NAMES)
-    problems.choice("algorithm.kl_ctrl.type", algo.kl_ctrl.type, ("fixed", "adaptive"))
     if algo.kl_ctrl.type == "adaptive":
         problems.require(algo.kl_ctrl.target_kl > 0, "algorithm.kl_ctrl.target_kl", algo.kl_ctrl.target_kl, "must be > 0")
         problems.require(algo.kl_ctrl.horizon > 0, "algorithm.kl_ctrl.horizon", algo.kl_ctrl.horizon, "must be > 0")
@@ -57,10 +67,8 @@ def _check_algorithm(cfg: Config, problems: _Problems) -> None:
         problems.append(str(err))
         return
     key = "algorithm.rollout_correction"
-    problems.choice(f"{key}.rollout_is", settings.rollout_is, IS_LEVELS)
     problems.require(settings.rollout_is_threshold > 0, f"{key}.rollout_is_threshold", settings.rollout_is_threshold,
                      "must be > 0 (IS weights are truncated above it)")
-    problems.choice(f"{key}.loss_type", settings.loss_type, LOSS_TYPES)
     problems.require(settings.loss_type != "reinforce" or settings.bypass_mode, f"{key}.loss_type", settings.loss_type,
                      "the REINFORCE loss needs bypass_mode=true (decoupled mode uses ppo_clip)")
     try:
@@ -71,19 +79,16 @@ def _check_algorithm(cfg: Config, problems: _Problems) -> None:
 
 def _check_actor(cfg: Config, problems: _Problems) -> None:
     actor, optim = cfg.actor, cfg.actor.optim
-    problems.choice("actor.backend", actor.backend, ("torch", "megatron"))
     problems.require(actor.num_workers >= 1, "actor.num_workers", actor.num_workers, "must be >= 1")
     problems.require(0 <= actor.clip_ratio_low < 1, "actor.clip_ratio_low", actor.clip_ratio_low, "must be in [0, 1)")
     problems.require(actor.clip_ratio_high >= 0, "actor.clip_ratio_high", actor.clip_ratio_high, "must be >= 0")
     problems.require(actor.clip_ratio_c > 1, "actor.clip_ratio_c", actor.clip_ratio_c,
                      "the dual-clip bound must be > 1 (DAPO uses 10)")
-    problems.choice("actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
     problems.extend(policy_loss_problems(actor.policy_loss, actor.loss_agg_mode))
     problems.require(actor.policy_loss == "dapo" or correction_settings(cfg.algorithm.rollout_correction).loss_type
                      != "reinforce", "actor.policy_loss", actor.policy_loss,
                      "bypass mode's REINFORCE loss (rollout_correction loss_type=reinforce) takes the place of the "
                      "policy loss: keep actor.policy_loss=dapo, or use loss_type=ppo_clip")
-    problems.choice("actor.kl_loss_type", actor.kl_loss_type, KL_PENALTY_NAMES)
     problems.require(actor.ppo_epochs >= 1, "actor.ppo_epochs", actor.ppo_epochs, "must be >= 1")
     problems.require(actor.max_token_len_per_micro_batch > 0, "actor.max_token_len_per_micro_batch",
                      actor.max_token_len_per_micro_batch, "must be > 0")
@@ -92,25 +97,14 @@ def _check_actor(cfg: Config, problems: _Problems) -> None:
                      f"must divide data.train_batch_size={batch} (each mini-batch is one optimizer step)")
     problems.require(optim.lr > 0, "actor.optim.lr", optim.lr, "must be > 0")
     problems.require(optim.warmup_steps >= 0, "actor.optim.warmup_steps", optim.warmup_steps, "must be >= 0")
-    problems.choice("actor.optim.lr_schedule", optim.lr_schedule, ("constant", "cosine"))
     problems.require(optim.clip_grad > 0, "actor.optim.clip_grad", optim.clip_grad, "must be > 0")
     problems.require(len(optim.betas) == 2 and all(0 <= b < 1 for b in optim.betas), "actor.optim.betas",
                      optim.betas, "two numbers in [0, 1)")
 
 
-FP8_FORMATS = (None, "hybrid", "e4m3")
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
-RECOMPUTE_GRANULARITIES = (None, "full", "selective")
-
-
 def training_world_size(cfg: Config) -> int:
     """Training ranks the launcher starts: ``actor.num_workers`` (one GPU each on a GPU cluster)."""
     return cfg.actor.num_workers
-
-
-def _nullable_choice(problems: _Problems, key: str, value, choices) -> None:
-    names = ["null" if c is None else c for c in choices]
-    problems.require(value in choices, key, value, f"choose one of {names}")
 
 
 def _check_megatron(cfg: Config, problems: _Problems) -> None:
@@ -142,15 +136,11 @@ def _check_megatron(cfg: Config, problems: _Problems) -> None:
     problems.require(ep == 1 or tp == 1 or mg.sequence_parallel, f"{key}.sequence_parallel", mg.sequence_parallel,
                      "must be true when experts (EP > 1) are combined with tensor parallelism (TP > 1)")
     te = mg.transformer_impl == "transformer_engine"
-    problems.choice(f"{key}.transformer_impl", mg.transformer_impl, ("local", "transformer_engine"))
     problems.require(not mg.sequence_parallel or te, f"{key}.sequence_parallel", mg.sequence_parallel,
                      "needs transformer_impl=transformer_engine (its norms handle sequence-split activations)")
     problems.require(not mg.fp8 or te, f"{key}.fp8", mg.fp8, "needs transformer_impl=transformer_engine")
     problems.require(cp == 1 or mg.sequence_packing, f"{key}.context_parallel_size", cp,
                      "context parallelism splits packed rows: set actor.megatron.sequence_packing=true (or use 1)")
-    _nullable_choice(problems, f"{key}.fp8", mg.fp8, FP8_FORMATS)
-    problems.choice(f"{key}.fp8_recipe", mg.fp8_recipe, FP8_RECIPES)
-    _nullable_choice(problems, f"{key}.recompute_granularity", mg.recompute_granularity, RECOMPUTE_GRANULARITIES)
     problems.require(not mg.overlap_param_gather or mg.use_distributed_optimizer, f"{key}.overlap_param_gather",
                      mg.overlap_param_gather, "needs use_distributed_optimizer=true (it gathers the optimizer's shards)")
     problems.require(mg.moe_aux_loss_coeff >= 0, f"{key}.moe_aux_loss_coeff", mg.moe_aux_loss_coeff,
@@ -253,7 +243,6 @@ def _check_data_and_rollout(cfg: Config, problems: _Problems) -> None:
     problems.require(data.train_batch_size > 0, "data.train_batch_size", data.train_batch_size, "must be > 0")
     problems.require(data.effective_gen_batch_size >= data.train_batch_size, "data.gen_batch_size", data.gen_batch_size,
                      f"must be >= data.train_batch_size={data.train_batch_size} (or null to use it)")
-    problems.choice("data.truncation", data.truncation, ("left", "right", "error"))
     problems.require(rollout.n >= 1, "rollout.n", rollout.n, "must be >= 1")
     problems.require(rollout.temperature > 0, "rollout.temperature", rollout.temperature, "must be > 0")
     problems.require(0 < rollout.top_p <= 1, "rollout.top_p", rollout.top_p, "must be in (0, 1]")
@@ -266,7 +255,6 @@ def _check_data_and_rollout(cfg: Config, problems: _Problems) -> None:
 
 def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
     buffer = cfg.reward.overlong_buffer
-    problems.choice("reward.scorer", cfg.reward.scorer, ("math_dapo", "math_verify"))
     problems.require(cfg.reward.timeout_s > 0, "reward.timeout_s", cfg.reward.timeout_s, "must be > 0")
     if buffer.enable:
         problems.require(buffer.len > 0, "reward.overlong_buffer.len", buffer.len,
@@ -276,7 +264,6 @@ def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
         problems.require(buffer.penalty_factor >= 0, "reward.overlong_buffer.penalty_factor", buffer.penalty_factor,
                          "must be >= 0")
     trainer = cfg.trainer
-    problems.choice("trainer.mode", trainer.mode, ("sync", "async"))
     problems.require(trainer.parameter_sync_step >= 1, "trainer.parameter_sync_step", trainer.parameter_sync_step,
                      "must be >= 1")
     problems.require(trainer.max_staleness >= 0, "trainer.max_staleness", trainer.max_staleness, "must be >= 0")
@@ -290,14 +277,11 @@ def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
     problems.require(budget is None or trainer.mode == "sync", "trainer.total_generated_samples", budget,
                      "counts the synchronous trainer's rounds only: use trainer.mode=sync or leave it null")
     problems.require(bool(trainer.output_dir), "trainer.output_dir", trainer.output_dir, "must name a folder")
-    problems.require(set(trainer.loggers) <= {"console", "tensorboard"}, "trainer.loggers", trainer.loggers,
-                     "choose from ['console', 'tensorboard']")
     problems.require(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
     problems.require(not cfg.checkpoint.async_save or cfg.actor.backend == "megatron", "checkpoint.async_save",
                      cfg.checkpoint.async_save, "needs actor.backend=megatron (the torch worker saves synchronously)")
     problems.require(bool(cfg.checkpoint.resume), "checkpoint.resume", cfg.checkpoint.resume,
                      "use auto, disable, or a checkpoint folder")
-    problems.choice("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
 
 
 def raise_problems(problems: list[str]) -> None:
@@ -312,7 +296,7 @@ def validate(cfg: Config, placement: bool = True) -> Config:
     next to the memory figures instead of refusing to load.
     """
     problems = _Problems()
-    checks = [_check_data_and_rollout, _check_algorithm, _check_actor, _check_megatron, _check_reward_and_trainer]
+    checks = [_check_choices, _check_data_and_rollout, _check_algorithm, _check_actor, _check_megatron, _check_reward_and_trainer]
     for check in checks + ([_check_placement] if placement else []):
         check(cfg, problems)
     raise_problems(problems)
