@@ -10,14 +10,14 @@ then the cost or gain of the engine and the orchestration, measured rather than 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import asdict
-from typing import Iterator
 
 import torch
 
 from nemo_dapo.algo.metrics import reduce_metrics
+from nemo_dapo.policy.inputs import mini_batches_per_rank, worker_inputs
 from nemo_dapo.rollout.base import Generation, SamplingSettings
-from nemo_dapo.trainer.batching import mini_batches_per_rank, worker_inputs
 
 
 class InProcessPolicy:
@@ -62,11 +62,21 @@ class HFGenerate:
         width = max(map(len, prompts))
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=sampling.temperature > 0,
-                                  temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
-                                  max_new_tokens=sampling.max_tokens, num_return_sequences=sampling.n,
-                                  pad_token_id=self.pad_id, eos_token_id=self.eos_id, use_cache=True,
-                                  return_dict_in_generate=True, output_scores=True)
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=sampling.temperature > 0,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=0,
+            max_new_tokens=sampling.max_tokens,
+            num_return_sequences=sampling.n,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_id,
+            use_cache=True,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
         tokens = out.sequences[:, width:]
         scores = torch.stack(out.scores, dim=1).float().log_softmax(-1)  # the processed distribution
         picked = scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -98,20 +108,39 @@ def run_single_process(cfg) -> dict:
     from nemo_dapo.data import RLDataset
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
     from nemo_dapo.reward.manager import RewardManager
+    from nemo_dapo.trainer.assembly import resolve_paths
     from nemo_dapo.trainer.fit import DAPOTrainer
-    from nemo_dapo.trainer.launch import resolve_paths
 
     cfg = resolve_paths(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    data = RLDataset(cfg.data.train_files, tokenizer, max_prompt_length=cfg.data.max_prompt_length,
-                     truncation=cfg.data.truncation, filter_overlong_prompts=cfg.data.filter_overlong_prompts)
-    worker = TorchPolicyWorker(0, 1, "", cfg.model.path, asdict(cfg.actor.optim), dtype=cfg.model.dtype,
-                               max_token_len=cfg.actor.max_token_len_per_micro_batch, seed=cfg.trainer.seed,
-                               num_threads=cfg.trainer.cpu_threads_per_worker)
+    data = RLDataset(
+        cfg.data.train_files,
+        tokenizer,
+        max_prompt_length=cfg.data.max_prompt_length,
+        truncation=cfg.data.truncation,
+        filter_overlong_prompts=cfg.data.filter_overlong_prompts,
+    )
+    worker = TorchPolicyWorker(
+        0,
+        1,
+        "",
+        cfg.model.path,
+        asdict(cfg.actor.optim),
+        dtype=cfg.model.dtype,
+        max_token_len=cfg.actor.max_token_len_per_micro_batch,
+        seed=cfg.trainer.seed,
+        num_threads=cfg.trainer.cpu_threads_per_worker,
+    )
     buffer = cfg.reward.overlong_buffer
-    with RewardManager(cfg.reward.scorer, max_response_length=cfg.data.max_response_length,
-                       overlong_enable=buffer.enable, buffer_len=buffer.len, penalty_factor=buffer.penalty_factor,
-                       num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as reward:
+    with RewardManager(
+        cfg.reward.scorer,
+        max_response_length=cfg.data.max_response_length,
+        overlong_enable=buffer.enable,
+        buffer_len=buffer.len,
+        penalty_factor=buffer.penalty_factor,
+        num_workers=cfg.reward.num_workers,
+        timeout_s=cfg.reward.timeout_s,
+    ) as reward:
         rollout = HFGenerate(worker.model, tokenizer.pad_token_id, tokenizer.eos_token_id)
         trainer = DAPOTrainer(cfg, InProcessPolicy(worker), rollout, tokenizer, data, None, reward)
         return trainer.fit()

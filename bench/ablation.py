@@ -23,22 +23,43 @@ from pathlib import Path
 from _common import bench_parser
 
 from nemo_dapo.config import load_config
-from nemo_dapo.trainer.launch import run_training
+from nemo_dapo.trainer.assembly import run_training
 from nemo_dapo.trainer.validation import mean_val_accuracy
 
-NAIVE = {"actor.clip_ratio_high": 0.2, "actor.loss_agg_mode": "seq-mean-token-mean",
-         "algorithm.overlong_filtering": False, "reward.overlong_buffer.enable": False,
-         "algorithm.filter_groups.enable": False}
-STEPS = [("+ overlong filtering", {"algorithm.overlong_filtering": True}),
-         ("+ clip-higher", {"actor.clip_ratio_high": 0.28}),
-         ("+ soft overlong punishment", {"algorithm.overlong_filtering": False, "reward.overlong_buffer.enable": True}),
-         ("+ token-level loss", {"actor.loss_agg_mode": "token-mean"}),
-         ("+ dynamic sampling (DAPO)", {"algorithm.filter_groups.enable": True})]
-LOSS_ROWS = [("DAPO + gspo", {"actor.policy_loss": "gspo", "actor.loss_agg_mode": "seq-mean-token-mean",
-                              "actor.clip_ratio_low": 3e-4, "actor.clip_ratio_high": 4e-4}),
-             ("DAPO + cispo", {"actor.policy_loss": "cispo"})]
-PAPER_AIME = {"naive GRPO": 30, "+ overlong filtering": 36, "+ clip-higher": 38, "+ soft overlong punishment": 41,
-              "+ token-level loss": 42, "+ dynamic sampling (DAPO)": 50}  # Qwen2.5-32B, AIME 2024 avg@32
+NAIVE = {
+    "actor.clip_ratio_high": 0.2,
+    "actor.loss_agg_mode": "seq-mean-token-mean",
+    "algorithm.overlong_filtering": False,
+    "reward.overlong_buffer.enable": False,
+    "algorithm.filter_groups.enable": False,
+}
+STEPS = [
+    ("+ overlong filtering", {"algorithm.overlong_filtering": True}),
+    ("+ clip-higher", {"actor.clip_ratio_high": 0.28}),
+    ("+ soft overlong punishment", {"algorithm.overlong_filtering": False, "reward.overlong_buffer.enable": True}),
+    ("+ token-level loss", {"actor.loss_agg_mode": "token-mean"}),
+    ("+ dynamic sampling (DAPO)", {"algorithm.filter_groups.enable": True}),
+]
+LOSS_ROWS = [
+    (
+        "DAPO + gspo",
+        {
+            "actor.policy_loss": "gspo",
+            "actor.loss_agg_mode": "seq-mean-token-mean",
+            "actor.clip_ratio_low": 3e-4,
+            "actor.clip_ratio_high": 4e-4,
+        },
+    ),
+    ("DAPO + cispo", {"actor.policy_loss": "cispo"}),
+]
+PAPER_AIME = {
+    "naive GRPO": 30,
+    "+ overlong filtering": 36,
+    "+ clip-higher": 38,
+    "+ soft overlong punishment": 41,
+    "+ token-level loss": 42,
+    "+ dynamic sampling (DAPO)": 50,
+}  # Qwen2.5-32B, AIME 2024 avg@32
 
 
 def rows() -> list[tuple[str, dict]]:
@@ -52,20 +73,35 @@ def rows() -> list[tuple[str, dict]]:
 
 def run_row(config: str, settings: dict, seed: int, budget: int, output: Path, extra: list[str]) -> dict:
     overrides = [f"{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in settings.items()]
-    overrides += [f"trainer.seed={seed}", f"data.seed={seed}", f"trainer.total_generated_samples={budget}",
-                  "trainer.total_training_steps=100000", "trainer.save_freq=0", "checkpoint.resume=disable",
-                  f"trainer.output_dir={output}", *extra]
+    overrides += [
+        f"trainer.seed={seed}",
+        f"data.seed={seed}",
+        f"trainer.total_generated_samples={budget}",
+        "trainer.total_training_steps=100000",
+        "trainer.save_freq=0",
+        "checkpoint.resume=disable",
+        f"trainer.output_dir={output}",
+        *extra,
+    ]
     (output / "metrics.jsonl").unlink(missing_ok=True)
     started = time.time()
     summary = run_training(load_config(config, overrides))
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-    curve = [(r["rollout/generated_samples"], mean_val_accuracy(r)) for r in records
-             if mean_val_accuracy(r) is not None and "rollout/generated_samples" in r]
+    curve = [
+        (r["rollout/generated_samples"], mean_val_accuracy(r))
+        for r in records
+        if mean_val_accuracy(r) is not None and "rollout/generated_samples" in r
+    ]
     steps = [r for r in records if "actor/entropy" in r]
-    return {"final_val_acc": summary["final_val_acc"], "initial_val_acc": summary["initial_val_acc"],
-            "entropy_end": steps[-1]["actor/entropy"], "generated_samples": summary["generated_samples"],
-            "steps": summary["steps"], "wall_s": time.time() - started,
-            "curve": [(0.0, summary["initial_val_acc"]), *curve]}
+    return {
+        "final_val_acc": summary["final_val_acc"],
+        "initial_val_acc": summary["initial_val_acc"],
+        "entropy_end": steps[-1]["actor/entropy"],
+        "generated_samples": summary["generated_samples"],
+        "steps": summary["steps"],
+        "wall_s": time.time() - started,
+        "curve": [(0.0, summary["initial_val_acc"]), *curve],
+    }
 
 
 def mean_std(values: list[float]) -> str:
@@ -73,15 +109,19 @@ def mean_std(values: list[float]) -> str:
 
 
 def table(results: dict[str, list[dict]]) -> str:
-    lines = ["| row | held-out acc (end) | entropy (end) | generated samples | steps | wall s/run | paper AIME |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| row | held-out acc (end) | entropy (end) | generated samples | steps | wall s/run | paper AIME |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name, runs in results.items():
-        lines.append(f"| {name} | {mean_std([r['final_val_acc'] for r in runs])} | "
-                     f"{mean_std([r['entropy_end'] for r in runs])} | "
-                     f"{statistics.mean(r['generated_samples'] for r in runs):.0f} | "
-                     f"{statistics.mean(r['steps'] for r in runs):.1f} | "
-                     f"{statistics.mean(r['wall_s'] for r in runs):.0f} | "
-                     f"{PAPER_AIME.get(name, '-')} |")
+        lines.append(
+            f"| {name} | {mean_std([r['final_val_acc'] for r in runs])} | "
+            f"{mean_std([r['entropy_end'] for r in runs])} | "
+            f"{statistics.mean(r['generated_samples'] for r in runs):.0f} | "
+            f"{statistics.mean(r['steps'] for r in runs):.1f} | "
+            f"{statistics.mean(r['wall_s'] for r in runs):.0f} | "
+            f"{PAPER_AIME.get(name, '-')} |"
+        )
     return "\n".join(lines)
 
 
@@ -115,12 +155,15 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     for index in indices:
         name, settings = rows()[index]
-        results[name] = [run_row(args.config, settings, seed, args.budget, root / f"row{index}_seed{seed}",
-                                 args.overrides) for seed in range(1, args.seeds + 1)]
+        results[name] = [
+            run_row(args.config, settings, seed, args.budget, root / f"row{index}_seed{seed}", args.overrides)
+            for seed in range(1, args.seeds + 1)
+        ]
         print(f"{name}: {mean_std([r['final_val_acc'] for r in results[name]])}", flush=True)
     root.mkdir(parents=True, exist_ok=True)
-    (root / "ablation.json").write_text(json.dumps({"config": args.config, "budget": args.budget,
-                                                    "seeds": args.seeds, "results": results}, indent=1))
+    (root / "ablation.json").write_text(
+        json.dumps({"config": args.config, "budget": args.budget, "seeds": args.seeds, "results": results}, indent=1)
+    )
     plot(results, root / "ablation.png")
     print(table(results))
 

@@ -15,22 +15,35 @@ from pathlib import Path
 from _common import bench_parser
 
 from nemo_dapo.config import load_config
-from nemo_dapo.trainer.launch import run_training
+from nemo_dapo.trainer.assembly import run_training
 
 
 def measure(config: str, mode: str, steps: int, overrides: list[str], root: Path) -> dict:
     output = root / mode
     (output / "metrics.jsonl").unlink(missing_ok=True)
-    cfg = load_config(config, [f"trainer.mode={mode}", f"trainer.total_training_steps={steps}", "trainer.test_freq=0",
-                               "trainer.val_before_train=false", f"trainer.save_freq={steps}",
-                               "checkpoint.resume=disable", f"trainer.output_dir={output}", *overrides])
+    cfg = load_config(
+        config,
+        [
+            f"trainer.mode={mode}",
+            f"trainer.total_training_steps={steps}",
+            "trainer.test_freq=0",
+            "trainer.val_before_train=false",
+            f"trainer.save_freq={steps}",
+            "checkpoint.resume=disable",
+            f"trainer.output_dir={output}",
+            *overrides,
+        ],
+    )
     run_training(cfg)
     rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     step_s = [r["perf/time_per_step"] for r in rows if "perf/time_per_step" in r][3:]
     samples = cfg.data.train_batch_size * cfg.rollout.n * cfg.trainer.parameter_sync_step
     gen_s = [r["timing_s/gen"] for r in rows if "timing_s/gen" in r][3:]
-    return {"step_s": statistics.mean(step_s), "gen_s_on_critical_path": statistics.mean(gen_s),
-            "ms_per_trained_sample": 1000 * statistics.mean(step_s) / samples}
+    return {
+        "step_s": statistics.mean(step_s),
+        "gen_s_on_critical_path": statistics.mean(gen_s),
+        "ms_per_trained_sample": 1000 * statistics.mean(step_s) / samples,
+    }
 
 
 def main() -> None:
@@ -41,8 +54,10 @@ def main() -> None:
     (root / "result.json").write_text(json.dumps(result, indent=1))
     for mode in ("sync", "async"):
         r = result[mode]
-        print(f"{mode:>5}: {r['step_s']:.3f} s/step, {r['ms_per_trained_sample']:.2f} ms per trained sample, "
-              f"generation on the critical path {r['gen_s_on_critical_path']:.3f} s/step")
+        print(
+            f"{mode:>5}: {r['step_s']:.3f} s/step, {r['ms_per_trained_sample']:.2f} ms per trained sample, "
+            f"generation on the critical path {r['gen_s_on_critical_path']:.3f} s/step"
+        )
     print(f"async speed-up: {result['speedup']:.2f}x")
 
 

@@ -10,7 +10,7 @@ What it does, on ONE GPU (an H200 is what it is sized for; <= 8 minutes, never i
 2. builds ``MegatronPolicyWorker`` on it (TP = PP = DP = 1, bf16 weights, distributed optimizer):
    TransformerEngine layer spec with FP8 (format 'hybrid', 'delayed' scaling recipe) when
    ``transformer_engine`` imports, else the local spec in plain bf16;
-3. checks that the CPU shims of ``megatron_cpu_compat`` are inactive;
+3. checks that the CPU shims of ``policy/megatron/cpu_compat.py`` are inactive;
 4. runs ``compute_log_prob`` then ``--steps`` DAPO updates (clip-higher PPO loss, token-mean over
    the mini-batch) on synthetic unpadded rows, and prints per-step tokens/s, MFU and peak memory;
    overlapped gradient reduce-scatter and parameter all-gather are on, as in the cluster presets;
@@ -52,9 +52,18 @@ sys.path.insert(0, ROOT)
 H200_BF16_DENSE_PEAK = 989e12  # FLOP/s, NVIDIA H200 SXM spec sheet, dense (no sparsity)
 
 # Qwen2.5-0.5B's shape (about 494M parameters with tied embeddings)
-QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
-                 rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1000000.0)
+QWEN2_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    rope_theta=1000000.0,
+)
 
 
 def die(message: str, code: int = 1) -> None:
@@ -85,15 +94,23 @@ def synthetic_batch(rows: int, prompt: int, response: int, vocab: int, seed: int
     attention = torch.ones(rows, width, dtype=torch.long)
     response_mask = attention[:, prompt:].clone()
     signs = torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0)
-    return {"input_ids": ids, "attention_mask": attention, "position_ids": torch.arange(width).expand(rows, -1).clone(),
-            "responses": ids[:, prompt:], "response_mask": response_mask,
-            "advantages": signs[:, None] * response_mask.float()}
+    return {
+        "input_ids": ids,
+        "attention_mask": attention,
+        "position_ids": torch.arange(width).expand(rows, -1).clone(),
+        "responses": ids[:, prompt:],
+        "response_mask": response_mask,
+        "advantages": signs[:, None] * response_mask.float(),
+    }
 
 
 def _prepend(batch: dict[str, torch.Tensor], extra: torch.Tensor, attention: torch.Tensor) -> dict[str, torch.Tensor]:
-    out = {"input_ids": torch.cat([extra, batch["input_ids"]], 1),
-           "attention_mask": torch.cat([attention, batch["attention_mask"]], 1),
-           "responses": batch["responses"], "response_mask": batch["response_mask"]}
+    out = {
+        "input_ids": torch.cat([extra, batch["input_ids"]], 1),
+        "attention_mask": torch.cat([attention, batch["attention_mask"]], 1),
+        "responses": batch["responses"],
+        "response_mask": batch["response_mask"],
+    }
     out["position_ids"] = (out["attention_mask"].cumsum(1) - 1).clamp(min=0)
     return out
 
@@ -125,8 +142,11 @@ def dapo_update(worker, batch: dict[str, torch.Tensor], old: dict[str, torch.Ten
     """One optimizer step on ``batch`` (one mini-batch) with ``old`` as the behaviour log-probs."""
     from nemo_dapo.policy.base import MiniBatch
 
-    mini = MiniBatch({**batch, "old_log_probs": old["log_probs"]}, float(batch["response_mask"].sum()),
-                     float(batch["input_ids"].shape[0]))
+    mini = MiniBatch(
+        {**batch, "old_log_probs": old["log_probs"]},
+        float(batch["response_mask"].sum()),
+        float(batch["input_ids"].shape[0]),
+    )
     return worker.update([mini], settings)
 
 
@@ -144,9 +164,12 @@ def check_async_checkpoint(worker, folder: str, args, vocab: int, settings) -> d
     worker.load(folder)
     again = dapo_update(worker, batch, worker.compute_log_prob(batch), settings)
     gap = abs(again["actor/grad_norm"][0] - first["actor/grad_norm"][0]) / first["actor/grad_norm"][0]
-    print(f"async checkpoint: save call {save_call_s:.1f}s, wait after one update {finish_wait_s:.1f}s; replayed "
-          f"update grad norm {again['actor/grad_norm'][0]:.6f} vs {first['actor/grad_norm'][0]:.6f} "
-          f"(relative gap {gap:.1e})", flush=True)
+    print(
+        f"async checkpoint: save call {save_call_s:.1f}s, wait after one update {finish_wait_s:.1f}s; replayed "
+        f"update grad norm {again['actor/grad_norm'][0]:.6f} vs {first['actor/grad_norm'][0]:.6f} "
+        f"(relative gap {gap:.1e})",
+        flush=True,
+    )
     if gap > 1e-2 or worker.steps_done != args.steps + 1:
         die(f"the replayed update after loading differs (grad norm gap {gap:.2e}, steps_done {worker.steps_done})")
     return {"async_save_call_s": save_call_s, "async_save_wait_s": finish_wait_s, "replay_grad_norm_gap": gap}
@@ -158,10 +181,16 @@ def varied_lengths(batch: dict[str, torch.Tensor], seed: int) -> dict[str, torch
     gen = torch.Generator().manual_seed(seed)
     lengths = 16 * torch.randint(1, response // 16 + 1, (batch["input_ids"].shape[0],), generator=gen)
     response_mask = (torch.arange(response)[None] < lengths[:, None]).long()
-    attention = torch.cat([batch["attention_mask"][:, : -response], response_mask], 1)
+    attention = torch.cat([batch["attention_mask"][:, :-response], response_mask], 1)
     ids = batch["input_ids"] * attention
-    return {**batch, "input_ids": ids, "attention_mask": attention, "responses": ids[:, -response:],
-            "response_mask": response_mask, "advantages": batch["advantages"] * response_mask}
+    return {
+        **batch,
+        "input_ids": ids,
+        "attention_mask": attention,
+        "responses": ids[:, -response:],
+        "response_mask": response_mask,
+        "advantages": batch["advantages"] * response_mask,
+    }
 
 
 def check_packing_matches_padding(worker, batch: dict[str, torch.Tensor], train_packed: bool) -> float:
@@ -175,15 +204,14 @@ def check_packing_matches_padding(worker, batch: dict[str, torch.Tensor], train_
     worker.options = replace(worker.options, sequence_packing=train_packed)
     mask = batch["response_mask"].bool()
     gap = float((log_probs[0] - log_probs[1])[mask].abs().mean())
-    print(f"packing: mean |log-prob gap| packed vs padded {gap:.2e} over {int(mask.sum())} response tokens",
-          flush=True)
+    print(f"packing: mean |log-prob gap| packed vs padded {gap:.2e} over {int(mask.sum())} response tokens", flush=True)
     if gap > 5e-2:
         die(f"packed micro-batches change the log-probs by {gap:.3f} on average: rows see each other or are misplaced")
     return gap
 
 
 def check_cpu_shims_inactive() -> None:
-    from nemo_dapo.policy import megatron_cpu_compat
+    from nemo_dapo.policy.megatron import cpu_compat as megatron_cpu_compat
 
     if megatron_cpu_compat.enable_cpu_compat() or megatron_cpu_compat._ENABLED:
         die("the CPU compatibility shims are active although CUDA is present")
@@ -209,8 +237,11 @@ def main() -> None:
     args = parser.parse_args()
 
     if not torch.cuda.is_available():
-        die("no CUDA GPU visible (torch.cuda.is_available() is False): this smoke test needs one GPU "
-            "and is never run in CI", code=2)
+        die(
+            "no CUDA GPU visible (torch.cuda.is_available() is False): this smoke test needs one GPU "
+            "and is never run in CI",
+            code=2,
+        )
     if (args.prompt + args.response) % 16:
         die("prompt + response must be a multiple of 16 (FP8 GEMM shapes)")
     check_cpu_shims_inactive()
@@ -222,26 +253,42 @@ def main() -> None:
     print(f"device: {device_name}; torch {torch.__version__}; transformer_engine importable: {have_te}")
     print(f"layer spec: {impl}; precision: {'fp8 hybrid / delayed scaling' if fp8 else 'bf16'}", flush=True)
 
+    from dataclasses import asdict
+
     from nemo_dapo.config.schema import OptimConfig
     from nemo_dapo.policy.base import LossSettings
-    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
-    from dataclasses import asdict
+    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
     work = tempfile.mkdtemp(prefix="megatron_smoke_")
     model_dir = os.path.join(work, "model")
     t0 = time.perf_counter()
     n_params = write_random_model(model_dir, args.layers)
-    print(f"random Qwen2 model: {n_params / 1e6:.1f}M parameters, {args.layers} layers, written in "
-          f"{time.perf_counter() - t0:.1f}s to {model_dir}", flush=True)
+    print(
+        f"random Qwen2 model: {n_params / 1e6:.1f}M parameters, {args.layers} layers, written in "
+        f"{time.perf_counter() - t0:.1f}s to {model_dir}",
+        flush=True,
+    )
 
     t0 = time.perf_counter()
-    worker = MegatronPolicyWorker(0, 1, os.path.join(work, "rendezvous"), model_dir,
-                                  asdict(OptimConfig(lr=1e-6, warmup_steps=0)), dtype="bfloat16",
-                                  max_token_len=args.max_token_len, transformer_impl=impl, fp8=fp8,
-                                  overlap_grad_reduce=True, overlap_param_gather=True,
-                                  sequence_packing=args.packing)
-    print(f"worker built in {time.perf_counter() - t0:.1f}s; device {worker.device}; "
-          f"backend {torch.distributed.get_backend()}", flush=True)
+    worker = MegatronPolicyWorker(
+        0,
+        1,
+        os.path.join(work, "rendezvous"),
+        model_dir,
+        asdict(OptimConfig(lr=1e-6, warmup_steps=0)),
+        dtype="bfloat16",
+        max_token_len=args.max_token_len,
+        transformer_impl=impl,
+        fp8=fp8,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        sequence_packing=args.packing,
+    )
+    print(
+        f"worker built in {time.perf_counter() - t0:.1f}s; device {worker.device}; "
+        f"backend {torch.distributed.get_backend()}",
+        flush=True,
+    )
     if worker.device.type != "cuda" or torch.distributed.get_backend() != "nccl":
         die("the worker did not take the GPU path (device cuda, nccl)")
     check_cpu_shims_inactive()
@@ -262,11 +309,17 @@ def main() -> None:
         t_end = time.perf_counter()
         update_s = t_end - t_upd
         tokens_s = tokens_per_step / update_s
-        row = {"step": step, "logprob_s": t_upd - t_lp, "update_s": update_s, "update_tokens_per_s": tokens_s,
-               "mfu": 6 * n_params * tokens_s / args.peak_flops,
-               "mean_old_log_prob": float(old["log_probs"].sum() / batch["response_mask"].sum()),
-               "pg_loss": metrics["actor/pg_loss"][0], "grad_norm": metrics["actor/grad_norm"][0],
-               "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30}
+        row = {
+            "step": step,
+            "logprob_s": t_upd - t_lp,
+            "update_s": update_s,
+            "update_tokens_per_s": tokens_s,
+            "mfu": 6 * n_params * tokens_s / args.peak_flops,
+            "mean_old_log_prob": float(old["log_probs"].sum() / batch["response_mask"].sum()),
+            "pg_loss": metrics["actor/pg_loss"][0],
+            "grad_norm": metrics["actor/grad_norm"][0],
+            "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+        }
         results.append(row)
         print(json.dumps(row), flush=True)
         bad = [k for k in ("mean_old_log_prob", "pg_loss", "grad_norm") if not math.isfinite(row[k])]
@@ -276,7 +329,8 @@ def main() -> None:
     replay = check_async_checkpoint(worker, os.path.join(work, "checkpoint"), args, vocab, settings)
     padding_gap = check_padding_is_masked(worker, synthetic_batch(args.rows, args.prompt, args.response, vocab, 99))
     packing_gap = check_packing_matches_padding(
-        worker, varied_lengths(synthetic_batch(args.rows, args.prompt, args.response, vocab, 98), 98), args.packing)
+        worker, varied_lengths(synthetic_batch(args.rows, args.prompt, args.response, vocab, 98), 98), args.packing
+    )
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     exported = sum(t.numel() * t.element_size() for bucket in worker.export_weights(512 << 20) for _, t in bucket)
@@ -286,17 +340,29 @@ def main() -> None:
     timed = results[1:] or results
     update_s = sum(r["update_s"] for r in timed) / len(timed)
     tokens_s = tokens_per_step / update_s
-    summary = {"device": device_name, "layer_spec": impl, "fp8": fp8, "packing": args.packing, "n_params": n_params,
-               "tokens_per_step": tokens_per_step, "timed_steps": len(timed),
-               "update_tokens_per_s": tokens_s, "mfu": 6 * n_params * tokens_s / args.peak_flops,
-               "peak_flops_used": args.peak_flops, "padding_logprob_gap": padding_gap,
-               "packing_logprob_gap": packing_gap, "export_s": export_s,
-               **replay,
-               "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30}
+    summary = {
+        "device": device_name,
+        "layer_spec": impl,
+        "fp8": fp8,
+        "packing": args.packing,
+        "n_params": n_params,
+        "tokens_per_step": tokens_per_step,
+        "timed_steps": len(timed),
+        "update_tokens_per_s": tokens_s,
+        "mfu": 6 * n_params * tokens_s / args.peak_flops,
+        "peak_flops_used": args.peak_flops,
+        "padding_logprob_gap": padding_gap,
+        "packing_logprob_gap": packing_gap,
+        "export_s": export_s,
+        **replay,
+        "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
     print("SUMMARY " + json.dumps(summary), flush=True)
-    print(f"update throughput {tokens_s:,.0f} tokens/s; MFU {100 * summary['mfu']:.1f}% of "
-          f"{args.peak_flops / 1e12:.0f} TFLOP/s (6N estimate); peak memory "
-          f"{summary['max_memory_allocated_gib']:.1f} GiB")
+    print(
+        f"update throughput {tokens_s:,.0f} tokens/s; MFU {100 * summary['mfu']:.1f}% of "
+        f"{args.peak_flops / 1e12:.0f} TFLOP/s (6N estimate); peak memory "
+        f"{summary['max_memory_allocated_gib']:.1f} GiB"
+    )
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"summary": summary, "steps": results}, handle, indent=1)

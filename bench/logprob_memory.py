@@ -8,7 +8,7 @@ response log-probs and entropy are computed from one micro-batch's logits, for:
 - ``gathered``: the full-vocabulary logits on every rank (what ``parallel_output=False`` gives),
   scored with :mod:`nemo_dapo.algo.logprob` (the torch worker's formulas);
 - ``vocab_parallel``: this rank's ``V / TP`` columns, scored with
-  :func:`nemo_dapo.policy.megatron_vocab.vocab_parallel_stats` (the Megatron worker before chunking);
+  :func:`nemo_dapo.policy.megatron.vocab.vocab_parallel_stats` (the Megatron worker before chunking);
 - ``head_whole`` / ``head_chunked``: from the final hidden states through the output layer, the
   whole micro-batch's logits at once (before) or :func:`nemo_dapo.algo.logprob.chunked_token_stats`
   (both workers now); here the output layer's input and weight are counted too.
@@ -54,11 +54,16 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=576, help="hidden size for the head_* variants")
     args = parser.parse_args()
 
-    from nemo_dapo.algo.logprob import (chunk_tokens_for, chunked_token_stats, entropy_from_logits,
-                                        log_probs_from_logits, token_stats)
-    from nemo_dapo.policy import megatron_model as mm
-    from nemo_dapo.policy.megatron_cpu_compat import enable_cpu_compat
-    from nemo_dapo.policy.megatron_vocab import vocab_parallel_stats
+    from nemo_dapo.algo.logprob import (
+        chunk_tokens_for,
+        chunked_token_stats,
+        entropy_from_logits,
+        log_probs_from_logits,
+        token_stats,
+    )
+    from nemo_dapo.policy.megatron import model as mm
+    from nemo_dapo.policy.megatron.cpu_compat import enable_cpu_compat
+    from nemo_dapo.policy.megatron.vocab import vocab_parallel_stats
 
     enable_cpu_compat()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -85,14 +90,28 @@ def main() -> None:
         hidden = torch.randn(1, args.tokens, args.hidden, dtype=dtype, requires_grad=True)
         return chunked_token_stats(hidden, labels, head, token_stats, chunk_tokens_for(args.vocab))
 
-    variants = (("gathered", gathered), ("vocab_parallel", vocab_parallel), ("head_whole", head_whole),
-                ("head_chunked", head_chunked))
+    variants = (
+        ("gathered", gathered),
+        ("vocab_parallel", vocab_parallel),
+        ("head_whole", head_whole),
+        ("head_chunked", head_chunked),
+    )
     for name, compute in variants:
         kept = saved_bytes(compute)
-        print(json.dumps({"variant": name, "tokens": args.tokens, "vocab": args.vocab, "tp": args.tp,
-                          "entropy_grad": args.entropy_grad or name != "vocab_parallel",
-                          "saved_for_backward_mib": round(kept / 2**20, 1),
-                          "bytes_per_token": round(kept / args.tokens)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "variant": name,
+                    "tokens": args.tokens,
+                    "vocab": args.vocab,
+                    "tp": args.tp,
+                    "entropy_grad": args.entropy_grad or name != "vocab_parallel",
+                    "saved_for_backward_mib": round(kept / 2**20, 1),
+                    "bytes_per_token": round(kept / args.tokens),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

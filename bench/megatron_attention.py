@@ -7,7 +7,7 @@ rows with DAPO-like lengths (prompts 64-192 tokens, responses exponential, 15 % 
 and, for each variant, in its own process (Megatron's parallel state is global):
 
 - ``megatron_dot_product``: Megatron's ``DotProductAttention`` (what the local spec had), padded;
-- ``sdpa``: :class:`nemo_dapo.policy.megatron_attention.SdpaAttention`, padded micro-batches;
+- ``sdpa``: :class:`nemo_dapo.policy.megatron.attention.SdpaAttention`, padded micro-batches;
 - ``sdpa_packed``: the same with ``sequence_packing`` (THD, one row at a time).
 
 It prints the seconds per DAPO update (forward + backward + Adam, mean of ``--repeats`` after one
@@ -37,13 +37,20 @@ def dapo_like_batch(rows: int, max_response: int, vocab: int, seed: int) -> dict
     max_prompt = 192
     attention = torch.zeros(rows, max_prompt + max_response, dtype=torch.long)
     for row in range(rows):
-        response = max_response if rng.random() < 0.15 else min(max_response, 32 + int(rng.expovariate(4 / max_response)))
-        attention[row, max_prompt - rng.randint(64, max_prompt): max_prompt + response] = 1
+        response = (
+            max_response if rng.random() < 0.15 else min(max_response, 32 + int(rng.expovariate(4 / max_response)))
+        )
+        attention[row, max_prompt - rng.randint(64, max_prompt) : max_prompt + response] = 1
     ids = torch.randint(3, vocab, attention.shape, generator=torch.Generator().manual_seed(seed)) * attention
     response_mask = attention[:, max_prompt:]
-    return {"input_ids": ids, "attention_mask": attention, "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
-            "responses": ids[:, max_prompt:], "response_mask": response_mask,
-            "advantages": torch.linspace(-1, 1, rows)[:, None] * response_mask}
+    return {
+        "input_ids": ids,
+        "attention_mask": attention,
+        "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+        "responses": ids[:, max_prompt:],
+        "response_mask": response_mask,
+        "advantages": torch.linspace(-1, 1, rows)[:, None] * response_mask,
+    }
 
 
 def run_variant(variant: str, model_dir: str, args, out: str) -> None:
@@ -52,17 +59,24 @@ def run_variant(variant: str, model_dir: str, args, out: str) -> None:
     from logprob_memory import saved_bytes
 
     from nemo_dapo.config.schema import OptimConfig
-    from nemo_dapo.policy import megatron_attention
     from nemo_dapo.policy.base import LossSettings, MiniBatch
-    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
+    from nemo_dapo.policy.megatron import attention as megatron_attention
+    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
     if variant == "megatron_dot_product":
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
         megatron_attention.SdpaAttention = DotProductAttention  # what layer_spec puts in the local spec
     torch.set_num_threads(args.threads)
-    worker = MegatronPolicyWorker(0, 1, os.path.join(out, f"rdv_{variant}"), model_dir, asdict(OptimConfig()),
-                                  max_token_len=1 << 20, sequence_packing=variant.endswith("packed"))
+    worker = MegatronPolicyWorker(
+        0,
+        1,
+        os.path.join(out, f"rdv_{variant}"),
+        model_dir,
+        asdict(OptimConfig()),
+        max_token_len=1 << 20,
+        sequence_packing=variant.endswith("packed"),
+    )
     batch = dapo_like_batch(args.rows, args.max_response, 400, seed=0)
     micro = worker._micro_batches(batch)[0]
     worker._set_mode(train=True)
@@ -75,9 +89,16 @@ def run_variant(variant: str, model_dir: str, args, out: str) -> None:
         worker.update([mini], LossSettings())
         times.append(time.perf_counter() - started)
     with open(os.path.join(out, f"{variant}.json"), "w") as handle:
-        json.dump({"variant": variant, "update_s": sum(times[1:]) / args.repeats, "saved_for_backward_mib":
-                   round(saved / 2**20, 1), "real_tokens": int(batch["attention_mask"].sum()),
-                   "padded_tokens": int(batch["attention_mask"].numel())}, handle)
+        json.dump(
+            {
+                "variant": variant,
+                "update_s": sum(times[1:]) / args.repeats,
+                "saved_for_backward_mib": round(saved / 2**20, 1),
+                "real_tokens": int(batch["attention_mask"].sum()),
+                "padded_tokens": int(batch["attention_mask"].numel()),
+            },
+            handle,
+        )
 
 
 def main() -> None:

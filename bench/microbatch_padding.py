@@ -29,7 +29,7 @@ def dapo_like_mask(rows: int, max_prompt: int, max_response: int, seed: int) -> 
     for row in range(rows):
         prompt = rng.randint(100, 600)
         response = max_response if rng.random() < 0.15 else min(max_response, 50 + int(rng.expovariate(1 / 4000)))
-        mask[row, max_prompt - prompt: max_prompt + response] = 1
+        mask[row, max_prompt - prompt : max_prompt + response] = 1
     return mask
 
 
@@ -45,21 +45,42 @@ def main() -> None:
     from nemo_dapo.policy.packing import packed_micro_batches
 
     mask = dapo_like_mask(args.rows, args.max_prompt, args.max_response, args.seed)
-    batch = {"input_ids": mask, "attention_mask": mask, "responses": mask[:, args.max_prompt:]}
+    batch = {"input_ids": mask, "attention_mask": mask, "responses": mask[:, args.max_prompt :]}
     lengths = mask.sum(1)
-    real, needed_pairs = int(lengths.sum()), int((lengths ** 2).sum())
+    real, needed_pairs = int(lengths.sum()), int((lengths**2).sum())
     in_order = [trim_padding(batch, rows) for rows in token_budget_split(lengths.tolist(), args.budget)]
     packed = packed_micro_batches(batch, args.budget, multiple=8)
-    splits = [(name, micros, sum(m["attention_mask"].numel() for m in micros),
-               sum(m["attention_mask"].shape[0] * m["attention_mask"].shape[1] ** 2 for m in micros))
-              for name, micros in (("batch_order", in_order), ("length_sorted", micro_batches(batch, args.budget)))]
+    splits = [
+        (
+            name,
+            micros,
+            sum(m["attention_mask"].numel() for m in micros),
+            sum(m["attention_mask"].shape[0] * m["attention_mask"].shape[1] ** 2 for m in micros),
+        )
+        for name, micros in (("batch_order", in_order), ("length_sorted", micro_batches(batch, args.budget)))
+    ]
     cu = [m["cu_seqlens"].long() for m in packed]
-    splits.append(("packed", packed, sum(m["packed_ids"].numel() for m in packed),
-                   sum(int(((c[1:] - c[:-1]) ** 2).sum()) for c in cu)))
+    splits.append(
+        (
+            "packed",
+            packed,
+            sum(m["packed_ids"].numel() for m in packed),
+            sum(int(((c[1:] - c[:-1]) ** 2).sum()) for c in cu),
+        )
+    )
     for name, micros, computed, pairs in splits:
-        print(json.dumps({"split": name, "micro_batches": len(micros), "computed_per_real_token":
-                          round(computed / real, 3), "attention_pairs_per_needed": round(pairs / needed_pairs, 3),
-                          "rows": args.rows, "budget": args.budget}))
+        print(
+            json.dumps(
+                {
+                    "split": name,
+                    "micro_batches": len(micros),
+                    "computed_per_real_token": round(computed / real, 3),
+                    "attention_pairs_per_needed": round(pairs / needed_pairs, 3),
+                    "rows": args.rows,
+                    "budget": args.budget,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -21,11 +21,10 @@ import time
 from pathlib import Path
 
 import psutil
-
 from _common import bench_parser
 
 from nemo_dapo.config import load_config
-from nemo_dapo.trainer.launch import run_training
+from nemo_dapo.trainer.assembly import run_training
 
 # reading a process's proportional set size walks its page tables: every 0.2 s over the ~10
 # processes of a real-model run that took most of a core from the 2 the run computes on
@@ -64,16 +63,30 @@ def summarise(metrics_file: Path, skip: int) -> dict:
     step_s = statistics.mean(r["perf/time_per_step"] for r in steps)
     tokens = statistics.mean(r["perf/total_num_tokens"] for r in steps)
     response_tokens = statistics.mean(r["response_length/mean"] for r in steps)
-    return {"steps_measured": len(steps), "step_s": step_s, "stage_s": per_stage,
-            "gen_share": per_stage["gen"] / step_s, "weight_sync_s": per_stage["sync_weights"],
-            "tokens_per_s": tokens / step_s, "tokens_per_step": tokens, "response_length_mean": response_tokens,
-            "gen_rounds_per_step": statistics.mean(r.get("dapo/num_gen_batches", 1.0) for r in steps)}
+    return {
+        "steps_measured": len(steps),
+        "step_s": step_s,
+        "stage_s": per_stage,
+        "gen_share": per_stage["gen"] / step_s,
+        "weight_sync_s": per_stage["sync_weights"],
+        "tokens_per_s": tokens / step_s,
+        "tokens_per_step": tokens,
+        "response_length_mean": response_tokens,
+        "gen_rounds_per_step": statistics.mean(r.get("dapo/num_gen_batches", 1.0) for r in steps),
+    }
 
 
 def measured_run(run, config: str, output: Path, steps: int, extra: list[str]) -> dict:
     """``run(cfg)`` for ``steps`` steps into ``output``, with its timings and peak memory."""
-    overrides = [f"trainer.total_training_steps={steps}", "trainer.test_freq=0", "trainer.val_before_train=false",
-                 f"trainer.save_freq={steps}", "checkpoint.resume=disable", f"trainer.output_dir={output}", *extra]
+    overrides = [
+        f"trainer.total_training_steps={steps}",
+        "trainer.test_freq=0",
+        "trainer.val_before_train=false",
+        f"trainer.save_freq={steps}",
+        "checkpoint.resume=disable",
+        f"trainer.output_dir={output}",
+        *extra,
+    ]
     (output / "metrics.jsonl").unlink(missing_ok=True)
     memory = TreeMemory()
     memory.start()
@@ -86,12 +99,16 @@ def measured_run(run, config: str, output: Path, steps: int, extra: list[str]) -
 
 
 def print_report(name: str, report: dict) -> None:
-    print(f"{name}: step {report['step_s']:.3f} s over {report['steps_measured']} steps "
-          f"({report['gen_rounds_per_step']:.2f} generation rounds/step, {report['tokens_per_step']:.0f} tokens/step)")
+    print(
+        f"{name}: step {report['step_s']:.3f} s over {report['steps_measured']} steps "
+        f"({report['gen_rounds_per_step']:.2f} generation rounds/step, {report['tokens_per_step']:.0f} tokens/step)"
+    )
     for stage, seconds in report["stage_s"].items():
         print(f"  {stage:<13} {seconds:7.3f} s  {100 * seconds / report['step_s']:5.1f} %")
-    print(f"  generation share {100 * report['gen_share']:.1f} %, weight sync {1000 * report['weight_sync_s']:.1f} ms, "
-          f"{report['tokens_per_s']:.0f} tokens/s, peak memory (all processes) {report['peak_memory_gib']:.2f} GiB")
+    print(
+        f"  generation share {100 * report['gen_share']:.1f} %, weight sync {1000 * report['weight_sync_s']:.1f} ms, "
+        f"{report['tokens_per_s']:.0f} tokens/s, peak memory (all processes) {report['peak_memory_gib']:.2f} GiB"
+    )
 
 
 def main() -> None:
@@ -99,14 +116,18 @@ def main() -> None:
     parser.add_argument("--no-baseline", action="store_true", help="skip the single-process loop")
     args = parser.parse_args()
     output = Path("outputs/bench_step_breakdown")
-    report = {"config": args.config, "overrides": args.overrides,
-              "ours": measured_run(run_training, args.config, output, args.steps, args.overrides)}
+    report = {
+        "config": args.config,
+        "overrides": args.overrides,
+        "ours": measured_run(run_training, args.config, output, args.steps, args.overrides),
+    }
     print_report("nemo-dapo (Ray + vLLM)", report["ours"])
     if not args.no_baseline:
         from _single_process import run_single_process
 
-        report["single_process"] = measured_run(run_single_process, args.config, output / "single_process",
-                                                args.steps, args.overrides)
+        report["single_process"] = measured_run(
+            run_single_process, args.config, output / "single_process", args.steps, args.overrides
+        )
         print_report("single process (HF generate, same loop)", report["single_process"])
         report["step_ratio"] = report["ours"]["step_s"] / report["single_process"]["step_s"]
         print(f"our step / single-process step = {report['step_ratio']:.2f}")

@@ -15,16 +15,23 @@ import argparse
 import os
 import time
 
-SETTINGS = ({"enable_prefix_caching": False, "block_size": 128}, {"enable_prefix_caching": True, "block_size": 128},
-            {"enable_prefix_caching": True, "block_size": 32})
+SETTINGS = (
+    {"enable_prefix_caching": False, "block_size": 128},
+    {"enable_prefix_caching": True, "block_size": 128},
+    {"enable_prefix_caching": True, "block_size": 32},
+)
 
 
 def prompts(model_dir: str, count: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": f"What is {a}+{a + 17}?"}],
-                                           add_generation_prompt=True, tokenize=False) for a in range(10, 10 + count)]
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"What is {a}+{a + 17}?"}], add_generation_prompt=True, tokenize=False
+        )
+        for a in range(10, 10 + count)
+    ]
     return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
 
 

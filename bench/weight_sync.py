@@ -35,9 +35,17 @@ def build_model(hidden: int, layers: int, folder: Path) -> int:
 
     tiny = Path(ensure_tiny_model())
     config = AutoConfig.from_pretrained(tiny)
-    config.update({"hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": 4 * hidden,
-                   "num_attention_heads": hidden // 64, "num_key_value_heads": max(2, hidden // 256),
-                   "layer_types": ["full_attention"] * layers, "head_dim": 64})
+    config.update(
+        {
+            "hidden_size": hidden,
+            "num_hidden_layers": layers,
+            "intermediate_size": 4 * hidden,
+            "num_attention_heads": hidden // 64,
+            "num_key_value_heads": max(2, hidden // 256),
+            "layer_types": ["full_attention"] * layers,
+            "head_dim": 64,
+        }
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder)
@@ -62,18 +70,31 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=int, default=64)
     parser.add_argument("--syncs", type=int, default=3)
     args = parser.parse_args()
-    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
+    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
     folder = Path(tempfile.mkdtemp(prefix="weight_sync_"))
     model_bytes = build_model(args.hidden, args.layers, folder)
     init_ray(num_cpus=args.tp + 2)
     try:
-        policy = PolicyGroup(WorkerGroup(MegatronPolicyWorker, args.tp, name="policy", worker_kwargs={
-            "model_path": str(folder), "optim": asdict(OptimConfig()), "tensor_parallel_size": args.tp,
-            "num_threads": 1}))
-        rollout = RolloutGroup(WorkerGroup(VLLMRolloutWorker, 1, name="rollout", worker_kwargs={
-            "model_path": str(folder), "max_model_len": 256}))
+        policy = PolicyGroup(
+            WorkerGroup(
+                MegatronPolicyWorker,
+                args.tp,
+                name="policy",
+                worker_kwargs={
+                    "model_path": str(folder),
+                    "optim": asdict(OptimConfig()),
+                    "tensor_parallel_size": args.tp,
+                    "num_threads": 1,
+                },
+            )
+        )
+        rollout = RolloutGroup(
+            WorkerGroup(
+                VLLMRolloutWorker, 1, name="rollout", worker_kwargs={"model_path": str(folder), "max_model_len": 256}
+            )
+        )
         memory = TreeMemory()
         memory.start()
         time.sleep(1.0)
@@ -84,10 +105,15 @@ def main() -> None:
             rollout.update_weights(counted(policy.export_weights(args.bucket_mib << 20), buckets), version)
             seconds.append(time.perf_counter() - start)
         memory.stop()
-        result = {"model_mib": model_bytes / 2**20, "tp": args.tp, "bucket_mib": args.bucket_mib,
-                  "buckets": len(buckets) // args.syncs,
-                  "seconds_per_sync": seconds, "mib_per_s": model_bytes / 2**20 / min(seconds),
-                  "peak_growth_mib": (memory.peak_bytes - baseline) / 2**20}
+        result = {
+            "model_mib": model_bytes / 2**20,
+            "tp": args.tp,
+            "bucket_mib": args.bucket_mib,
+            "buckets": len(buckets) // args.syncs,
+            "seconds_per_sync": seconds,
+            "mib_per_s": model_bytes / 2**20 / min(seconds),
+            "peak_growth_mib": (memory.peak_bytes - baseline) / 2**20,
+        }
         print(json.dumps(result, indent=2))
     finally:
         shutdown_ray()

@@ -25,14 +25,23 @@ from weight_sync import build_model
 
 def build_rank(rank: int, world_size: int, folder: str, out: str, pp: int, tp: int) -> None:
     from nemo_dapo.config.schema import OptimConfig
-    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
+    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
     start = time.perf_counter()
-    MegatronPolicyWorker(rank, world_size, os.path.join(out, "rdv"), folder, asdict(OptimConfig()),
-                         pipeline_parallel_size=pp, tensor_parallel_size=tp, num_threads=1)
+    MegatronPolicyWorker(
+        rank,
+        world_size,
+        os.path.join(out, "rdv"),
+        folder,
+        asdict(OptimConfig()),
+        pipeline_parallel_size=pp,
+        tensor_parallel_size=tp,
+        num_threads=1,
+    )
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "peak_rss_mib": round(peak_mib),
-                                                         "build_s": round(time.perf_counter() - start, 1)}))
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps({"rank": rank, "peak_rss_mib": round(peak_mib), "build_s": round(time.perf_counter() - start, 1)})
+    )
 
 
 def main() -> None:
@@ -46,8 +55,7 @@ def main() -> None:
     folder, out = Path(tempfile.mkdtemp(prefix="startup_model_")), tempfile.mkdtemp(prefix="startup_")
     checkpoint_mib = build_model(args.hidden, args.layers, folder) / 2**20
     world = args.pp * args.tp
-    mp.start_processes(build_rank, args=(world, str(folder), out, args.pp, args.tp), nprocs=world,
-                       start_method="spawn")
+    mp.start_processes(build_rank, args=(world, str(folder), out, args.pp, args.tp), nprocs=world, start_method="spawn")
     ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
     print(json.dumps({"checkpoint_mib": round(checkpoint_mib), "pp": args.pp, "tp": args.tp, "ranks": ranks}))
 

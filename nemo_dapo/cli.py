@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import sys
-
 from importlib import import_module
 
 from nemo_dapo.config import DEFAULT_PRESET, list_presets, load_config, to_yaml
@@ -26,19 +25,30 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from nemo_dapo.trainer.launch import run_training
+    from nemo_dapo.trainer.assembly import run_training
 
     summary = run_training(load_config(args.config, args.overrides))
-    print(json.dumps({k: summary[k] for k in ("initial_val_acc", "final_val_acc", "steps", "wall_s", "hf_export")},
-                     indent=1))
+    print(
+        json.dumps(
+            {k: summary[k] for k in ("initial_val_acc", "final_val_acc", "steps", "wall_s", "hf_export")}, indent=1
+        )
+    )
     return 0
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from nemo_dapo.evaluate import evaluate
 
-    metrics = evaluate(args.model, args.data, n=args.n, temperature=args.temperature, top_p=args.top_p,
-                       max_tokens=args.max_tokens, max_prompt_length=args.max_prompt_length, unique=args.unique)
+    metrics = evaluate(
+        args.model,
+        args.data,
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        max_prompt_length=args.max_prompt_length,
+        unique=args.unique,
+    )
     for key, value in metrics.items():
         print(f"{key}: {value:.4f}")
     return 0
@@ -48,9 +58,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from nemo_dapo.config import from_yaml
-    from nemo_dapo.trainer.launch import export_hf, resolve_paths
+    from nemo_dapo.trainer.assembly import export_hf, resolve_paths
 
-    tokenizer = args.tokenizer or resolve_paths(from_yaml((Path(args.checkpoint) / "config.yaml").read_text())).model.path
+    tokenizer = (
+        args.tokenizer or resolve_paths(from_yaml((Path(args.checkpoint) / "config.yaml").read_text())).model.path
+    )
     print(export_hf(args.checkpoint, tokenizer, args.output))
     return 0
 
@@ -94,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--top-p", type=float, default=0.7)
     evaluate.add_argument("--max-tokens", type=int, default=20480, help="response budget (capped by the model)")
     evaluate.add_argument("--max-prompt-length", type=int, default=2048)
-    evaluate.add_argument("--unique", action="store_true",
-                          help="score repeated rows once (verl's AIME files hold each problem 32 times)")
+    evaluate.add_argument(
+        "--unique", action="store_true", help="score repeated rows once (verl's AIME files hold each problem 32 times)"
+    )
     evaluate.set_defaults(fn=_cmd_eval)
     export = sub.add_parser("export", help="checkpoint -> Hugging Face folder (weights + tokenizer)")
     export.add_argument("checkpoint", help="a checkpoints/global_step_N folder")
@@ -109,10 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("selfcheck", help="check the DAPO math against hand-computed values").set_defaults(fn=_cmd_selfcheck)
     config = sub.add_parser("config", help="print the resolved, validated config, or explain a setting")
     config.add_argument("--config", default=DEFAULT_PRESET, help="preset name in conf/ or a YAML path")
-    config.add_argument("--explain", metavar="KEY", help="help, type, default, allowed values and the presets "
-                        "setting KEY (e.g. actor.clip_ratio_high)")
-    config.add_argument("--reference", action="store_true",
-                        help="every setting as markdown (the source of docs/configuration.md)")
+    config.add_argument(
+        "--explain",
+        metavar="KEY",
+        help="help, type, default, allowed values and the presets setting KEY (e.g. actor.clip_ratio_high)",
+    )
+    config.add_argument(
+        "--reference", action="store_true", help="every setting as markdown (the source of docs/configuration.md)"
+    )
     config.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.clip_ratio_high=0.3")
     config.set_defaults(fn=_cmd_config)
     sub.add_parser("presets", help="list the presets in conf/").set_defaults(fn=_cmd_presets)

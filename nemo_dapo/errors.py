@@ -8,3 +8,7 @@ cannot fix the input). Anything else is a crash, with its traceback.
 
 class InputError(Exception):
     """Something the user gave is wrong; the message says what and how to fix it."""
+
+
+class ConfigError(InputError, ValueError):
+    """A config that cannot run; the message lists every problem found."""

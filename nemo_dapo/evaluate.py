@@ -20,8 +20,16 @@ def _model_context_length(model_dir: str) -> int:
     return int(config.get("max_position_embeddings", 32768))
 
 
-def evaluate(model: str, data: list[str], n: int = 32, temperature: float = 1.0, top_p: float = 0.7,
-             max_tokens: int = 20480, max_prompt_length: int = 2048, unique: bool = False) -> dict[str, float]:
+def evaluate(
+    model: str,
+    data: list[str],
+    n: int = 32,
+    temperature: float = 1.0,
+    top_p: float = 0.7,
+    max_tokens: int = 20480,
+    max_prompt_length: int = 2048,
+    unique: bool = False,
+) -> dict[str, float]:
     """``unique``: score each distinct (prompt, answer) once with ``n`` samples. verl's AIME files
     repeat every problem 32 times for avg@32 at n=1; ``--unique --n 32`` is the same estimate
     without generating the repeats' prompts 32 times over."""
@@ -40,8 +48,12 @@ def evaluate(model: str, data: list[str], n: int = 32, temperature: float = 1.0,
     prompt_budget = min(max_prompt_length, context // 2)
     response_budget = min(max_tokens, context - prompt_budget)
     if response_budget < max_tokens or prompt_budget < max_prompt_length:
-        log.warning("model context is %d tokens: prompts truncated (left) to %d, responses capped at %d",
-                    context, prompt_budget, response_budget)
+        log.warning(
+            "model context is %d tokens: prompts truncated (left) to %d, responses capped at %d",
+            context,
+            prompt_budget,
+            response_budget,
+        )
     tokenizer = AutoTokenizer.from_pretrained(model)
     dataset = RLDataset(data, tokenizer, max_prompt_length=prompt_budget, truncation="left")
     items = [dataset[i] for i in range(len(dataset))]
@@ -55,12 +67,17 @@ def evaluate(model: str, data: list[str], n: int = 32, temperature: float = 1.0,
                 kept.append(item)
         items = kept
         log.info("%d distinct problems of %d rows", len(items), len(dataset))
-    engine = VLLMRolloutWorker(rank=0, world_size=1, rendezvous="", model_path=model,
-                               max_model_len=prompt_budget + response_budget)
-    generations = engine.generate([it["prompt_ids"] for it in items],
-                                  SamplingSettings(n=n, temperature=temperature, top_p=top_p, max_tokens=response_budget))
+    engine = VLLMRolloutWorker(
+        rank=0, world_size=1, rendezvous="", model_path=model, max_model_len=prompt_budget + response_budget
+    )
+    generations = engine.generate(
+        [it["prompt_ids"] for it in items],
+        SamplingSettings(n=n, temperature=temperature, top_p=top_p, max_tokens=response_budget),
+    )
     fields = {"ground_truth": [it["ground_truth"] for it in items], "data_source": [it["data_source"] for it in items]}
-    batch = build_rollout_batch([it["prompt_ids"] for it in items], generations, fields, "eval", tokenizer.pad_token_id, 0)
+    batch = build_rollout_batch(
+        [it["prompt_ids"] for it in items], generations, fields, "eval", tokenizer.pad_token_id, 0
+    )
     with RewardManager("math_dapo", max_response_length=response_budget) as reward:
         score_batch(batch, reward, tokenizer)
     return accuracy_metrics(batch["acc"], batch["data_source"], batch["uid"], n, prefix="eval")

@@ -36,6 +36,12 @@ def use_cpu_threads(requested: int | None, workers_per_node: int, who: str) -> i
     threads = threads_for(requested, workers_per_node)
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    log.info("%s: %d CPU threads (%d cores visible, %d workers of the group per node%s)", who, threads,
-             visible_cores(), workers_per_node, ", set by config" if requested else "")
+    log.info(
+        "%s: %d CPU threads (%d cores visible, %d workers of the group per node%s)",
+        who,
+        threads,
+        visible_cores(),
+        workers_per_node,
+        ", set by config" if requested else "",
+    )
     return threads

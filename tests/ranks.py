@@ -14,9 +14,17 @@ from __future__ import annotations
 import os
 
 # what every rank imports; megatron-core's modules are imported lazily by our worker, so named here
-PRELOAD = ["torch", "transformers", "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
-           "megatron.core.pipeline_parallel", "megatron.core.dist_checkpointing", "nemo_dapo.policy.megatron_worker",
-           "tests.ranks"]
+PRELOAD = [
+    "torch",
+    "transformers",
+    "megatron.core.models.gpt",
+    "megatron.core.optimizer",
+    "megatron.core.distributed",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.dist_checkpointing",
+    "nemo_dapo.policy.megatron.worker",
+    "tests.ranks",
+]
 _started = False
 
 
@@ -35,5 +43,10 @@ def spawn(fn, world_size: int, *args) -> None:
         mp.set_forkserver_preload(PRELOAD)
         _started = True
     environment = {"GLOO_SOCKET_IFNAME": "lo", **os.environ}
-    mp.start_processes(_with_environment, args=(environment, fn, world_size, *args), nprocs=world_size,
-                       start_method="forkserver", join=True)
+    mp.start_processes(
+        _with_environment,
+        args=(environment, fn, world_size, *args),
+        nprocs=world_size,
+        start_method="forkserver",
+        join=True,
+    )

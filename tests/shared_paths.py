@@ -13,8 +13,12 @@ CHECKOUT = Path(__file__).resolve().parents[1]
 
 def _origin_checkout() -> Path | None:
     """The local repository this checkout was cloned from, if any."""
-    url = subprocess.run(["git", "-C", str(CHECKOUT), "config", "--get", "remote.origin.url"],
-                         capture_output=True, text=True, check=False).stdout.strip()
+    url = subprocess.run(
+        ["git", "-C", str(CHECKOUT), "config", "--get", "remote.origin.url"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
     return Path(url) if url and Path(url).is_dir() else None
 
 

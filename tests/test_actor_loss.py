@@ -1,4 +1,4 @@
-"""The shared actor loss in both rollout-correction modes, on hand-built batches (SPEC 1, 7)."""
+"""The shared actor loss in both rollout-correction modes, on hand-built batches (docs/algorithm.md §1, §7)."""
 
 import math
 
@@ -21,8 +21,15 @@ def test_bypass_reinforce_with_sequence_is():
     settings = LossSettings(loss_type="reinforce", bypass_mode=True)
     log_probs = LP.clone().requires_grad_(True)
     micro = {"response_mask": MASK, "advantages": ADV, "rollout_log_probs": ROLLOUT}
-    loss, metrics = actor_loss(log_probs, torch.zeros_like(LP), micro, settings, global_token_count=3.0,
-                               global_seq_count=2.0, correction=preset("bypass_pg_is"))
+    loss, metrics = actor_loss(
+        log_probs,
+        torch.zeros_like(LP),
+        micro,
+        settings,
+        global_token_count=3.0,
+        global_seq_count=2.0,
+        correction=preset("bypass_pg_is"),
+    )
     w0 = min(math.exp((-1.0 + 1.2) + (-0.5 + 0.5)), 2.0)  # sequence ratio of the current policy to the engine
     w1 = min(math.exp(-2.0 + 1.0), 2.0)
     expected = -(1.0 * -1.0 * w0 + 1.0 * -0.5 * w0 + -2.0 * -2.0 * w1) / 3

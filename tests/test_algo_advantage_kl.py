@@ -1,4 +1,4 @@
-"""GRPO advantages and KL penalties against hand-computed values (SPEC 3-4)."""
+"""GRPO advantages and KL penalties against hand-computed values (docs/algorithm.md §3-4)."""
 
 import math
 
@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from nemo_dapo.algo.advantage import AdvantageEstimator, get_advantage_estimator, register_adv_est
-from nemo_dapo.algo.kl import AdaptiveKLController, FixedKLController, apply_kl_in_reward, build_kl_controller, kl_penalty
+from nemo_dapo.algo.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_in_reward,
+    build_kl_controller,
+    kl_penalty,
+)
 
 
 def rewards_at_end(scores, width=3):
@@ -29,15 +35,22 @@ def test_grpo_hand_computed_group():
 
 def test_grpo_without_std_normalisation():
     est = get_advantage_estimator(AdvantageEstimator.GRPO)
-    adv, _ = est(token_level_rewards=rewards_at_end([3.0, 1.0]), response_mask=torch.ones(2, 3),
-                 group_ids=[7, 7], norm_adv_by_std=False)
+    adv, _ = est(
+        token_level_rewards=rewards_at_end([3.0, 1.0]),
+        response_mask=torch.ones(2, 3),
+        group_ids=[7, 7],
+        norm_adv_by_std=False,
+    )
     assert adv[:, 0].tolist() == pytest.approx([1.0, -1.0])
 
 
 def test_singleton_group_keeps_raw_score_and_equal_group_is_zero():
     est = get_advantage_estimator("grpo")
-    adv, _ = est(token_level_rewards=rewards_at_end([0.7, 1.0, 1.0]), response_mask=torch.ones(3, 3),
-                 group_ids=["solo", "g", "g"])
+    adv, _ = est(
+        token_level_rewards=rewards_at_end([0.7, 1.0, 1.0]),
+        response_mask=torch.ones(3, 3),
+        group_ids=["solo", "g", "g"],
+    )
     assert adv[0, 0].item() == pytest.approx(0.7 / (1 + 1e-6))
     assert adv[1:].abs().max().item() == 0.0
 
@@ -51,10 +64,12 @@ def test_vectorized_equals_loop_on_ragged_groups():
     tokens = torch.zeros(len(group_ids), 6)
     tokens[:, 0] = scores
     for norm in (True, False):
-        loop = get_advantage_estimator("grpo")(token_level_rewards=tokens, response_mask=mask, group_ids=group_ids,
-                                               norm_adv_by_std=norm)
-        vec = get_advantage_estimator("grpo_vectorized")(token_level_rewards=tokens, response_mask=mask,
-                                                         group_ids=group_ids, norm_adv_by_std=norm)
+        loop = get_advantage_estimator("grpo")(
+            token_level_rewards=tokens, response_mask=mask, group_ids=group_ids, norm_adv_by_std=norm
+        )
+        vec = get_advantage_estimator("grpo_vectorized")(
+            token_level_rewards=tokens, response_mask=mask, group_ids=group_ids, norm_adv_by_std=norm
+        )
         assert torch.allclose(loop[0], vec[0], atol=1e-5)
 
 
@@ -75,12 +90,18 @@ LP = torch.tensor([-1.0, -2.0, -0.5])
 REF = torch.tensor([-1.5, -1.0, -0.5])
 
 
-@pytest.mark.parametrize("kind,expected", [
-    ("kl", [0.5, -1.0, 0.0]), ("k1", [0.5, -1.0, 0.0]), ("abs", [0.5, 1.0, 0.0]),
-    ("mse", [0.125, 0.5, 0.0]), ("k2", [0.125, 0.5, 0.0]),
-    ("k3", [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1, 0.0]),
-    ("low_var_kl", [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1, 0.0]),
-])
+@pytest.mark.parametrize(
+    "kind,expected",
+    [
+        ("kl", [0.5, -1.0, 0.0]),
+        ("k1", [0.5, -1.0, 0.0]),
+        ("abs", [0.5, 1.0, 0.0]),
+        ("mse", [0.125, 0.5, 0.0]),
+        ("k2", [0.125, 0.5, 0.0]),
+        ("k3", [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1, 0.0]),
+        ("low_var_kl", [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1, 0.0]),
+    ],
+)
 def test_kl_values(kind, expected):
     assert kl_penalty(LP, REF, kind).tolist() == pytest.approx(expected)
 

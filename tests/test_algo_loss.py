@@ -1,4 +1,4 @@
-"""Policy loss and aggregation against hand-computed values (SPEC 1-2)."""
+"""Policy loss and aggregation against hand-computed values (docs/algorithm.md §1-2)."""
 
 import math
 
@@ -11,7 +11,10 @@ from nemo_dapo.algo.policy_losses import dapo_loss
 
 def one_token(old, new, adv, **kw):
     """Loss of a single valid token, so the aggregated loss is the token loss itself."""
-    t = lambda v: torch.tensor([[float(v)]])
+
+    def t(v):
+        return torch.tensor([[float(v)]])
+
     return dapo_loss(t(old), t(new), t(adv), torch.ones(1, 1), **kw)
 
 
@@ -71,14 +74,18 @@ def test_gradient_zero_where_clipped():
 
 
 def test_rollout_is_weights_scale_the_token_loss():
-    t = lambda *v: torch.tensor([list(map(float, v))])
+    def t(*v):
+        return torch.tensor([list(map(float, v))])
+
     loss, _ = dapo_loss(t(0, 0), t(0, 0), t(1, 1), torch.ones(1, 2), rollout_is_weights=t(0.5, 2.0))
     assert loss.item() == pytest.approx(-(0.5 + 2.0) / 2)
 
 
 def test_reinforce_loss():
     lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    loss, _ = reinforce_loss(lp, torch.tensor([[2.0, 2.0]]), torch.ones(1, 2), rollout_is_weights=torch.tensor([[1.0, 0.5]]))
+    loss, _ = reinforce_loss(
+        lp, torch.tensor([[2.0, 2.0]]), torch.ones(1, 2), rollout_is_weights=torch.tensor([[1.0, 0.5]])
+    )
     assert loss.item() == pytest.approx(-(2 * -1.0 * 1.0 + 2 * -2.0 * 0.5) / 2)
     loss.backward()
     assert lp.grad[0].tolist() == pytest.approx([-1.0, -0.5])
@@ -88,12 +95,15 @@ LOSS = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 0.0, 0.0], [9.0, 9.0, 9.0,
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
 
 
-@pytest.mark.parametrize("mode,expected", [
-    ("token-mean", (1 + 2 + 3 + 5 + 6) / 5),
-    ("seq-mean-token-sum", ((1 + 2 + 3) + (5 + 6)) / 2),
-    ("seq-mean-token-mean", ((1 + 2 + 3) / 3 + (5 + 6) / 2) / 2),
-    ("seq-mean-token-sum-norm", (1 + 2 + 3 + 5 + 6) / 4),
-])
+@pytest.mark.parametrize(
+    "mode,expected",
+    [
+        ("token-mean", (1 + 2 + 3 + 5 + 6) / 5),
+        ("seq-mean-token-sum", ((1 + 2 + 3) + (5 + 6)) / 2),
+        ("seq-mean-token-mean", ((1 + 2 + 3) / 3 + (5 + 6) / 2) / 2),
+        ("seq-mean-token-sum-norm", (1 + 2 + 3 + 5 + 6) / 4),
+    ],
+)
 def test_aggregation_modes_ignore_fully_masked_rows(mode, expected):
     assert aggregate_loss(LOSS, MASK, mode).item() == pytest.approx(expected)
 
@@ -117,8 +127,12 @@ def _random_batch(seed=0, rows=8, width=7):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.tensor([7, 1, 0, 5, 3, 7, 2, 4])[:rows]
     mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
-    return (torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g) * 0.3,
-            torch.randn(rows, width, generator=g), mask)
+    return (
+        torch.randn(rows, width, generator=g),
+        torch.randn(rows, width, generator=g) * 0.3,
+        torch.randn(rows, width, generator=g),
+        mask,
+    )
 
 
 def _grad(old, new, adv, mask, mode, **agg):
@@ -128,12 +142,17 @@ def _grad(old, new, adv, mask, mode, **agg):
     return new.grad
 
 
-def _split_grad(old, new, adv, mask, mode, chunks, dp_size=1):
+def _split_grad(old, new, adv, mask, mode, chunks):
     """Gradient rows from micro-batches normalised by the global counts."""
-    counts = {"global_token_count": mask.sum(), "global_seq_count": (mask.sum(-1) > 0).sum(),
-              "norm_constant": mask.shape[-1], "dp_size": dp_size}
-    parts = [_grad(o, n, a, m, mode, **counts) for o, n, a, m in
-             zip(old.chunk(chunks), new.chunk(chunks), adv.chunk(chunks), mask.chunk(chunks))]
+    counts = {
+        "global_token_count": mask.sum(),
+        "global_seq_count": (mask.sum(-1) > 0).sum(),
+        "norm_constant": mask.shape[-1],
+    }
+    parts = [
+        _grad(o, n, a, m, mode, **counts)
+        for o, n, a, m in zip(old.chunk(chunks), new.chunk(chunks), adv.chunk(chunks), mask.chunk(chunks))
+    ]
     return torch.cat(parts)
 
 
@@ -149,11 +168,11 @@ def test_micro_batching_gives_the_full_batch_gradient(mode):
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
-def test_data_parallel_average_gives_the_full_batch_gradient(mode):
-    """Two simulated DP ranks, each 2 micro-batches; DDP averages the per-rank gradients."""
+def test_data_parallel_sum_gives_the_full_batch_gradient(mode):
+    """Two simulated DP ranks, each 2 micro-batches; the workers sum the per-rank gradients."""
     old, new, adv, mask = _random_batch(seed=3)
     full = _grad(old, new, adv, mask, mode)
-    counts = {"global_token_count": mask.sum(), "global_seq_count": (mask.sum(-1) > 0).sum(), "dp_size": 2}
+    counts = {"global_token_count": mask.sum(), "global_seq_count": (mask.sum(-1) > 0).sum()}
     weight = torch.zeros(old.shape[1], requires_grad=True)  # a shared parameter, as in a model
     rank_grads = []
     for rank_rows in (slice(0, 4), slice(4, 8)):
@@ -162,5 +181,4 @@ def test_data_parallel_average_gives_the_full_batch_gradient(mode):
             loss, _ = dapo_loss(old[rows], new[rows] + weight, adv[rows], mask[rows], loss_agg_mode=mode, **counts)
             total += torch.autograd.grad(loss, weight)[0]
         rank_grads.append(total)
-    ddp_average = (rank_grads[0] + rank_grads[1]) / 2
-    assert torch.allclose(ddp_average, full.sum(dim=0), atol=1e-6)
+    assert torch.allclose(rank_grads[0] + rank_grads[1], full.sum(dim=0), atol=1e-6)

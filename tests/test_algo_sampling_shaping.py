@@ -1,4 +1,4 @@
-"""Dynamic sampling (SPEC 6), overlong shaping (SPEC 5) and the RolloutBatch container."""
+"""Dynamic sampling (docs/algorithm.md §6), overlong shaping (docs/algorithm.md §5) and the RolloutBatch container."""
 
 import pytest
 import torch
@@ -8,11 +8,17 @@ from nemo_dapo.algo.sampling import DynamicSamplingExhausted, GroupAccumulator, 
 from nemo_dapo.algo.shaping import overlong_penalty
 
 
-@pytest.mark.parametrize("length,expected", [
-    (10, 0.0), (16, 0.0),            # below / at the start of the buffer (max 20, buffer 4)
-    (17, -0.25), (18, -0.5), (19, -0.75),  # inside: linear
-    (20, -1.0),                      # at max_response_length
-])
+@pytest.mark.parametrize(
+    "length,expected",
+    [
+        (10, 0.0),
+        (16, 0.0),  # below / at the start of the buffer (max 20, buffer 4)
+        (17, -0.25),
+        (18, -0.5),
+        (19, -0.75),  # inside: linear
+        (20, -1.0),  # at max_response_length
+    ],
+)
 def test_overlong_penalty(length, expected):
     assert overlong_penalty(torch.tensor([length]), 20, 4, 1.0).item() == pytest.approx(expected)
 
@@ -34,8 +40,9 @@ def make_round(groups: dict, width=4, tag=0):
         uids += [gid] * len(values)
         accs += values
     n = len(uids)
-    return RolloutBatch({"responses": torch.arange(n * width).reshape(n, width) + 1000 * tag},
-                        {"uid": uids, "acc": accs})
+    return RolloutBatch(
+        {"responses": torch.arange(n * width).reshape(n, width) + 1000 * tag}, {"uid": uids, "acc": accs}
+    )
 
 
 def test_keep_mask_population_std_and_singletons():

@@ -14,6 +14,7 @@ def writer(payload: bytes):
         (folder / "policy").mkdir()
         (folder / "policy" / "weights.bin").write_bytes(payload)
         (folder / "trainer_state.pt").write_bytes(b"state" + payload)
+
     return write
 
 
@@ -100,8 +101,12 @@ def test_a_full_disk_mid_save_keeps_the_previous_checkpoint_and_removes_the_part
     size = sum(p.stat().st_size for p in probe.rglob("*") if p.is_file())
     small = tmp_path / "small"
     small.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size * 1.5)}", "tmpfs", str(small)],
-                             capture_output=True).returncode == 0
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={int(size * 1.5)}", "tmpfs", str(small)], capture_output=True
+        ).returncode
+        == 0
+    )
     try:
         manager = CheckpointManager(small / "checkpoints")
         manager.save(1, lambda folder: worker.save(str(folder / "policy")))

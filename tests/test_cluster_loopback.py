@@ -36,8 +36,11 @@ def is_loopback(ip: str) -> bool:
 def our_listeners() -> list[tuple[str, str]]:
     """(address, 'pid name:port') of every listening socket of this test process and its descendants."""
     ours = descendant_pids()
-    return [(conn.laddr.ip, f"pid {conn.pid} ({psutil.Process(conn.pid).name()}) port {conn.laddr.port}")
-            for conn in psutil.net_connections(kind="inet") if conn.status == psutil.CONN_LISTEN and conn.pid in ours]
+    return [
+        (conn.laddr.ip, f"pid {conn.pid} ({psutil.Process(conn.pid).name()}) port {conn.laddr.port}")
+        for conn in psutil.net_connections(kind="inet")
+        if conn.status == psutil.CONN_LISTEN and conn.pid in ours
+    ]
 
 
 def policy_group(model_dir, dp):
@@ -45,9 +48,18 @@ def policy_group(model_dir, dp):
     from nemo_dapo.cluster.worker_group import WorkerGroup
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
 
-    return PolicyGroup(WorkerGroup(TorchPolicyWorker, dp, name=f"actor_dp{dp}", worker_kwargs={
-        "model_path": str(model_dir), "optim": asdict(OptimConfig(lr=1e-2, warmup_steps=0, clip_grad=1e9)),
-        "max_token_len": 64}))
+    return PolicyGroup(
+        WorkerGroup(
+            TorchPolicyWorker,
+            dp,
+            name=f"actor_dp{dp}",
+            worker_kwargs={
+                "model_path": str(model_dir),
+                "optim": asdict(OptimConfig(lr=1e-2, warmup_steps=0, clip_grad=1e9)),
+                "max_token_len": 64,
+            },
+        )
+    )
 
 
 def rollout_group(model_dir):
@@ -55,8 +67,11 @@ def rollout_group(model_dir):
     from nemo_dapo.cluster.worker_group import WorkerGroup
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
-    return RolloutGroup(WorkerGroup(VLLMRolloutWorker, 1, name="rollout",
-                                    worker_kwargs={"model_path": str(model_dir), "max_model_len": 128}))
+    return RolloutGroup(
+        WorkerGroup(
+            VLLMRolloutWorker, 1, name="rollout", worker_kwargs={"model_path": str(model_dir), "max_model_len": 128}
+        )
+    )
 
 
 def test_placement_that_cannot_fit_fails_clearly(ray_cluster, tiny_model_dir):
@@ -74,8 +89,14 @@ def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(ray_cluster, tiny_
     policy1 = policy_group(tiny_model_dir, dp=1)
     policy2 = policy_group(tiny_model_dir, dp=2)
     questions = ["12+3", "45-7", "99+9", "3-8"]
-    ids = [tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                                     add_generation_prompt=True)) for q in questions]
+    ids = [
+        tiny_tokenizer.encode(
+            tiny_tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+            )
+        )
+        for q in questions
+    ]
     generations = rollout.generate(ids, SamplingSettings(n=4, max_tokens=12))
     batch = build_rollout_batch(ids, generations, {}, "g", tiny_tokenizer.pad_token_id, 0)
     old = policy1.compute_log_prob(batch, 1.0)["log_probs"]
@@ -93,12 +114,12 @@ def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(ray_cluster, tiny_
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4
     # the updated weights streamed into the engine in many small buckets: it now samples from the policy
     rollout.update_weights(policy2.export_weights(1 << 14), version=1)
-    fresh = build_rollout_batch(ids, rollout.generate(ids, SamplingSettings(n=2, max_tokens=12)), {}, "g",
-                                tiny_tokenizer.pad_token_id, 0)
+    fresh = build_rollout_batch(
+        ids, rollout.generate(ids, SamplingSettings(n=2, max_tokens=12)), {}, "g", tiny_tokenizer.pad_token_id, 0
+    )
     gap = (fresh["rollout_log_probs"] - policy2.compute_log_prob(fresh, 1.0)["log_probs"]) * fresh["response_mask"]
     assert gap.abs().max().item() < 1e-4
     listeners = our_listeners()
     assert len(listeners) >= 3  # Ray's GCS, raylet, workers... the check sees real sockets
     assert [who for ip, who in listeners if not is_loopback(ip)] == []
     assert is_loopback("::ffff:127.0.0.1") and not is_loopback("0.0.0.0") and not is_loopback("::")
-

@@ -11,25 +11,46 @@ import pytest
 
 from nemo_dapo.config import ConfigError, load_config
 from nemo_dapo.config.validate import placement_problems
-from nemo_dapo.trainer.launch import resolve_paths
+from nemo_dapo.trainer.assembly import resolve_paths
 
-TWO_GPUS = ["trainer.n_gpus_per_node=2", "actor.num_workers=2", "rollout.num_workers=2", "data.train_batch_size=8",
-            "data.gen_batch_size=12", "actor.ppo_mini_batch_size=4", "trainer.val_before_train=false",
-            "trainer.test_freq=0"]
+TWO_GPUS = [
+    "trainer.n_gpus_per_node=2",
+    "actor.num_workers=2",
+    "rollout.num_workers=2",
+    "data.train_batch_size=8",
+    "data.gen_batch_size=12",
+    "actor.ppo_mini_batch_size=4",
+    "trainer.val_before_train=false",
+    "trainer.test_freq=0",
+]
 
 
 # ----------------------------------------------------------------- validation (no Ray)
-@pytest.mark.parametrize("overrides,message", [
-    (["trainer.mode=async"], r"trainer\.mode='async': the async trainer .* use trainer\.mode=sync, or "
-                             r"trainer\.colocate=false"),
-    (["rollout.tensor_parallel_size=3", "rollout.num_workers=43"],
-     r"rollout\.tensor_parallel_size=3: colocated engines must not span nodes: must divide "
-     r"trainer\.n_gpus_per_node=8"),
-    (["actor.num_workers=64", "actor.megatron.pipeline_model_parallel_size=1"],
-     r"actor\.num_workers=64: colocated, every GPU hosts one training rank: must be 128 .* trainer\.colocate=false"),
-    (["rollout.num_workers=16"], r"rollout\.num_workers=16: colocated, the engines must cover all 128 GPUs: .* = 64; "
-                                 r"set rollout\.num_workers=32"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["trainer.mode=async"],
+            r"trainer\.mode='async': the async trainer .* use trainer\.mode=sync, or "
+            r"trainer\.colocate=false",
+        ),
+        (
+            ["rollout.tensor_parallel_size=3", "rollout.num_workers=43"],
+            r"rollout\.tensor_parallel_size=3: colocated engines must not span nodes: must divide "
+            r"trainer\.n_gpus_per_node=8",
+        ),
+        (
+            ["actor.num_workers=64", "actor.megatron.pipeline_model_parallel_size=1"],
+            r"actor\.num_workers=64: colocated, every GPU hosts one training rank: must be 128 "
+            r".* trainer\.colocate=false",
+        ),
+        (
+            ["rollout.num_workers=16"],
+            r"rollout\.num_workers=16: colocated, the engines must cover all 128 GPUs: .* = 64; "
+            r"set rollout\.num_workers=32",
+        ),
+    ],
+)
 def test_impossible_colocated_layouts_fail_at_load(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config("dapo_qwen2.5_32b", overrides)
@@ -45,9 +66,12 @@ def test_separate_groups_must_fit_the_job_side_by_side():
     assert placement_problems(cfg) == [
         "trainer.colocate=false: actor.num_workers + rollout.num_workers x rollout.tensor_parallel_size = 128 + 128 "
         "GPUs, the job has 128 (trainer.nnodes x trainer.n_gpus_per_node): set trainer.colocate=true to share the "
-        "GPUs, or lower the worker counts"]
-    fits = load_config("dapo_qwen2.5_32b", ["trainer.colocate=false", "trainer.mode=async", "actor.num_workers=64",
-                                            "rollout.num_workers=16"])
+        "GPUs, or lower the worker counts"
+    ]
+    fits = load_config(
+        "dapo_qwen2.5_32b",
+        ["trainer.colocate=false", "trainer.mode=async", "actor.num_workers=64", "rollout.num_workers=16"],
+    )
     assert placement_problems(fits) == []
 
 
@@ -68,7 +92,7 @@ def two_gpu_config(*overrides):
 
 def test_colocated_ranks_and_engines_share_each_gpu(two_gpu_ray, tiny_tokenizer):
     from nemo_dapo.rollout.base import SamplingSettings
-    from nemo_dapo.trainer.launch import start_workers
+    from nemo_dapo.trainer.assembly import start_workers
 
     workers = start_workers(two_gpu_config("trainer.colocate=true"), total_optimizer_steps=1)
     try:
@@ -97,7 +121,7 @@ def free_gpus_soon(ray, timeout_s: float = 30) -> float:
 def test_the_same_layout_not_colocated_is_refused_at_start_up(two_gpu_ray):
     from nemo_dapo.cluster.worker_group import WorkerGroup
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
-    from nemo_dapo.trainer.launch import start_workers
+    from nemo_dapo.trainer.assembly import start_workers
 
     with pytest.raises(ConfigError, match=r"2 \+ 2 GPUs, the job has 2 .* set trainer\.colocate=true"):
         start_workers(two_gpu_config("trainer.colocate=false"), total_optimizer_steps=1)
@@ -113,8 +137,10 @@ def test_shared_gpu_slots(two_gpu_ray):
     shared = SharedGPUs(nnodes=2, gpus_per_node=1, groups=3)
     try:
         ranks = shared.training_slots(2)
-        assert [(shared.node_groups.index(s.group), s.bundle, s.num_gpus) for s in ranks] == [(0, 0, 0.3333),
-                                                                                            (1, 0, 0.3333)]
+        assert [(shared.node_groups.index(s.group), s.bundle, s.num_gpus) for s in ranks] == [
+            (0, 0, 0.3333),
+            (1, 0, 0.3333),
+        ]
     finally:
         shared.shutdown()
     shared = SharedGPUs(nnodes=1, gpus_per_node=2, groups=2)
@@ -130,11 +156,19 @@ def test_shared_gpu_slots(two_gpu_ray):
 @pytest.mark.slow
 def test_colocated_training_run(two_gpu_ray, workdir):
     """A short real run of the sync trainer with both groups on the 2 shared GPUs (ends Ray)."""
-    from nemo_dapo.trainer.launch import run_training
+    from nemo_dapo.trainer.assembly import run_training
 
     out = workdir / "run"
-    cfg = load_config("tiny_cpu", [*TWO_GPUS, "trainer.colocate=true", "trainer.total_training_steps=2",
-                                   "trainer.save_freq=2", f"trainer.output_dir={out}"])
+    cfg = load_config(
+        "tiny_cpu",
+        [
+            *TWO_GPUS,
+            "trainer.colocate=true",
+            "trainer.total_training_steps=2",
+            "trainer.save_freq=2",
+            f"trainer.output_dir={out}",
+        ],
+    )
     summary = run_training(cfg)
     assert summary["steps"] == 2
     assert json.loads((out / "summary.json").read_text())["steps"] == 2

@@ -32,23 +32,26 @@ def test_dotted_overrides_and_composition():
     assert cfg.data.effective_gen_batch_size == 48
 
 
-@pytest.mark.parametrize("override,key", [
-    ("actor.clip_ratio_c=1.0", "actor.clip_ratio_c"),
-    ("reward.overlong_buffer.len=64", "reward.overlong_buffer.len"),
-    ("reward.overlong_buffer.len=0", "reward.overlong_buffer.len"),
-    ("actor.loss_agg_mode=token-sum", "actor.loss_agg_mode"),
-    ("data.gen_batch_size=8", "data.gen_batch_size"),
-    ("actor.ppo_mini_batch_size=5", "actor.ppo_mini_batch_size"),
-    ("algorithm.adv_estimator=gae", "algorithm.adv_estimator"),
-    ("algorithm.kl_penalty=k4", "algorithm.kl_penalty"),
-    ("rollout.top_p=0", "rollout.top_p"),
-    ("trainer.mode=fast", "trainer.mode"),
-    ("algorithm.rollout_correction.preset=magic", "algorithm.rollout_correction.preset"),
-    ("algorithm.rollout_correction.loss_type=reinforce", "algorithm.rollout_correction.loss_type"),
-    ("algorithm.rollout_correction.rollout_rs=token_k1", "rollout_rs"),
-    ("algorithm.kl_ctrl.type=pid", "algorithm.kl_ctrl.type"),
-    ("checkpoint.async_save=true", "checkpoint.async_save"),  # the torch backend saves synchronously
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("actor.clip_ratio_c=1.0", "actor.clip_ratio_c"),
+        ("reward.overlong_buffer.len=64", "reward.overlong_buffer.len"),
+        ("reward.overlong_buffer.len=0", "reward.overlong_buffer.len"),
+        ("actor.loss_agg_mode=token-sum", "actor.loss_agg_mode"),
+        ("data.gen_batch_size=8", "data.gen_batch_size"),
+        ("actor.ppo_mini_batch_size=5", "actor.ppo_mini_batch_size"),
+        ("algorithm.adv_estimator=gae", "algorithm.adv_estimator"),
+        ("algorithm.kl_penalty=k4", "algorithm.kl_penalty"),
+        ("rollout.top_p=0", "rollout.top_p"),
+        ("trainer.mode=fast", "trainer.mode"),
+        ("algorithm.rollout_correction.preset=magic", "algorithm.rollout_correction.preset"),
+        ("algorithm.rollout_correction.loss_type=reinforce", "algorithm.rollout_correction.loss_type"),
+        ("algorithm.rollout_correction.rollout_rs=token_k1", "rollout_rs"),
+        ("algorithm.kl_ctrl.type=pid", "algorithm.kl_ctrl.type"),
+        ("checkpoint.async_save=true", "checkpoint.async_save"),  # the torch backend saves synchronously
+    ],
+)
 def test_impossible_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config("tiny_cpu", [override])
@@ -70,12 +73,18 @@ def test_unknown_key_and_wrong_type_name_the_key():
 
 
 def test_correction_preset_then_explicit_fields():
-    cfg = load_config("tiny_cpu", ["algorithm.rollout_correction.preset=decoupled_token_is",
-                                   "algorithm.rollout_correction.rollout_is_threshold=3.0"])
+    cfg = load_config(
+        "tiny_cpu",
+        [
+            "algorithm.rollout_correction.preset=decoupled_token_is",
+            "algorithm.rollout_correction.rollout_is_threshold=3.0",
+        ],
+    )
     settings = correction_settings(cfg.algorithm.rollout_correction)
     assert (settings.rollout_is, settings.rollout_is_threshold, settings.bypass_mode) == ("token", 3.0, False)
-    cfg = load_config("tiny_cpu", ["algorithm.rollout_correction.preset=bypass_pg_is",
-                                   "algorithm.rollout_correction.rollout_is=none"])
+    cfg = load_config(
+        "tiny_cpu", ["algorithm.rollout_correction.preset=bypass_pg_is", "algorithm.rollout_correction.rollout_is=none"]
+    )
     assert correction_settings(cfg.algorithm.rollout_correction).rollout_is is None
 
 

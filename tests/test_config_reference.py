@@ -9,7 +9,8 @@ import pytest
 
 from nemo_dapo.algo.advantage import register_adv_est, registered_estimators
 from nemo_dapo.config import ConfigError, load_config
-from nemo_dapo.config.reference import explain, reference_markdown, settings
+from nemo_dapo.config.fields import settings
+from nemo_dapo.config.reference import explain, reference_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,7 +49,8 @@ def test_cli_explains_and_exits_2_on_unknown_keys():
 def test_docs_configuration_md_is_generated_from_the_schema():
     committed = (REPO / "docs" / "configuration.md").read_text()
     assert committed == reference_markdown(), (
-        "docs/configuration.md is stale: run `nemo-dapo config --reference > docs/configuration.md`")
+        "docs/configuration.md is stale: run `nemo-dapo config --reference > docs/configuration.md`"
+    )
     assert "| `clip_ratio_c` | float | `10.0` |" in committed
 
 

@@ -16,8 +16,25 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
 CONSTRAINTS_IN_IMAGE = "containers/constraints-gpu.txt"
-INSTRUCTIONS = {"FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME", "USER",
-                "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL", "HEALTHCHECK", "SHELL"}
+INSTRUCTIONS = {
+    "FROM",
+    "RUN",
+    "CMD",
+    "LABEL",
+    "EXPOSE",
+    "ENV",
+    "ADD",
+    "COPY",
+    "ENTRYPOINT",
+    "VOLUME",
+    "USER",
+    "WORKDIR",
+    "ARG",
+    "ONBUILD",
+    "STOPSIGNAL",
+    "HEALTHCHECK",
+    "SHELL",
+}
 
 
 def load_tool():
@@ -95,7 +112,7 @@ def test_constraints_file_is_copied_before_any_install_and_used_by_every_one(par
     commands = pip_installs(parsed)
     assert len(commands) >= 5
     for words in commands:
-        assert ["-c", CONSTRAINTS_IN_IMAGE] == words[words.index("-c"):words.index("-c") + 2], words
+        assert ["-c", CONSTRAINTS_IN_IMAGE] == words[words.index("-c") : words.index("-c") + 2], words
         versioned = [word for word in words if re.search(r"[=<>~]=|[<>]", word)]
         assert not versioned, f"a version outside the constraints file: {versioned}"
 
@@ -129,9 +146,12 @@ def test_pins_cover_the_stack_at_the_required_versions(pins):
 
 
 def incompatible(pins: dict[str, str], requirements) -> list[str]:
-    return [f"{req} vs =={pins[canonicalize_name(req.name)]}" for req in requirements
-            if canonicalize_name(req.name) in pins
-            and not req.specifier.contains(pins[canonicalize_name(req.name)], prereleases=True)]
+    return [
+        f"{req} vs =={pins[canonicalize_name(req.name)]}"
+        for req in requirements
+        if canonicalize_name(req.name) in pins
+        and not req.specifier.contains(pins[canonicalize_name(req.name)], prereleases=True)
+    ]
 
 
 def test_pins_agree_with_pyproject_on_python_312(pins):
@@ -145,8 +165,9 @@ def test_pins_agree_with_pyproject_on_python_312(pins):
 
 def test_incompatibility_is_detected():
     requirements = [Requirement("torch==2.13.0"), Requirement("megatron-core>=0.19"), Requirement("ray")]
-    assert incompatible({"torch": "2.14.0", "megatron-core": "0.19.2", "ray": "2.60.0"}, requirements) == \
-        ["torch==2.13.0 vs ==2.14.0"]
+    assert incompatible({"torch": "2.14.0", "megatron-core": "0.19.2", "ray": "2.60.0"}, requirements) == [
+        "torch==2.13.0 vs ==2.14.0"
+    ]
 
 
 def test_markers_are_evaluated_for_the_container_python():
@@ -170,8 +191,14 @@ def test_apptainer_and_enroot_recipes_use_the_docker_image():
     assert re.search(r"^From: nemo-dapo:latest$", definition, re.M)
     assert "docker build -t nemo-dapo:latest ." in DOCKERFILE.read_text()
     readme = (ROOT / "containers" / "README.md").read_text()
-    for needle in ("enroot import", "dockerd://nemo-dapo:latest", ".sqsh", "apptainer build", "constraints-gpu.txt",
-                   "resolve: ok"):
+    for needle in (
+        "enroot import",
+        "dockerd://nemo-dapo:latest",
+        ".sqsh",
+        "apptainer build",
+        "constraints-gpu.txt",
+        "resolve: ok",
+    ):
         assert needle in readme, needle
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nemo_dapo.config import load_config
-from nemo_dapo.trainer.launch import resolve_paths
+from nemo_dapo.trainer.assembly import resolve_paths
 
 pytestmark = pytest.mark.slow
 
@@ -31,10 +31,19 @@ def components(tiny_model_dir, tiny_tokenizer):
 
     cfg = resolve_paths(load_config("tiny_cpu"))
     init_ray(num_cpus=2)
-    policy = PolicyGroup(WorkerGroup(TorchPolicyWorker, 1, name="actor", worker_kwargs={
-        "model_path": cfg.model.path, "optim": asdict(cfg.actor.optim)}))
-    rollout = RolloutGroup(WorkerGroup(VLLMRolloutWorker, 1, name="rollout", worker_kwargs={
-        "model_path": cfg.model.path, "max_model_len": 128}))
+    policy = PolicyGroup(
+        WorkerGroup(
+            TorchPolicyWorker,
+            1,
+            name="actor",
+            worker_kwargs={"model_path": cfg.model.path, "optim": asdict(cfg.actor.optim)},
+        )
+    )
+    rollout = RolloutGroup(
+        WorkerGroup(
+            VLLMRolloutWorker, 1, name="rollout", worker_kwargs={"model_path": cfg.model.path, "max_model_len": 128}
+        )
+    )
     data = RLDataset(cfg.data.train_files, tiny_tokenizer, max_prompt_length=64)
     with RewardManager("math_dapo", max_response_length=16, overlong_enable=True, buffer_len=8) as reward:
         yield policy, rollout, data, reward
@@ -46,9 +55,18 @@ def test_preset_runs_one_step(name, components, tiny_tokenizer, tmp_path):
     from nemo_dapo.trainer.fit import DAPOTrainer
 
     policy, rollout, data, reward = components
-    cfg = resolve_paths(load_config("tiny_cpu", [
-        f"algorithm.rollout_correction.preset={name}", f"trainer.output_dir={tmp_path}", "data.train_batch_size=8",
-        "data.gen_batch_size=12", "actor.ppo_mini_batch_size=4"]))
+    cfg = resolve_paths(
+        load_config(
+            "tiny_cpu",
+            [
+                f"algorithm.rollout_correction.preset={name}",
+                f"trainer.output_dir={tmp_path}",
+                "data.train_batch_size=8",
+                "data.gen_batch_size=12",
+                "actor.ppo_mini_batch_size=4",
+            ],
+        )
+    )
     trainer = DAPOTrainer(cfg, policy, rollout, tiny_tokenizer, data, None, reward)
     metrics = trainer.train_step()
     for key in PRESET_METRICS[name]:

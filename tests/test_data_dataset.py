@@ -8,12 +8,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from shared_paths import AIME_2024, AIME_2025
 from torch.utils.data import DataLoader
 
-from nemo_dapo.data import DatasetError, RLDataset, ResumableBatchSampler, collate_prompts, read_records, render_prompt
+from nemo_dapo.data import DatasetError, ResumableBatchSampler, RLDataset, collate_prompts, read_records, render_prompt
 from nemo_dapo.model.tokenizer import build_tokenizer
-
-from shared_paths import AIME_2024, AIME_2025
 
 
 @pytest.fixture(scope="module")

@@ -6,15 +6,18 @@ import pytest
 import torch
 
 from nemo_dapo.trainer.data_plane import DataPlane, DataPlaneError, KVStore
-from nemo_dapo.trainer.recovery import reissue_inflight_prompts
+from nemo_dapo.trainer.prompt_queue import PromptQueue
 
 
 @pytest.fixture
 def store():
     kv = KVStore()
-    kv.kv_batch_put(["a", "b", "c"], {"x": [torch.tensor([1.0]), torch.tensor([2.0]), torch.tensor([3.0])],
-                                      "name": ["A", "B", "C"]},
-                    [{"status": "pending"}, {"status": "done"}, {"status": "running"}], partition="p")
+    kv.kv_batch_put(
+        ["a", "b", "c"],
+        {"x": [torch.tensor([1.0]), torch.tensor([2.0]), torch.tensor([3.0])], "name": ["A", "B", "C"]},
+        [{"status": "pending"}, {"status": "done"}, {"status": "running"}],
+        partition="p",
+    )
     return kv
 
 
@@ -66,21 +69,34 @@ def test_snapshot_restore_round_trip(store):
 
 def test_reissue_deletes_partials_and_requeues_inflight_prompts():
     kv = KVStore()
-    fields = {"prompt_ids": [[1], [2], [3]], "ground_truth": ["1", "2", "3"], "data_source": ["s"] * 3,
-              "prompt_index": [0, 1, 2]}
-    kv.kv_batch_put(["q0", "q1", "q2"], fields, [
-        {"is_prompt": True, "status": "running", "global_steps": 4, "attempt": 1},
-        {"is_prompt": True, "status": "pending", "global_steps": 4, "attempt": 1},
-        {"is_prompt": True, "status": "done", "global_steps": 4, "attempt": 1}], partition="train")
-    kv.kv_batch_put(["q0_0", "q2_0"], {"token_ids": [[5], [6]]}, [
-        {"is_prompt": False, "prompt_id": "q0"}, {"is_prompt": False, "prompt_id": "q2"}], partition="train")
-    assert reissue_inflight_prompts(kv, global_steps=7, mode="async") == 2
+    fields = {
+        "prompt_ids": [[1], [2], [3]],
+        "ground_truth": ["1", "2", "3"],
+        "data_source": ["s"] * 3,
+        "prompt_index": [0, 1, 2],
+    }
+    kv.kv_batch_put(
+        ["q0", "q1", "q2"],
+        fields,
+        [
+            {"is_prompt": True, "status": "running", "global_steps": 4, "attempt": 1},
+            {"is_prompt": True, "status": "pending", "global_steps": 4, "attempt": 1},
+            {"is_prompt": True, "status": "done", "global_steps": 4, "attempt": 1},
+        ],
+        partition="train",
+    )
+    kv.kv_batch_put(
+        ["q0_0", "q2_0"],
+        {"token_ids": [[5], [6]]},
+        [{"is_prompt": False, "prompt_id": "q0"}, {"is_prompt": False, "prompt_id": "q2"}],
+        partition="train",
+    )
+    assert PromptQueue(kv, rollout=None).reissue_inflight(global_step=7) == 2
     assert kv.kv_list("train", {"is_prompt": False}).keys == ["q2_0"]  # the partial q0_0 is gone, q2's stays
     requeued = kv.kv_list("train", {"is_prompt": True, "status": "pending"})
     assert sorted(requeued.keys) == ["q0", "q1"]
     assert all(t["global_steps"] == 7 and t["attempt"] == 2 for t in requeued.tags)
     assert kv.kv_batch_get(["q0"], ["ground_truth"], partition="train")["ground_truth"] == ["1"]
-    assert reissue_inflight_prompts(kv, global_steps=7, mode="sync") == 0
 
 
 def test_ray_client_raises_promptly_when_the_store_dies():

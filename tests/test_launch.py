@@ -20,23 +20,61 @@ CLI = [sys.executable, "-m", "nemo_dapo.cli"]
 
 
 def launch(*arguments: str, home: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "NEMORUN_HOME": str(home),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([*CLI, "launch", *arguments], capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=REPO)
+    env = {
+        **os.environ,
+        "NEMORUN_HOME": str(home),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    return subprocess.run(
+        [*CLI, "launch", *arguments], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO
+    )
 
 
 def test_slurm_dryrun_prints_the_complete_batch_script(tmp_path):
-    done = launch("--config", "dapo_qwen2.5_32b", "--executor", "slurm", "--dryrun", "--nodes", "16",
-                  "--gpus-per-node", "8", "--time", "12:00:00", "--account", "llm", "--partition", "batch",
-                  "--container-image", "nvcr.io/acme/nemo-dapo:1.0", "--data-dir", "/lustre/data",
-                  "--hf-model", "/lustre/models/Qwen2.5-32B", "--ssh-host", "login.cluster.invalid",
-                  "--ssh-user", "alice", "--remote-job-dir", "/lustre/alice/nemo-run",
-                  "trainer.experiment_name=dapo 32b", home=tmp_path)
+    done = launch(
+        "--config",
+        "dapo_qwen2.5_32b",
+        "--executor",
+        "slurm",
+        "--dryrun",
+        "--nodes",
+        "16",
+        "--gpus-per-node",
+        "8",
+        "--time",
+        "12:00:00",
+        "--account",
+        "llm",
+        "--partition",
+        "batch",
+        "--container-image",
+        "nvcr.io/acme/nemo-dapo:1.0",
+        "--data-dir",
+        "/lustre/data",
+        "--hf-model",
+        "/lustre/models/Qwen2.5-32B",
+        "--ssh-host",
+        "login.cluster.invalid",
+        "--ssh-user",
+        "alice",
+        "--remote-job-dir",
+        "/lustre/alice/nemo-run",
+        "trainer.experiment_name=dapo 32b",
+        home=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    script = done.stdout[done.stdout.index("#!/bin/bash"):]
-    for flag in ("--nodes=16", "--ntasks-per-node=1", "--gpus-per-node=8", "--exclusive", "--time=12:00:00",
-                 "--account=llm", "--partition=batch", "--signal=USR1@600", "--job-name=nemo-dapo-dapo_qwen2.5_32b-train"):
+    script = done.stdout[done.stdout.index("#!/bin/bash") :]
+    for flag in (
+        "--nodes=16",
+        "--ntasks-per-node=1",
+        "--gpus-per-node=8",
+        "--exclusive",
+        "--time=12:00:00",
+        "--account=llm",
+        "--partition=batch",
+        "--signal=USR1@600",
+        "--job-name=nemo-dapo-dapo_qwen2.5_32b-train",
+    ):
         assert f"#SBATCH {flag}\n" in script, flag
     # Ray over the allocation (the sbatch script's ray_cluster.sh), then the trainer once on the head node
     setup = script.index("source slurm/ray_cluster.sh\nray_cluster_start\n")
@@ -44,16 +82,29 @@ def test_slurm_dryrun_prints_the_complete_batch_script(tmp_path):
     code_dir = re.search(r"^cd (\S+/train/code)$", script, re.MULTILINE).group(1)
     assert code_dir.startswith("/lustre/alice/nemo-run/nemo-dapo-dapo_qwen2.5_32b/")
     assert "--container-image nvcr.io/acme/nemo-dapo:1.0" in srun and "--container-workdir /nemo_run/code" in srun
-    assert "--nodes=1 --ntasks=1 --overlap --relative=0 python3 -m nemo_dapo.cli train --config dapo_qwen2.5_32b" in srun
-    for override in ("trainer.output_dir=/lustre/alice/nemo-run/nemo-dapo-dapo_qwen2.5_32b/outputs",
-                     "checkpoint.resume=auto", "trainer.nnodes=16", "trainer.n_gpus_per_node=8",
-                     "'trainer.experiment_name=dapo 32b'"):
+    assert (
+        "--nodes=1 --ntasks=1 --overlap --relative=0 python3 -m nemo_dapo.cli train --config dapo_qwen2.5_32b" in srun
+    )
+    for override in (
+        "trainer.output_dir=/lustre/alice/nemo-run/nemo-dapo-dapo_qwen2.5_32b/outputs",
+        "checkpoint.resume=auto",
+        "trainer.nnodes=16",
+        "trainer.n_gpus_per_node=8",
+        "'trainer.experiment_name=dapo 32b'",
+    ):
         assert f" {override}" in srun, override
     mounts = re.search(r"^export CONTAINER_MOUNTS=(\S+)$", script, re.MULTILINE).group(1).split(",")
-    assert {"/lustre/alice/nemo-run:/lustre/alice/nemo-run", "/lustre/data:/lustre/data",
-            f"{code_dir[:-len('/code')]}:/nemo_run"} <= set(mounts)
-    for export in ("export CONTAINER=nvcr.io/acme/nemo-dapo:1.0", "export DAPO_DATA_DIR=/lustre/data",
-                   "export HF_MODEL=/lustre/models/Qwen2.5-32B", "export RAY_GPUS_PER_NODE=8"):
+    assert {
+        "/lustre/alice/nemo-run:/lustre/alice/nemo-run",
+        "/lustre/data:/lustre/data",
+        f"{code_dir[: -len('/code')]}:/nemo_run",
+    } <= set(mounts)
+    for export in (
+        "export CONTAINER=nvcr.io/acme/nemo-dapo:1.0",
+        "export DAPO_DATA_DIR=/lustre/data",
+        "export HF_MODEL=/lustre/models/Qwen2.5-32B",
+        "export RAY_GPUS_PER_NODE=8",
+    ):
         assert f"{export}\n" in script, export
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script and "export TORCHX_MAX_RETRIES=20" in script
     parsed = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
@@ -72,8 +123,16 @@ def test_slurm_allocation_defaults_to_the_presets_shape(tmp_path):
 
 
 def test_the_batch_script_requeues_preemptions_and_a_few_crashes_never_an_invalid_config(tmp_path):
-    done = launch("--config", "dapo_qwen2.5_32b", "--executor", "slurm", "--dryrun", "--max-crash-restarts", "2",
-                  home=tmp_path / "home")
+    done = launch(
+        "--config",
+        "dapo_qwen2.5_32b",
+        "--executor",
+        "slurm",
+        "--dryrun",
+        "--max-crash-restarts",
+        "2",
+        home=tmp_path / "home",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     script = done.stdout
     policy = re.search(r"^scontrol\(\) \{\n.*?^\}$", script, re.MULTILINE | re.DOTALL).group(0)
@@ -88,10 +147,17 @@ def test_the_batch_script_requeues_preemptions_and_a_few_crashes_never_an_invali
     def job_ends_with(code: int, restart: int) -> bool:
         """Run the script's own policy and requeue block after an exit ``code``; True if it requeued."""
         before = log.read_text() if log.exists() else ""
-        env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SCONTROL_LOG": str(log), "LOG_DIR": str(tmp_path / "logs"),
-               "SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": str(restart), "TORCHX_MAX_RETRIES": "20"}
-        ended = subprocess.run(["bash", "-c", f"{policy}\nexitcode={code}\n{requeue}"], env=env,
-                               capture_output=True, text=True)
+        env = {
+            "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "SCONTROL_LOG": str(log),
+            "LOG_DIR": str(tmp_path / "logs"),
+            "SLURM_JOB_ID": "42",
+            "SLURM_RESTART_COUNT": str(restart),
+            "TORCHX_MAX_RETRIES": "20",
+        }
+        ended = subprocess.run(
+            ["bash", "-c", f"{policy}\nexitcode={code}\n{requeue}"], env=env, capture_output=True, text=True
+        )
         assert ended.returncode == code, ended.stderr
         return (log.read_text() if log.exists() else "") != before
 
@@ -111,10 +177,21 @@ def test_invalid_config_fails_before_anything_is_launched(tmp_path):
 @pytest.mark.slow
 def test_local_executor_trains_the_tiny_preset(tmp_path):
     out = tmp_path / "run"
-    done = launch("--executor", "local", "--ckpt-dir", str(out), "trainer.total_training_steps=3",
-                  "trainer.save_freq=3", "data.train_batch_size=8", "data.gen_batch_size=12",
-                  "actor.ppo_mini_batch_size=4", "trainer.val_before_train=false", "trainer.test_freq=0",
-                  home=tmp_path / "nemo_run", timeout=600)
+    done = launch(
+        "--executor",
+        "local",
+        "--ckpt-dir",
+        str(out),
+        "trainer.total_training_steps=3",
+        "trainer.save_freq=3",
+        "data.train_batch_size=8",
+        "data.gen_batch_size=12",
+        "actor.ppo_mini_batch_size=4",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=0",
+        home=tmp_path / "nemo_run",
+        timeout=600,
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert f"local run SUCCEEDED; outputs in {out}" in done.stdout
     assert json.loads((out / "summary.json").read_text())["steps"] == 3

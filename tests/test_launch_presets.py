@@ -1,4 +1,4 @@
-"""Production presets carry the paper's recipe (SPEC 12), and impossible Megatron layouts fail at load."""
+"""Production presets carry the paper's recipe (docs/algorithm.md §12), and impossible Megatron layouts fail at load."""
 
 import pytest
 
@@ -47,8 +47,12 @@ def test_ablations_differ_only_where_the_paper_says():
 
 def test_32b_layout_is_the_documented_one():
     mg = load_config("dapo_qwen2.5_32b").actor.megatron
-    layout = (mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, mg.context_parallel_size,
-              mg.expert_model_parallel_size)
+    layout = (
+        mg.tensor_model_parallel_size,
+        mg.pipeline_model_parallel_size,
+        mg.context_parallel_size,
+        mg.expert_model_parallel_size,
+    )
     assert layout == (8, 2, 1, 1)
     assert mg.sequence_parallel and mg.use_distributed_optimizer and mg.recompute_granularity == "full"
 
@@ -69,34 +73,65 @@ def test_environment_sets_model_and_data_paths(monkeypatch):
     assert cfg.data.val_files == ["/shared/dapo/aime-2024.parquet"]
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["actor.megatron.tensor_model_parallel_size=3"], r"TP=3 x PP=2 x CP=1 = 6 must divide the 128"),
-    (["actor.megatron.expert_model_parallel_size=3"], r"TP=8 x EP=3 x PP=2 = 48 must divide the 128"),
-    (["actor.megatron.tensor_model_parallel_size=1", "actor.megatron.pipeline_model_parallel_size=8"],
-     r"actor\.megatron\.sequence_parallel=True: needs tensor_model_parallel_size > 1"),
-    (["actor.megatron.pipeline_model_parallel_size=1", "actor.megatron.virtual_pipeline_model_parallel_size=2"],
-     r"actor\.megatron\.virtual_pipeline_model_parallel_size=2"),
-    (["actor.megatron.fp8=e5m2"], r"actor\.megatron\.fp8='e5m2': choose one of \['null', 'hybrid', 'e4m3'\]"),
-    (["actor.megatron.fp8_recipe=nvfp4"], r"actor\.megatron\.fp8_recipe='nvfp4'"),
-    (["actor.megatron.recompute_granularity=some"], r"actor\.megatron\.recompute_granularity='some'"),
-    (["actor.megatron.sequence_parallel=false", "actor.megatron.expert_model_parallel_size=2"],
-     r"must be true when experts"),
-    (["actor.megatron.tensor_model_parallel_size=1", "actor.megatron.pipeline_model_parallel_size=1",
-      "actor.megatron.sequence_parallel=false", "actor.ppo_mini_batch_size=1", "rollout.n=1",
-      "data.train_batch_size=1", "data.gen_batch_size=1"],
-     r"1 sequences per optimizer step must split evenly over DP = 128"),
-    (["actor.megatron.context_parallel_size=0"], r"actor\.megatron\.context_parallel_size=0: must be >= 1"),
-    (["actor.megatron.context_parallel_size=2", "actor.megatron.pipeline_model_parallel_size=1"],
-     r"context_parallel_size=2: context parallelism splits packed rows: set actor.megatron.sequence_packing=true"),
-    (["actor.megatron.transformer_impl=local"], r"sequence_parallel=True: needs transformer_impl=transformer_engine"),
-    (["actor.megatron.transformer_impl=local", "actor.megatron.sequence_parallel=false", "actor.megatron.fp8=hybrid"],
-     r"fp8='hybrid': needs transformer_impl=transformer_engine"),
-    (["actor.megatron.transformer_impl=te"], r"transformer_impl='te'"),
-    (["actor.megatron.use_distributed_optimizer=false"],
-     r"overlap_param_gather=True: needs use_distributed_optimizer=true"),
-    (["actor.megatron.ddp_bucket_size=0"], r"ddp_bucket_size=0: must be a positive number"),
-    (["actor.megatron.moe_aux_loss_coeff=-0.1"], r"moe_aux_loss_coeff=-0.1: must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["actor.megatron.tensor_model_parallel_size=3"], r"TP=3 x PP=2 x CP=1 = 6 must divide the 128"),
+        (["actor.megatron.expert_model_parallel_size=3"], r"TP=8 x EP=3 x PP=2 = 48 must divide the 128"),
+        (
+            ["actor.megatron.tensor_model_parallel_size=1", "actor.megatron.pipeline_model_parallel_size=8"],
+            r"actor\.megatron\.sequence_parallel=True: needs tensor_model_parallel_size > 1",
+        ),
+        (
+            ["actor.megatron.pipeline_model_parallel_size=1", "actor.megatron.virtual_pipeline_model_parallel_size=2"],
+            r"actor\.megatron\.virtual_pipeline_model_parallel_size=2",
+        ),
+        (["actor.megatron.fp8=e5m2"], r"actor\.megatron\.fp8='e5m2': choose one of \['null', 'hybrid', 'e4m3'\]"),
+        (["actor.megatron.fp8_recipe=nvfp4"], r"actor\.megatron\.fp8_recipe='nvfp4'"),
+        (["actor.megatron.recompute_granularity=some"], r"actor\.megatron\.recompute_granularity='some'"),
+        (
+            ["actor.megatron.sequence_parallel=false", "actor.megatron.expert_model_parallel_size=2"],
+            r"must be true when experts",
+        ),
+        (
+            [
+                "actor.megatron.tensor_model_parallel_size=1",
+                "actor.megatron.pipeline_model_parallel_size=1",
+                "actor.megatron.sequence_parallel=false",
+                "actor.ppo_mini_batch_size=1",
+                "rollout.n=1",
+                "data.train_batch_size=1",
+                "data.gen_batch_size=1",
+            ],
+            r"1 sequences per optimizer step must split evenly over DP = 128",
+        ),
+        (["actor.megatron.context_parallel_size=0"], r"actor\.megatron\.context_parallel_size=0: must be >= 1"),
+        (
+            ["actor.megatron.context_parallel_size=2", "actor.megatron.pipeline_model_parallel_size=1"],
+            r"context_parallel_size=2: context parallelism splits packed rows: "
+            r"set actor.megatron.sequence_packing=true",
+        ),
+        (
+            ["actor.megatron.transformer_impl=local"],
+            r"sequence_parallel=True: needs transformer_impl=transformer_engine",
+        ),
+        (
+            [
+                "actor.megatron.transformer_impl=local",
+                "actor.megatron.sequence_parallel=false",
+                "actor.megatron.fp8=hybrid",
+            ],
+            r"fp8='hybrid': needs transformer_impl=transformer_engine",
+        ),
+        (["actor.megatron.transformer_impl=te"], r"transformer_impl='te'"),
+        (
+            ["actor.megatron.use_distributed_optimizer=false"],
+            r"overlap_param_gather=True: needs use_distributed_optimizer=true",
+        ),
+        (["actor.megatron.ddp_bucket_size=0"], r"ddp_bucket_size=0: must be a positive number"),
+        (["actor.megatron.moe_aux_loss_coeff=-0.1"], r"moe_aux_loss_coeff=-0.1: must be >= 0"),
+    ],
+)
 def test_impossible_megatron_layouts_fail_with_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config("dapo_qwen2.5_32b", overrides)
@@ -125,8 +160,8 @@ def test_every_megatron_field_reaches_the_worker():
     import inspect
     from dataclasses import fields
 
-    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
-    from nemo_dapo.trainer.launch import megatron_worker_kwargs
+    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
+    from nemo_dapo.trainer.assembly import megatron_worker_kwargs
 
     mg = load_config("dapo_qwen2.5_32b").actor.megatron
     kwargs = megatron_worker_kwargs(mg)

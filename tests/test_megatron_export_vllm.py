@@ -10,8 +10,10 @@ from tests.ranks import spawn
 
 pytestmark = [
     pytest.mark.megatron,
-    pytest.mark.skipif(importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
-                       reason="the megatron extra is not installed"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
+        reason="the megatron extra is not installed",
+    ),
 ]
 
 
@@ -22,20 +24,30 @@ def greedy_after_export(rank: int, world_size: int, model_dir: str, out_file: st
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from nemo_dapo.config.schema import OptimConfig
-    from nemo_dapo.policy.megatron_model import read_hf_weights
-    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
+    from nemo_dapo.policy.megatron.model import read_hf_weights
+    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
     from nemo_dapo.rollout.base import SamplingSettings
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template(
-        [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True))
-        for q in ["12+3", "45-7", "99+9", "3-8", "70+6"]]
+    prompts = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        )
+        for q in ["12+3", "45-7", "99+9", "3-8", "70+6"]
+    ]
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     with torch.no_grad():
-        expected = [hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
-                                eos_token_id=hf.config.eos_token_id, pad_token_id=tokenizer.pad_token_id
-                                )[0, len(ids):].tolist() for ids in prompts]
+        expected = [
+            hf.generate(
+                torch.tensor([ids]),
+                max_new_tokens=12,
+                do_sample=False,
+                eos_token_id=hf.config.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )[0, len(ids) :].tolist()
+            for ids in prompts
+        ]
 
     worker = MegatronPolicyWorker(0, 1, out_file + ".store", model_dir, asdict(OptimConfig()))
     exported = list(worker.export_weights(bucket_bytes=1 << 16))
@@ -53,10 +65,15 @@ def greedy_after_export(rank: int, world_size: int, model_dir: str, out_file: st
             engine.update_weights(weights, version)
         return [g.token_ids[0] for g in engine.generate(prompts, greedy)]
 
-    result = {"expected": expected, "names_equal": names_equal, "tensors_equal": tensors_equal,
-              "fresh": answers(), "reloaded": answers([list(checkpoint.items())], 1),
-              "scrambled": answers([[(n, torch.randn_like(t)) for n, t in b] for b in exported], 2),
-              "exported": answers(exported, 3)}
+    result = {
+        "expected": expected,
+        "names_equal": names_equal,
+        "tensors_equal": tensors_equal,
+        "fresh": answers(),
+        "reloaded": answers([list(checkpoint.items())], 1),
+        "scrambled": answers([[(n, torch.randn_like(t)) for n, t in b] for b in exported], 2),
+        "exported": answers(exported, 3),
+    }
     torch.save(result, out_file)
 
 

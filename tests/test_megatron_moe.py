@@ -12,22 +12,22 @@ import re
 
 import pytest
 import torch
-from test_megatron_worker import (assert_matches_torch, assert_same_update,
-                                  megatron_result, torch_reference)
+from test_megatron_worker import assert_matches_torch, assert_same_update, megatron_result, torch_reference
 
 pytestmark = [
     pytest.mark.megatron,
-    pytest.mark.skipif(importlib.util.find_spec("megatron") is None
-                       or importlib.util.find_spec("megatron.core") is None,
-                       reason="megatron-core is not installed (optional 'megatron' extra)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
+        reason="megatron-core is not installed (optional 'megatron' extra)",
+    ),
 ]
 
 
 def checkpoint_and_shape(model_dir):
     from transformers import AutoConfig
 
-    from nemo_dapo.policy.megatron_convert import ModelShape
-    from nemo_dapo.policy.megatron_model import read_hf_weights
+    from nemo_dapo.policy.megatron.convert import ModelShape
+    from nemo_dapo.policy.megatron.model import read_hf_weights
 
     return read_hf_weights(str(model_dir)), ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
 
@@ -37,14 +37,21 @@ def test_each_chunk_reads_only_its_share_of_the_checkpoint(moe_dir, tied):
     """2 pipeline chunks x 2 EP ranks: every layer tensor is read by one chunk, every expert by one
     (chunk, EP rank), the embedding by the first chunk (and the last, whose head it is when tied),
     the final norm and head by the last; nothing else is read anywhere."""
-    from nemo_dapo.policy import megatron_convert as convert
+    from nemo_dapo.policy.megatron import convert as convert
 
     hf, shape = checkpoint_and_shape(moe_dir)
     names = set(hf) | {"lm_head.weight"}
     shape = dataclasses.replace(shape, tied_embeddings=tied)
     chunks = [(convert.stage_layers(shape.num_layers, c, 2), c == 0, c == 1) for c in range(2)]
-    readers = {name: [(c, ep) for c, chunk in enumerate(chunks) for ep in range(2)
-                      if convert.hf_name_needed(name, shape, *chunk, ep, 2)] for name in names}
+    readers = {
+        name: [
+            (c, ep)
+            for c, chunk in enumerate(chunks)
+            for ep in range(2)
+            if convert.hf_name_needed(name, shape, *chunk, ep, 2)
+        ]
+        for name in names
+    }
     for name, who in readers.items():
         if convert.HF_EXPERT.fullmatch(name):
             layer, expert = map(int, re.findall(r"\d+", name)[:2])
@@ -61,27 +68,30 @@ def test_each_chunk_reads_only_its_share_of_the_checkpoint(moe_dir, tied):
 @pytest.mark.parametrize("family", ["moe_dir", "qwen3_dir"])
 def test_hf_to_megatron_to_hf_is_bit_exact(family, request):
     """PP=2, then EP=2 (a no-op for the dense model), then TP=2 and back."""
-    from nemo_dapo.policy import megatron_convert as convert
+    from nemo_dapo.policy.megatron import convert as convert
 
     hf, shape = checkpoint_and_shape(request.getfixturevalue(family))
     full = convert.hf_to_megatron(hf, shape)
 
     def split_and_join(stage):
         parts = [convert.slice_experts(stage, shape, ep_rank, 2) for ep_rank in range(2)]
-        parts = [{k: convert.unshard(k, [convert.shard(k, v, r, 2) for r in range(2)]) for k, v in part.items()}
-                 for part in parts]
+        parts = [
+            {k: convert.unshard(k, [convert.shard(k, v, r, 2) for r in range(2)]) for k, v in part.items()}
+            for part in parts
+        ]
         return convert.unslice_experts(parts, shape)
 
     stages = [split_and_join(convert.stage_state(full, shape, pp, 2)) for pp in range(2)]
     back = convert.megatron_to_hf(convert.unstage_state(stages, shape), shape)
     assert list(back) and set(back) == set(hf)
     assert all(torch.equal(back[k], hf[k]) for k in hf)
-    assert torch.equal(full["decoder.layers.1.self_attention.k_layernorm.weight"],
-                       hf["model.layers.1.self_attn.k_norm.weight"])
+    assert torch.equal(
+        full["decoder.layers.1.self_attention.k_layernorm.weight"], hf["model.layers.1.self_attn.k_norm.weight"]
+    )
 
 
 def test_expert_j_lives_on_ep_rank_j_div_n_as_local_expert_j_mod_n(moe_dir):
-    from nemo_dapo.policy import megatron_convert as convert
+    from nemo_dapo.policy.megatron import convert as convert
 
     hf, shape = checkpoint_and_shape(moe_dir)
     second = convert.slice_experts(convert.hf_to_megatron(hf, shape), shape, ep_rank=1, ep_size=2)
@@ -89,33 +99,40 @@ def test_expert_j_lives_on_ep_rank_j_div_n_as_local_expert_j_mod_n(moe_dir):
     assert sum(convert.is_expert(k) for k in second) == shape.num_layers * 2 * 2  # 2 experts, fc1 + fc2
     assert torch.equal(second[local.format(2)], hf["model.layers.1.mlp.experts.3.down_proj.weight"])
     assert convert.global_expert_name(local.format(2), ep_rank=1, experts_per_rank=2) == local.format(2).replace(
-        "local_experts.1", "local_experts.3")
+        "local_experts.1", "local_experts.3"
+    )
     # expert TP: rank 1's fc1 shard is the second half of gate, then the second half of up
     gate, up = (hf[f"model.layers.1.mlp.experts.3.{p}_proj.weight"] for p in ("gate", "up"))
     half = shape.moe_ffn_size // 2
-    assert torch.equal(convert.shard(local.format(1), second[local.format(1)], 1, 2),
-                       torch.cat([gate[half:], up[half:]]))
+    assert torch.equal(
+        convert.shard(local.format(1), second[local.format(1)], 1, 2), torch.cat([gate[half:], up[half:]])
+    )
     assert torch.equal(second["decoder.layers.1.mlp.router.weight"], hf["model.layers.1.mlp.gate.weight"])
 
 
 def test_transformer_engine_names_keep_the_moe_pre_mlp_norm():
     """The TE spec fuses the pre-MLP norm into linear_fc1 only in dense layers: a MoE layer keeps its own."""
-    from nemo_dapo.policy import megatron_model as mm
+    from nemo_dapo.policy.megatron import model as mm
 
-    local = {"decoder.layers.0.input_layernorm.weight": torch.ones(1),
-             "decoder.layers.0.pre_mlp_layernorm.weight": torch.ones(2),
-             "decoder.layers.0.mlp.router.weight": torch.ones(3)}
+    local = {
+        "decoder.layers.0.input_layernorm.weight": torch.ones(1),
+        "decoder.layers.0.pre_mlp_layernorm.weight": torch.ones(2),
+        "decoder.layers.0.mlp.router.weight": torch.ones(3),
+    }
     te = mm.to_te_names(local)
-    assert set(te) == {"decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
-                       "decoder.layers.0.pre_mlp_layernorm.weight", "decoder.layers.0.mlp.router.weight"}
+    assert set(te) == {
+        "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
+        "decoder.layers.0.pre_mlp_layernorm.weight",
+        "decoder.layers.0.mlp.router.weight",
+    }
     assert mm.to_local_names(te) == local
 
 
 def test_unsupported_moe_layouts_are_refused():
     from transformers import Qwen2MoeConfig, Qwen3MoeConfig
 
-    from nemo_dapo.policy import megatron_model as mm
-    from nemo_dapo.policy.megatron_convert import ModelShape
+    from nemo_dapo.policy.megatron import model as mm
+    from nemo_dapo.policy.megatron.convert import ModelShape
 
     for config in (Qwen3MoeConfig(mlp_only_layers=[0]), Qwen3MoeConfig(decoder_sparse_step=2), Qwen2MoeConfig()):
         with pytest.raises(ValueError, match="mlp_only_layers|model_type"):
@@ -130,19 +147,31 @@ def test_unsupported_moe_layouts_are_refused():
     mm.check_expert_layout(moe, mm.Parallelism(tensor=2, expert=2), sequence_parallel=True)  # the GPU layout
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["actor.megatron.expert_model_parallel_size=3"], r"expert_model_parallel_size=3 does not divide the model's 4 "
-                                                      "experts"),
-    (["actor.megatron.expert_model_parallel_size=2", "model.path={dense}"],
-     r"expert_model_parallel_size=2: .* is dense \(no experts\)"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["actor.megatron.expert_model_parallel_size=3"],
+            r"expert_model_parallel_size=3 does not divide the model's 4 "
+            "experts",
+        ),
+        (
+            ["actor.megatron.expert_model_parallel_size=2", "model.path={dense}"],
+            r"expert_model_parallel_size=2: .* is dense \(no experts\)",
+        ),
+    ],
+)
 def test_start_up_knows_the_experts_of_a_local_model(overrides, message, moe_dir, qwen3_dir):
     """Checked before any worker is placed (the config itself loads: its model may not exist yet)."""
     from nemo_dapo.config import load_config
     from nemo_dapo.launch.plan import startup_shape_problems
 
-    base = ["actor.backend=megatron", "actor.num_workers=12", f"model.path={moe_dir}",  # 12 ranks: EP 2 or 3 fit
-            "rollout.n=12"]
+    base = [
+        "actor.backend=megatron",
+        "actor.num_workers=12",
+        f"model.path={moe_dir}",  # 12 ranks: EP 2 or 3 fit
+        "rollout.n=12",
+    ]
     problems = startup_shape_problems(load_config("tiny_cpu", base + [o.format(dense=qwen3_dir) for o in overrides]))
     assert any(re.search(message, p) for p in problems), problems
     assert startup_shape_problems(load_config("tiny_cpu", base + ["actor.megatron.expert_model_parallel_size=2"])) == []
@@ -170,7 +199,7 @@ def per_expert_names(weights: dict) -> dict:
 
 
 def assert_exports_checkpoint(exported_weights: dict, model_dir) -> None:
-    from nemo_dapo.policy.megatron_model import read_hf_weights
+    from nemo_dapo.policy.megatron.model import read_hf_weights
 
     checkpoint = read_hf_weights(str(model_dir))
     assert set(exported_weights) == set(checkpoint)

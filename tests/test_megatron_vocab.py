@@ -15,9 +15,10 @@ from tests.ranks import spawn
 
 pytestmark = [
     pytest.mark.megatron,
-    pytest.mark.skipif(importlib.util.find_spec("megatron") is None
-                       or importlib.util.find_spec("megatron.core") is None,
-                       reason="megatron-core is not installed (optional 'megatron' extra)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
+        reason="megatron-core is not installed (optional 'megatron' extra)",
+    ),
 ]
 
 VOCAB, PADDED, TEMPERATURE = 11, 12, 0.7
@@ -31,20 +32,27 @@ def sample(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run_rank(rank: int, world_size: int, rendezvous: str, out_dir: str) -> None:
-    from nemo_dapo.policy import megatron_model as mm
-    from nemo_dapo.policy.megatron_cpu_compat import enable_cpu_compat
-    from nemo_dapo.policy.megatron_vocab import vocab_parallel_stats
+    from nemo_dapo.policy.megatron import model as mm
+    from nemo_dapo.policy.megatron.cpu_compat import enable_cpu_compat
+    from nemo_dapo.policy.megatron.vocab import vocab_parallel_stats
 
     enable_cpu_compat()
     mm.init_distributed(rank, world_size, rendezvous, mm.Parallelism(tensor=world_size), seed=1)
     logits, labels = sample()
     width = PADDED // world_size
-    shard = logits[..., rank * width: (rank + 1) * width].clone().requires_grad_(True)
+    shard = logits[..., rank * width : (rank + 1) * width].clone().requires_grad_(True)
     log_probs, entropy = vocab_parallel_stats(shard, labels, TEMPERATURE, VOCAB)
     (log_probs.sum() + 0.3 * entropy.sum()).backward()
     _, metric_only = vocab_parallel_stats(shard, labels, TEMPERATURE, VOCAB, entropy_grad=False)
-    torch.save({"log_probs": log_probs.detach(), "entropy": entropy.detach(), "grad": shard.grad,
-                "metric_has_graph": metric_only.requires_grad}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(
+        {
+            "log_probs": log_probs.detach(),
+            "entropy": entropy.detach(),
+            "grad": shard.grad,
+            "metric_has_graph": metric_only.requires_grad,
+        },
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
 
 
 def test_two_vocabulary_shards_give_the_gathered_log_probs_entropy_and_gradients(tmp_path):
@@ -60,7 +68,9 @@ def test_two_vocabulary_shards_give_the_gathered_log_probs_entropy_and_gradients
     (expected_lp.sum() + 0.3 * expected_ent.sum()).backward()
     for result in ranks:  # every rank ends with the whole rows' values
         assert torch.allclose(result["log_probs"], expected_lp.detach(), atol=1e-6)
-        assert (result["entropy"] - expected_ent.detach()).abs().max() < 1e-5, (result["entropy"] - expected_ent).abs().max()
+        assert (result["entropy"] - expected_ent.detach()).abs().max() < 1e-5, (
+            (result["entropy"] - expected_ent).abs().max()
+        )
         assert not result["metric_has_graph"]
     grad = torch.cat([r["grad"] for r in ranks], dim=-1)
     assert torch.allclose(grad, whole.grad, atol=1e-6)

@@ -15,9 +15,10 @@ from tests.ranks import spawn
 
 pytestmark = [
     pytest.mark.megatron,
-    pytest.mark.skipif(importlib.util.find_spec("megatron") is None
-                       or importlib.util.find_spec("megatron.core") is None,
-                       reason="megatron-core is not installed (optional 'megatron' extra)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
+        reason="megatron-core is not installed (optional 'megatron' extra)",
+    ),
 ]
 
 LR = 1e-2
@@ -30,8 +31,9 @@ def optim_settings() -> dict:
     return asdict(OptimConfig(lr=LR, warmup_steps=WARMUP))
 
 
-def make_batch(seed: int = 0, rows: int = 6, prompt: int = 5, response: int = 7, vocab: int = 494,
-               padded: bool = True) -> dict:
+def make_batch(
+    seed: int = 0, rows: int = 6, prompt: int = 5, response: int = 7, vocab: int = 494, padded: bool = True
+) -> dict:
     """Left-padded prompts + right-padded responses of random tokens, as the trainer builds them
     (``padded=False``: every row full length, so micro-batches keep the rows in order)."""
     gen = torch.Generator().manual_seed(seed)
@@ -39,20 +41,37 @@ def make_batch(seed: int = 0, rows: int = 6, prompt: int = 5, response: int = 7,
     attention = torch.ones(rows, width, dtype=torch.long)
     for row in range(rows if padded else 0):
         attention[row, : int(torch.randint(0, prompt - 1, (1,), generator=gen))] = 0
-        attention[row, width - int(torch.randint(0, response - 1, (1,), generator=gen)):] = 0
+        attention[row, width - int(torch.randint(0, response - 1, (1,), generator=gen)) :] = 0
     ids = torch.randint(3, vocab, (rows, width), generator=gen) * attention
-    return {"input_ids": ids, "attention_mask": attention, "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
-            "responses": ids[:, prompt:], "response_mask": attention[:, prompt:]}
+    return {
+        "input_ids": ids,
+        "attention_mask": attention,
+        "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+        "responses": ids[:, prompt:],
+        "response_mask": attention[:, prompt:],
+    }
 
 
 def add_training_fields(batch: dict, old_log_probs: torch.Tensor) -> dict:
     rows = batch["input_ids"].shape[0]
-    return {**batch, "old_log_probs": old_log_probs,
-            "advantages": torch.linspace(-1, 1, rows)[:, None] * batch["response_mask"]}
+    return {
+        **batch,
+        "old_log_probs": old_log_probs,
+        "advantages": torch.linspace(-1, 1, rows)[:, None] * batch["response_mask"],
+    }
 
 
-def run_megatron_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, tp: int, pp: int,
-                      out_dir: str, options: dict, padded: bool) -> None:
+def run_megatron_rank(
+    rank: int,
+    world_size: int,
+    rendezvous: str,
+    model_dir: str,
+    tp: int,
+    pp: int,
+    out_dir: str,
+    options: dict,
+    padded: bool,
+) -> None:
     """One Megatron rank: log-probs, one update (two micro-batches), exported weights -> out_dir.
 
     With world_size > tp * pp the data-parallel ranks each take their contiguous share of the rows
@@ -60,28 +79,46 @@ def run_megatron_rank(rank: int, world_size: int, rendezvous: str, model_dir: st
     from every rank, so the result is that of the whole batch.
     """
     from nemo_dapo.policy.base import LossSettings, MiniBatch
-    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
+    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
     torch.set_num_threads(1)
     options = {"max_token_len": 40, **options}
-    worker = MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, optim_settings(),
-                                  tensor_parallel_size=tp, pipeline_parallel_size=pp, **options)
+    worker = MegatronPolicyWorker(
+        rank,
+        world_size,
+        rendezvous,
+        model_dir,
+        optim_settings(),
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        **options,
+    )
     batch = make_batch(padded=padded)
     dp_rank, dp_size = worker.data_parallel_layout()
     rows = len(batch["input_ids"]) // dp_size
     # advantages of the whole batch (they depend on the row index), then this replica's rows
     whole = add_training_fields(batch, torch.zeros_like(batch["responses"], dtype=torch.float))
-    share = {k: v[dp_rank * rows: (dp_rank + 1) * rows] for k, v in whole.items()}
+    share = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in whole.items()}
     before = worker.compute_log_prob(share)
     loaded = exported(worker, 1 << 12)  # small buckets: many, streamed one layer at a time
     full = {**share, "old_log_probs": before["log_probs"]}
-    metrics = worker.update([MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))],
-                            LossSettings())
+    metrics = worker.update(
+        [MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))], LossSettings()
+    )
     optimizer_numel = sum(p.numel() for group in worker.optimizer.param_groups for p in group["params"])
     after = worker.compute_log_prob(share)  # the updated weights, as the next step reads them
-    torch.save({"before": before, "after": after, "metrics": metrics, "loaded": loaded, "weights": exported(worker),
-                "dp": (dp_rank, dp_size), "optimizer_numel": optimizer_numel},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(
+        {
+            "before": before,
+            "after": after,
+            "metrics": metrics,
+            "loaded": loaded,
+            "weights": exported(worker),
+            "dp": (dp_rank, dp_size),
+            "optimizer_numel": optimizer_numel,
+        },
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
 
 
 def exported(worker, bucket_bytes: int = 1 << 30) -> dict:
@@ -97,8 +134,9 @@ def torch_reference(model_dir) -> dict:
     batch = make_batch()
     before = worker.compute_log_prob(batch)
     full = add_training_fields(batch, before["log_probs"])
-    metrics = worker.update([MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))],
-                            LossSettings())
+    metrics = worker.update(
+        [MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))], LossSettings()
+    )
     return {"before": before, "metrics": metrics, "weights": exported(worker)}
 
 
@@ -107,12 +145,22 @@ def reference(tiny_model_dir):
     return torch_reference(tiny_model_dir)
 
 
-def megatron_result(tmp_path, model_dir, tp: int = 1, pp: int = 1, world_size: int | None = None,
-                    padded: bool = True, **options) -> dict:
+def megatron_result(
+    tmp_path, model_dir, tp: int = 1, pp: int = 1, world_size: int | None = None, padded: bool = True, **options
+) -> dict:
     """Rank 0's result, with log-probs and summed loss metrics assembled over the data-parallel ranks."""
     world_size = world_size or tp * pp
-    spawn(run_megatron_rank, world_size, str(tmp_path / "rendezvous"), str(model_dir), tp, pp, str(tmp_path), options,
-          padded)
+    spawn(
+        run_megatron_rank,
+        world_size,
+        str(tmp_path / "rendezvous"),
+        str(model_dir),
+        tp,
+        pp,
+        str(tmp_path),
+        options,
+        padded,
+    )
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
     replicas = {r["dp"][0]: r for r in ranks}  # one rank per data-parallel replica
     result = dict(ranks[0])
@@ -120,8 +168,10 @@ def megatron_result(tmp_path, model_dir, tp: int = 1, pp: int = 1, world_size: i
         ordered = [replicas[i] for i in sorted(replicas)]
         for when in ("before", "after"):
             result[when] = {k: torch.cat([r[when][k] for r in ordered]) for k in ranks[0][when]}
-        result["metrics"] = {**ranks[0]["metrics"],
-                             "actor/pg_loss": [sum(r["metrics"]["actor/pg_loss"][0] for r in ordered)]}
+        result["metrics"] = {
+            **ranks[0]["metrics"],
+            "actor/pg_loss": [sum(r["metrics"]["actor/pg_loss"][0] for r in ordered)],
+        }
     # the ranks' exports are disjoint and together the whole model (one exporter per pipeline stage)
     for key in ("loaded", "weights"):
         names = [name for r in ranks for name in r[key]]
@@ -135,58 +185,73 @@ def test_hf_to_megatron_to_hf_is_bit_exact(tiny_model_dir):
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from nemo_dapo.policy import megatron_convert as convert
+    from nemo_dapo.policy.megatron import convert as convert
 
     hf = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
     shape = convert.ModelShape.from_hf_config(AutoConfig.from_pretrained(tiny_model_dir))
     full = convert.hf_to_megatron(hf, shape)
     # TP=2 x PP=2 split and re-assembly on the way back
     stages = [convert.stage_state(full, shape, pp, 2) for pp in range(2)]
-    regathered = [{k: convert.unshard(k, [convert.shard(k, v, r, 2) for r in range(2)]) for k, v in stage.items()}
-                  for stage in stages]
+    regathered = [
+        {k: convert.unshard(k, [convert.shard(k, v, r, 2) for r in range(2)]) for k, v in stage.items()}
+        for stage in stages
+    ]
     back = convert.megatron_to_hf(convert.unstage_state(regathered, shape), shape)
     assert list(back) and set(back) == set(hf)
     assert all(torch.equal(back[k], hf[k]) for k in hf)
     # one KV group per TP rank: rank 1's fused QKV is exactly group 1's q heads, k and v
-    qkv1 = convert.shard("decoder.layers.0.self_attention.linear_qkv.weight",
-                         full["decoder.layers.0.self_attention.linear_qkv.weight"], 1, 2)
+    qkv1 = convert.shard(
+        "decoder.layers.0.self_attention.linear_qkv.weight",
+        full["decoder.layers.0.self_attention.linear_qkv.weight"],
+        1,
+        2,
+    )
     q, k, v = (hf[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
     per_group = shape.head_dim * shape.num_heads // shape.num_kv_heads
-    expected = torch.cat([q[per_group:], k[shape.head_dim:], v[shape.head_dim:]])
+    expected = torch.cat([q[per_group:], k[shape.head_dim :], v[shape.head_dim :]])
     assert torch.equal(qkv1, expected)
 
 
 def test_transformer_engine_names_round_trip():
     """The TE layer spec fuses the pre-norms into the linears: loading renames, exporting renames back."""
-    from nemo_dapo.policy import megatron_model as mm
+    from nemo_dapo.policy.megatron import model as mm
 
-    local = {"decoder.layers.3.input_layernorm.weight": torch.ones(1),
-             "decoder.layers.3.pre_mlp_layernorm.weight": torch.ones(2),
-             "decoder.layers.3.self_attention.linear_qkv.weight": torch.ones(3),
-             "decoder.final_layernorm.weight": torch.ones(4)}
+    local = {
+        "decoder.layers.3.input_layernorm.weight": torch.ones(1),
+        "decoder.layers.3.pre_mlp_layernorm.weight": torch.ones(2),
+        "decoder.layers.3.self_attention.linear_qkv.weight": torch.ones(3),
+        "decoder.final_layernorm.weight": torch.ones(4),
+    }
     te = mm.to_te_names(local)
-    assert set(te) == {"decoder.layers.3.self_attention.linear_qkv.layer_norm_weight",
-                       "decoder.layers.3.mlp.linear_fc1.layer_norm_weight",
-                       "decoder.layers.3.self_attention.linear_qkv.weight", "decoder.final_layernorm.weight"}
+    assert set(te) == {
+        "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight",
+        "decoder.layers.3.mlp.linear_fc1.layer_norm_weight",
+        "decoder.layers.3.self_attention.linear_qkv.weight",
+        "decoder.final_layernorm.weight",
+    }
     assert mm.uses_fused_norms(te) and not mm.uses_fused_norms(local)
     assert mm.to_local_names(te) == local
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusals")
-@pytest.mark.parametrize("options, tp, message", [
-    ({"transformer_impl": "transformer_engine"}, 1, "needs a GPU"),
-    ({"fp8": "hybrid"}, 1, "fp8 training needs"), ({"transformer_impl": "te"}, 1, "must be one of"),
-    ({"sequence_parallel": True}, 2, "sequence_parallel needs"),
-])
+@pytest.mark.parametrize(
+    "options, tp, message",
+    [
+        ({"transformer_impl": "transformer_engine"}, 1, "needs a GPU"),
+        ({"fp8": "hybrid"}, 1, "fp8 training needs"),
+        ({"transformer_impl": "te"}, 1, "must be one of"),
+        ({"sequence_parallel": True}, 2, "sequence_parallel needs"),
+    ],
+)
 def test_gpu_only_options_are_refused_on_cpu(options, tp, message):
-    from nemo_dapo.policy import megatron_model as mm
+    from nemo_dapo.policy.megatron import model as mm
 
     with pytest.raises(ValueError, match=message):
         mm.TrainingOptions(**options).check(tp)
 
 
 def test_recompute_fields():
-    from nemo_dapo.policy import megatron_model as mm
+    from nemo_dapo.policy.megatron import model as mm
 
     assert mm.TrainingOptions(recompute_granularity="full").transformer_fields()["recompute_method"] == "uniform"
     assert "recompute_granularity" not in mm.TrainingOptions().transformer_fields()
@@ -196,8 +261,8 @@ def test_widths_are_padded_for_sequence_parallelism_and_fp8():
     """SP splits columns over TP; TransformerEngine's FP8 GEMMs need token counts divisible by 16."""
     from types import SimpleNamespace
 
-    from nemo_dapo.policy import megatron_model as mm
-    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
+    from nemo_dapo.policy.megatron import model as mm
+    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
     def multiple(tp: int, **options) -> int:
         layout = SimpleNamespace(parallel=mm.Parallelism(tp), options=mm.TrainingOptions(**options))
@@ -210,7 +275,7 @@ def test_widths_are_padded_for_sequence_parallelism_and_fp8():
 def test_right_padding_to_a_multiple_changes_no_log_prob(tmp_path, tiny_model_dir):
     """Sequence parallelism pads each micro-batch to a multiple of TP: masked columns after every
     real token, positions continued, and the response slice unchanged."""
-    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker, attention_mask_4d, pad_width
+    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker, attention_mask_4d, pad_width
 
     worker = MegatronPolicyWorker(0, 1, str(tmp_path / "store"), str(tiny_model_dir), optim_settings())
     micro = make_batch(rows=3)
@@ -296,8 +361,9 @@ def test_virtual_pipeline_stages_match_single_rank(tmp_path, four_layers, four_l
     """PP=2 with two interleaved chunks per rank (layers 0 and 2 on rank 0, 1 and 3 on rank 1)
     under Megatron's interleaved schedule (uniform micro-batches, filler rows masked out): the
     same log-probs, loss and update as one rank."""
-    virtual = megatron_result(tmp_path, four_layers, pp=2, virtual_pipeline_parallel_size=2,
-                              max_token_len=max_token_len)
+    virtual = megatron_result(
+        tmp_path, four_layers, pp=2, virtual_pipeline_parallel_size=2, max_token_len=max_token_len
+    )
     assert_same_update(virtual, four_layers_single)
 
 
@@ -318,8 +384,9 @@ def test_context_parallel_matches_single_rank(tmp_path, tiny_model_dir, referenc
     """CP=2 (x TP=2: four ranks): each rank holds two chunks of every packed row (load-balanced) and
     attends to the row's gathered keys; log-probs summed over CP, gradients over DP x CP: the single
     rank's update (at TP=2, as without CP, compared with the torch worker only)."""
-    result = megatron_result(tmp_path, tiny_model_dir, tp=tp, world_size=2 * tp, context_parallel_size=2,
-                             sequence_packing=True)
+    result = megatron_result(
+        tmp_path, tiny_model_dir, tp=tp, world_size=2 * tp, context_parallel_size=2, sequence_packing=True
+    )
     assert result["dp"] == (0, 1)
     assert_matches_torch(result, reference)
     if tp == 1:
@@ -328,8 +395,9 @@ def test_context_parallel_matches_single_rank(tmp_path, tiny_model_dir, referenc
 
 def test_packed_interleaved_pipeline_matches_single_rank(tmp_path, four_layers, four_layers_single):
     """Interleaved stages with packing: packs of one width, filler packs up to a multiple of PP."""
-    virtual = megatron_result(tmp_path, four_layers, pp=2, virtual_pipeline_parallel_size=2, max_token_len=30,
-                              sequence_packing=True)
+    virtual = megatron_result(
+        tmp_path, four_layers, pp=2, virtual_pipeline_parallel_size=2, max_token_len=30, sequence_packing=True
+    )
     assert_same_update(virtual, four_layers_single)
 
 
@@ -343,8 +411,10 @@ def test_dp2_distributed_optimizer_matches_single_rank(tmp_path, tiny_model_dir,
     assert_matches_torch(result, reference)
 
 
-@pytest.mark.parametrize("options", [{"recompute_granularity": "full"}, {"recompute_granularity": "selective"},
-                                     {"use_distributed_optimizer": False}])
+@pytest.mark.parametrize(
+    "options",
+    [{"recompute_granularity": "full"}, {"recompute_granularity": "selective"}, {"use_distributed_optimizer": False}],
+)
 def test_recompute_and_plain_optimizer_give_the_same_update(tmp_path, tiny_model_dir, single_rank, options):
     """Activation recompute replays the forward in the backward; the plain optimizer keeps whole
     state per rank: neither may change the numbers."""
@@ -353,17 +423,25 @@ def test_recompute_and_plain_optimizer_give_the_same_update(tmp_path, tiny_model
 
 def run_frozen_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, out_dir: str) -> None:
     from nemo_dapo.policy.base import LossSettings
-    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
+    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
     torch.set_num_threads(1)
-    worker = MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, optim_settings(), max_token_len=40,
-                                  trainable=False)
+    worker = MegatronPolicyWorker(
+        rank, world_size, rendezvous, model_dir, optim_settings(), max_token_len=40, trainable=False
+    )
     with pytest.raises(RuntimeError, match="trainable=False") as refused:
         worker.update([], LossSettings())
     params = [p for model in worker.models for p in model.parameters()]
-    torch.save({"before": worker.compute_log_prob(make_batch()), "refused": str(refused.value),
-                "optimizer": worker.optimizer, "trainable": [p for p in params if p.requires_grad],
-                "grad_buffers": [p for p in params if hasattr(p, "main_grad")]}, os.path.join(out_dir, "frozen.pt"))
+    torch.save(
+        {
+            "before": worker.compute_log_prob(make_batch()),
+            "refused": str(refused.value),
+            "optimizer": worker.optimizer,
+            "trainable": [p for p in params if p.requires_grad],
+            "grad_buffers": [p for p in params if hasattr(p, "main_grad")],
+        },
+        os.path.join(out_dir, "frozen.pt"),
+    )
 
 
 def test_reference_worker_keeps_weights_only_and_scores_like_the_actor(tmp_path, tiny_model_dir, single_rank):
@@ -379,22 +457,34 @@ def run_overlap_rank(rank: int, world_size: int, rendezvous: str, model_dir: str
     """Two updates of 2 then 3 micro-batches per rank; the weights read straight after the last
     optimizer step (no forward in between), then the log-probs of the updated model."""
     from nemo_dapo.policy.base import LossSettings, MiniBatch
-    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
+    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
     torch.set_num_threads(1)
-    worker = MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, optim_settings(), max_token_len=24,
-                                  overlap_grad_reduce=overlap, overlap_param_gather=overlap, ddp_bucket_size=20_000)
+    worker = MegatronPolicyWorker(
+        rank,
+        world_size,
+        rendezvous,
+        model_dir,
+        optim_settings(),
+        max_token_len=24,
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap,
+        ddp_bucket_size=20_000,
+    )
     metrics = []
     for seed, rows in ((0, 6), (1, 10)):
         batch = make_batch(seed, rows=rows)
         share = {k: v[rank::world_size] for k, v in batch.items()}
         full = add_training_fields(share, worker.compute_log_prob(share)["log_probs"])
-        metrics.append(worker.update([MiniBatch(full, float(batch["response_mask"].sum()), float(rows))],
-                                     LossSettings()))
+        metrics.append(
+            worker.update([MiniBatch(full, float(batch["response_mask"].sum()), float(rows))], LossSettings())
+        )
     weights = exported(worker)
     after = worker.compute_log_prob(share)
-    torch.save({"metrics": metrics, "weights": weights, "after": after},
-               os.path.join(out_dir, f"{'overlap' if overlap else 'plain'}{rank}.pt"))
+    torch.save(
+        {"metrics": metrics, "weights": weights, "after": after},
+        os.path.join(out_dir, f"{'overlap' if overlap else 'plain'}{rank}.pt"),
+    )
 
 
 def test_overlapped_gradient_reduce_and_parameter_gather_give_the_same_updates(tmp_path, tiny_model_dir):
@@ -403,8 +493,10 @@ def test_overlapped_gradient_reduce_and_parameter_gather_give_the_same_updates(t
     the next forward give the same two updates, exported weights and log-probs as plain DP."""
     for overlap in (False, True):
         spawn(run_overlap_rank, 2, str(tmp_path / f"rdv_{overlap}"), str(tiny_model_dir), str(tmp_path), overlap)
-    runs = {name: [torch.load(tmp_path / f"{name}{rank}.pt", weights_only=False) for rank in range(2)]
-            for name in ("plain", "overlap")}
+    runs = {
+        name: [torch.load(tmp_path / f"{name}{rank}.pt", weights_only=False) for rank in range(2)]
+        for name in ("plain", "overlap")
+    }
     for ours, theirs in zip(runs["overlap"][0]["metrics"], runs["plain"][0]["metrics"]):
         assert ours["actor/grad_norm"][0] == pytest.approx(theirs["actor/grad_norm"][0], rel=1e-6)
     for ours, theirs in zip(runs["overlap"], runs["plain"]):  # log-probs near -10 over weights rounded apart
@@ -426,19 +518,28 @@ def train_step(worker, seed: int) -> dict:
 
     batch = make_batch(seed)
     full = add_training_fields(batch, worker.compute_log_prob(batch)["log_probs"])
-    return worker.update([MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))],
-                         LossSettings())
+    return worker.update(
+        [MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))], LossSettings()
+    )
 
 
-def run_resume_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, checkpoint: str,
-                    out_dir: str, resume: bool, layout: dict, asynchronous: bool) -> None:
+def run_resume_rank(
+    rank: int,
+    world_size: int,
+    rendezvous: str,
+    model_dir: str,
+    checkpoint: str,
+    out_dir: str,
+    resume: bool,
+    layout: dict,
+    asynchronous: bool,
+) -> None:
     """Uninterrupted (save after step 1, then step 2) or resumed (load, then step 2) run; an
     asynchronous save is still being written while step 2 changes the weights."""
-    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
+    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
     torch.set_num_threads(1)
-    worker = MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, optim_settings(), max_token_len=40,
-                                  **layout)
+    worker = MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, optim_settings(), max_token_len=40, **layout)
     if resume:
         worker.load(checkpoint)
     else:
@@ -448,27 +549,40 @@ def run_resume_rank(rank: int, world_size: int, rendezvous: str, model_dir: str,
         assert os.path.exists(os.path.join(checkpoint, "megatron", ".metadata")) != asynchronous
     metrics = train_step(worker, seed=1)
     assert worker.finish_save(blocking=True)
-    torch.save({"metrics": metrics, "weights": exported(worker), "steps_done": worker.steps_done},
-               os.path.join(out_dir, f"{'resumed' if resume else 'straight'}{rank}.pt"))
+    torch.save(
+        {"metrics": metrics, "weights": exported(worker), "steps_done": worker.steps_done},
+        os.path.join(out_dir, f"{'resumed' if resume else 'straight'}{rank}.pt"),
+    )
 
 
 def resume_run(tmp_path, model_dir, world_size: int, layout: dict, resume: bool, asynchronous: bool = False) -> dict:
     """Rank 0's metrics and step count, and the union of the ranks' exported weights."""
     name = "resumed" if resume else "straight"
-    spawn(run_resume_rank, world_size, str(tmp_path / f"rdv_{name}"), str(model_dir), str(tmp_path / "ckpt"),
-          str(tmp_path), resume, layout, asynchronous)
+    spawn(
+        run_resume_rank,
+        world_size,
+        str(tmp_path / f"rdv_{name}"),
+        str(model_dir),
+        str(tmp_path / "ckpt"),
+        str(tmp_path),
+        resume,
+        layout,
+        asynchronous,
+    )
     ranks = [torch.load(tmp_path / f"{name}{r}.pt", weights_only=False) for r in range(world_size)]
     return {**ranks[0], "weights": {k: t for r in ranks for k, t in r["weights"].items()}}
 
 
-@pytest.mark.parametrize("model, layout, asynchronous", [
-    ("tiny_model_dir", {"tensor_parallel_size": 2}, False),
-    ("tiny_model_dir", {"tensor_parallel_size": 2}, True),
-    ("four_layers", {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}, False),
-    ("tiny_model_dir", {"context_parallel_size": 2, "sequence_packing": True}, False),
-])
-def test_save_at_two_ranks_load_at_one_continues_like_uninterrupted_run(tmp_path, request, model, layout,
-                                                                        asynchronous):
+@pytest.mark.parametrize(
+    "model, layout, asynchronous",
+    [
+        ("tiny_model_dir", {"tensor_parallel_size": 2}, False),
+        ("tiny_model_dir", {"tensor_parallel_size": 2}, True),
+        ("four_layers", {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}, False),
+        ("tiny_model_dir", {"context_parallel_size": 2, "sequence_packing": True}, False),
+    ],
+)
+def test_save_at_two_ranks_load_at_one_continues_like_uninterrupted_run(tmp_path, request, model, layout, asynchronous):
     """Saved at TP=2 (in the background, too), at PP=2 with interleaved chunks, or at CP=2 (the
     distributed optimizer sharded over DP x CP); loaded on one rank (resharded)."""
     model_dir = request.getfixturevalue(model)
@@ -476,7 +590,9 @@ def test_save_at_two_ranks_load_at_one_continues_like_uninterrupted_run(tmp_path
     resumed = resume_run(tmp_path, model_dir, 1, {}, resume=True)
     assert straight["steps_done"] == resumed["steps_done"] == 2
     assert resumed["metrics"]["actor/lr"] == pytest.approx(straight["metrics"]["actor/lr"])
-    assert resumed["metrics"]["actor/grad_norm"][0] == pytest.approx(straight["metrics"]["actor/grad_norm"][0], rel=1e-4)
+    assert resumed["metrics"]["actor/grad_norm"][0] == pytest.approx(
+        straight["metrics"]["actor/grad_norm"][0], rel=1e-4
+    )
     diffs = [(resumed["weights"][k] - straight["weights"][k]).abs() for k in straight["weights"]]
     # a wrong Adam step count after resume changes the bias correction: whole-step differences (~lr)
     assert max(d.max().item() for d in diffs) < 0.1 * LR
@@ -484,11 +600,12 @@ def test_save_at_two_ranks_load_at_one_continues_like_uninterrupted_run(tmp_path
 
 
 def run_save_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, checkpoint: str) -> None:
-    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
+    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
     torch.set_num_threads(1)
-    worker = MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, optim_settings(),
-                                  pipeline_parallel_size=world_size)
+    worker = MegatronPolicyWorker(
+        rank, world_size, rendezvous, model_dir, optim_settings(), pipeline_parallel_size=world_size
+    )
     worker.save(checkpoint)
 
 
@@ -499,7 +616,9 @@ def test_pp2_checkpoint_writes_one_hf_shard_per_stage(tmp_path, tiny_model_dir):
     spawn(run_save_rank, 2, str(tmp_path / "rdv"), str(tiny_model_dir), str(tmp_path / "ckpt"))
     folder = tmp_path / "ckpt" / "model"
     assert sorted(p.name for p in folder.glob("*.safetensors")) == [
-        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
     loaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
     original = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     assert loaded.keys() == original.keys()
@@ -509,34 +628,34 @@ def test_pp2_checkpoint_writes_one_hf_shard_per_stage(tmp_path, tiny_model_dir):
 # One check per CPU workaround in megatron_cpu_compat: each fails if its workaround is removed.
 COMPAT_CHECKS = {
     "current_device": "from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding\n"
-                      "assert RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(4).shape[0] == 4",
+    "assert RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(4).shape[0] == 4",
     "device_literal": "assert torch.zeros(1, device='cuda').device.type == 'cpu'",
     "tensor_cuda": "t = torch.ones(2)\nassert t.cuda() is t",
     "type_string": "assert torch.ones(2).type() == 'torch.cuda.FloatTensor'",
     "synchronize": "torch.cuda.synchronize()",
     "rng_tracker": "from megatron.core.tensor_parallel.random import get_cuda_rng_tracker\n"
-                   "tracker = get_cuda_rng_tracker()\ntracker.add('x', 5)\n"
-                   "with tracker.fork('x'):\n    forked = torch.rand(3)\n"
-                   "torch.manual_seed(5)\nassert torch.equal(forked, torch.rand(3))",
+    "tracker = get_cuda_rng_tracker()\ntracker.add('x', 5)\n"
+    "with tracker.fork('x'):\n    forked = torch.rand(3)\n"
+    "torch.manual_seed(5)\nassert torch.equal(forked, torch.rand(3))",
     "recompute_rng": "from megatron.core.tensor_parallel.random import _fork_rng\n"
-                     "torch.manual_seed(3)\nwith _fork_rng():\n    torch.rand(2)\n"
-                     "torch.manual_seed(3)\nexpected = torch.rand(2)\ntorch.manual_seed(3)\n"
-                     "with _fork_rng():\n    torch.rand(5)\nassert torch.equal(torch.rand(2), expected)",
+    "torch.manual_seed(3)\nwith _fork_rng():\n    torch.rand(2)\n"
+    "torch.manual_seed(3)\nexpected = torch.rand(2)\ntorch.manual_seed(3)\n"
+    "with _fork_rng():\n    torch.rand(5)\nassert torch.equal(torch.rand(2), expected)",
     # the MoE token dispatcher and router
     "cuda_stream": "stream = torch.cuda.Stream()\nif torch.cuda.current_stream() != stream:\n"
-                   "    stream.wait_stream(torch.cuda.current_stream())\n"
-                   "with torch.cuda.stream(stream):\n    pass\nstream.record_event().synchronize()",
+    "    stream.wait_stream(torch.cuda.current_stream())\n"
+    "with torch.cuda.stream(stream):\n    pass\nstream.record_event().synchronize()",
     "split_sizes": "from megatron.core.transformer.moe import token_dispatcher\n"
-                   "sizes = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([2, 1]), as_numpy=True)\n"
-                   "assert not torch.is_tensor(sizes) and list(sizes) == [2, 1]",
-    "router_gemm": "from nemo_dapo.policy.megatron_cpu_compat import define_router_gemm_without_te\n"
-                   "from megatron.core.transformer.moe.moe_utils import router_gating_linear\n"
-                   "define_router_gemm_without_te()\nx, w = torch.randn(3, 4), torch.randn(2, 4)\n"
-                   "assert torch.allclose(router_gating_linear(x, w, None, torch.float32), x @ w.t())",
+    "sizes = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([2, 1]), as_numpy=True)\n"
+    "assert not torch.is_tensor(sizes) and list(sizes) == [2, 1]",
+    "router_gemm": "from nemo_dapo.policy.megatron.cpu_compat import define_router_gemm_without_te\n"
+    "from megatron.core.transformer.moe.moe_utils import router_gating_linear\n"
+    "define_router_gemm_without_te()\nx, w = torch.randn(3, 4), torch.randn(2, 4)\n"
+    "assert torch.allclose(router_gating_linear(x, w, None, torch.float32), x @ w.t())",
 }
 COMPAT_RUNNER = """
 import json, sys, torch, traceback
-from nemo_dapo.policy.megatron_cpu_compat import enable_cpu_compat
+from nemo_dapo.policy.megatron.cpu_compat import enable_cpu_compat
 assert enable_cpu_compat()
 results = {}
 for name, code in json.loads(sys.argv[1]).items():
@@ -557,11 +676,12 @@ def run_compat_checks(checks: dict[str, str]) -> dict[str, str]:
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run([sys.executable, "-c", COMPAT_RUNNER, json.dumps(checks)], capture_output=True,
-                         text=True, env=env, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", COMPAT_RUNNER, json.dumps(checks)], capture_output=True, text=True, env=env, timeout=120
+    )
     line = [line for line in run.stdout.splitlines() if line.startswith("RESULTS")]
     assert line, run.stderr[-3000:]
-    return json.loads(line[0][len("RESULTS"):])
+    return json.loads(line[0][len("RESULTS") :])
 
 
 @pytest.fixture(scope="module")

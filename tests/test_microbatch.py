@@ -10,10 +10,15 @@ def batch_of(prompts: list[int], responses: list[int], prompt_width: int = 6, re
     rows = len(prompts)
     attention = torch.zeros(rows, prompt_width + response_width, dtype=torch.long)
     for row, (p, r) in enumerate(zip(prompts, responses)):
-        attention[row, prompt_width - p: prompt_width + r] = 1
+        attention[row, prompt_width - p : prompt_width + r] = 1
     ids = (torch.arange(rows)[:, None] + 1) * attention
-    return {"input_ids": ids, "attention_mask": attention, "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
-            "responses": ids[:, prompt_width:], "response_mask": attention[:, prompt_width:]}
+    return {
+        "input_ids": ids,
+        "attention_mask": attention,
+        "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+        "responses": ids[:, prompt_width:],
+        "response_mask": attention[:, prompt_width:],
+    }
 
 
 def test_rows_of_similar_length_share_a_micro_batch():
@@ -44,4 +49,4 @@ def test_uniform_micro_batches_name_their_real_rows_only():
     assert len({tuple(m["input_ids"].shape) for m in micros}) == 1 and len(micros) % 2 == 0
     assert [row for m in micros for row in m[ROWS].tolist()] == [0, 1, 2]
     for micro in micros:  # filler rows after the real ones contribute no response token
-        assert micro["response_mask"][len(micro[ROWS]):].sum() == 0
+        assert micro["response_mask"][len(micro[ROWS]) :].sum() == 0

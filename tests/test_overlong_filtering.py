@@ -8,7 +8,7 @@ from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.config import load_config
 from nemo_dapo.config.validate import combination_notes
 from nemo_dapo.policy.base import LossSettings
-from nemo_dapo.trainer.batching import mini_batches_per_rank
+from nemo_dapo.policy.inputs import mini_batches_per_rank
 from nemo_dapo.trainer.stages import add_overlong_filter
 
 REASONS = ["stop", "length", "stop", "stop", "length", "stop"]  # 3 prompts x 2 samples
@@ -20,10 +20,16 @@ def rollout_batch(rows=None) -> RolloutBatch:
     prompts = torch.randint(3, 494, (6, 4), generator=gen)
     responses = torch.randint(3, 494, (6, 6), generator=gen)
     response_mask = (torch.arange(6)[None, :] < torch.tensor([6, 6, 2, 4, 6, 3])[:, None]).long()
-    batch = RolloutBatch({"prompts": prompts, "prompt_mask": torch.ones_like(prompts), "responses": responses * response_mask,
-                          "response_mask": response_mask,
-                          "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])[:, None] * response_mask},
-                         {"uid": ["a", "a", "b", "b", "c", "c"], "finish_reason": list(REASONS)})
+    batch = RolloutBatch(
+        {
+            "prompts": prompts,
+            "prompt_mask": torch.ones_like(prompts),
+            "responses": responses * response_mask,
+            "response_mask": response_mask,
+            "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])[:, None] * response_mask,
+        },
+        {"uid": ["a", "a", "b", "b", "c", "c"], "finish_reason": list(REASONS)},
+    )
     return batch if rows is None else batch.select(rows)
 
 
@@ -85,8 +91,15 @@ def test_the_update_equals_one_without_the_truncated_rows_for_any_micro_batch_si
 
 
 def test_start_up_explains_filtering_together_with_the_soft_punishment():
-    both = load_config("tiny_cpu", ["algorithm.overlong_filtering=true", "reward.overlong_buffer.enable=true",
-                                    "data.max_response_length=64", "reward.overlong_buffer.len=16"])
+    both = load_config(
+        "tiny_cpu",
+        [
+            "algorithm.overlong_filtering=true",
+            "reward.overlong_buffer.enable=true",
+            "data.max_response_length=64",
+            "reward.overlong_buffer.len=16",
+        ],
+    )
     (note,) = combination_notes(both)
     assert "soft punishment acts on the finished responses longer than 48 tokens" in note
     alone = load_config("tiny_cpu", ["algorithm.overlong_filtering=true", "reward.overlong_buffer.enable=false"])

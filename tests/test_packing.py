@@ -4,8 +4,16 @@ import torch
 from test_microbatch import batch_of
 
 from nemo_dapo.policy.microbatch import ROWS, prompt_width
-from nemo_dapo.policy.packing import (context_parallel_share, first_fit_decreasing, pack_rows, packed_micro_batches, packed_width,
-                                      response_positions, scatter_rows, uniform_packs)
+from nemo_dapo.policy.packing import (
+    context_parallel_share,
+    first_fit_decreasing,
+    pack_rows,
+    packed_micro_batches,
+    packed_width,
+    response_positions,
+    scatter_rows,
+    uniform_packs,
+)
 
 
 def padded_batch() -> dict:
@@ -36,10 +44,10 @@ def test_pack_lays_real_tokens_end_to_end_and_points_at_each_response_token():
     assert pack["cu_seqlens"][-1] == width
     for k, length in enumerate(lengths.tolist()):
         start = int(pack["cu_seqlens"][k])
-        assert torch.equal(pack["packed_positions"][0, start: start + length], torch.arange(length))
+        assert torch.equal(pack["packed_positions"][0, start : start + length], torch.arange(length))
     assert torch.equal(pack[ROWS], torch.tensor(rows))
     # the logits at response_index predict the next packed token: the row's response token
-    response_real = pack["attention_mask"][:, prompt_width(pack):].bool()
+    response_real = pack["attention_mask"][:, prompt_width(pack) :].bool()
     predicted = pack["packed_ids"][0, pack["response_index"] + 1]
     assert torch.equal(predicted[response_real], pack["responses"][response_real])
 
@@ -86,12 +94,14 @@ def test_context_parallel_shares_split_every_row_into_balanced_chunks():
     cu_seqlens = pack["cu_seqlens"].tolist()
     assert all((end - start) % 4 == 0 for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]))
     shares = [context_parallel_share(pack, 2, rank) for rank in range(2)]
-    assert torch.equal(torch.cat([share["cp_index"] for share in shares]).sort().values,
-                       torch.arange(packed_width(pack)))
+    assert torch.equal(
+        torch.cat([share["cp_index"] for share in shares]).sort().values, torch.arange(packed_width(pack))
+    )
     start, end = cu_seqlens[0], cu_seqlens[1]
     chunk = (end - start) // 4
-    assert torch.equal(shares[0]["cp_index"][: 2 * chunk],
-                       torch.cat([torch.arange(0, chunk), torch.arange(3 * chunk, 4 * chunk)]))
+    assert torch.equal(
+        shares[0]["cp_index"][: 2 * chunk], torch.cat([torch.arange(0, chunk), torch.arange(3 * chunk, 4 * chunk)])
+    )
     assert torch.equal(shares[1]["cp_index"][: 2 * chunk], torch.arange(chunk, 3 * chunk))
     for share in shares:
         assert torch.equal(share["cp_local"][share["cp_index"]], torch.arange(len(share["cp_index"])))

@@ -10,7 +10,6 @@ from nemo_dapo.launch.architectures import KNOWN_ARCHITECTURES, resolve_architec
 from nemo_dapo.launch.capacity import GIB
 from nemo_dapo.launch.plan import make_plan
 
-
 # 24 GPUs: divisible by 3, so TP=3 / EP=3 pass the config's world-size check and reach the model's shape
 THREE_NODES = ("trainer.nnodes=3", "actor.num_workers=24", "rollout.num_workers=6")
 
@@ -53,9 +52,13 @@ def test_moe_preset_fits(capsys):
 
 
 def test_no_model_parallelism_for_32b_is_refused(capsys):
-    code, plan, err = run_plan(capsys, "dapo_qwen2.5_32b", "actor.megatron.tensor_model_parallel_size=1",
-                               "actor.megatron.pipeline_model_parallel_size=1",
-                               "actor.megatron.sequence_parallel=false")
+    code, plan, err = run_plan(
+        capsys,
+        "dapo_qwen2.5_32b",
+        "actor.megatron.tensor_model_parallel_size=1",
+        "actor.megatron.pipeline_model_parallel_size=1",
+        "actor.megatron.sequence_parallel=false",
+    )
     assert code == 1 and not plan["fits"]
     assert plan["training"]["total"] > 80
     assert any("training needs" in p and "the GPU has 80 GiB" in p for p in plan["problems"])
@@ -68,21 +71,32 @@ def test_gpu_memory_flag_decides(capsys):
 
 
 def test_tp_not_dividing_heads_is_refused(capsys):
-    code, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", *THREE_NODES, "actor.megatron.tensor_model_parallel_size=3",
-                             "actor.megatron.pipeline_model_parallel_size=1")
+    code, plan, _ = run_plan(
+        capsys,
+        "dapo_qwen2.5_32b",
+        *THREE_NODES,
+        "actor.megatron.tensor_model_parallel_size=3",
+        "actor.megatron.pipeline_model_parallel_size=1",
+    )
     assert code == 1
     heads = "actor.megatron.tensor_model_parallel_size=3 does not divide the model's 40 attention heads"
     assert heads in plan["problems"]
 
 
 def test_layers_experts_and_rollout_shapes_are_checked(capsys):
-    _, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", *THREE_NODES, "actor.megatron.pipeline_model_parallel_size=3",
-                          "rollout.tensor_parallel_size=3")
+    _, plan, _ = run_plan(
+        capsys,
+        "dapo_qwen2.5_32b",
+        *THREE_NODES,
+        "actor.megatron.pipeline_model_parallel_size=3",
+        "rollout.tensor_parallel_size=3",
+    )
     problems = " | ".join(plan["problems"])
     assert "does not divide the model's 64 layers" in problems
     assert "rollout.tensor_parallel_size=3 does not divide the model's 40 attention heads" in problems
-    _, plan, _ = run_plan(capsys, "dapo_qwen3_30b_a3b", *THREE_NODES, "rollout.n=3",
-                          "actor.megatron.expert_model_parallel_size=3")
+    _, plan, _ = run_plan(
+        capsys, "dapo_qwen3_30b_a3b", *THREE_NODES, "rollout.n=3", "actor.megatron.expert_model_parallel_size=3"
+    )
     assert "actor.megatron.expert_model_parallel_size=3 does not divide the model's 128 experts" in plan["problems"]
     _, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "actor.megatron.expert_model_parallel_size=2")
     assert any("is dense (no experts)" in p for p in plan["problems"])
@@ -101,10 +115,18 @@ def test_colocated_peak_is_the_larger_phase(capsys):
     assert colocated["peak"] == max(colocated["training_phase"], colocated["generation_phase"]) < 80
     code, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "rollout.gpu_memory_utilization=0.9")
     assert code == 1 and plan["colocated"]["generation_phase"] > 80
-    assert any(p.startswith("colocated generation needs") and "rollout.gpu_memory_utilization to <= 0.76" in p
-               for p in plan["problems"])
-    code, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "rollout.gpu_memory_utilization=0.9", "trainer.colocate=false",
-                             "actor.num_workers=64", "rollout.num_workers=16")
+    assert any(
+        p.startswith("colocated generation needs") and "rollout.gpu_memory_utilization to <= 0.76" in p
+        for p in plan["problems"]
+    )
+    code, plan, _ = run_plan(
+        capsys,
+        "dapo_qwen2.5_32b",
+        "rollout.gpu_memory_utilization=0.9",
+        "trainer.colocate=false",
+        "actor.num_workers=64",
+        "rollout.num_workers=16",
+    )
     assert code == 0 and plan["colocated"] is None
 
 
@@ -117,8 +139,14 @@ def test_colocated_kl_reference_adds_its_weights(capsys):
     assert kl["training"]["reference"] == pytest.approx(kl["training"]["weights"])
     for phase in ("training_phase", "generation_phase"):
         assert kl["colocated"][phase] == pytest.approx(base["colocated"][phase] + kl["training"]["weights"])
-    _, separate, _ = run_plan(capsys, "dapo_qwen2.5_32b", "actor.use_kl_loss=true", "trainer.colocate=false",
-                              "actor.num_workers=32", "rollout.num_workers=16")
+    _, separate, _ = run_plan(
+        capsys,
+        "dapo_qwen2.5_32b",
+        "actor.use_kl_loss=true",
+        "trainer.colocate=false",
+        "actor.num_workers=32",
+        "rollout.num_workers=16",
+    )
     assert separate["training"]["reference"] == 0
 
 
@@ -133,20 +161,39 @@ def test_unknown_model_is_a_config_error(capsys):
     assert "not a known architecture" in capsys.readouterr().err
 
 
-TINY = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "head_dim": 4, "intermediate_size": 16, "vocab_size": 10,
-        "tie_word_embeddings": False, "attention_bias": False}
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 8,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 4,
+    "intermediate_size": 16,
+    "vocab_size": 10,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+}
 
 
 def test_numbers_match_a_hand_calculation(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY))
-    cfg = load_config("dapo", [f"model.path={tmp_path}", "actor.backend=megatron", "trainer.n_gpus_per_node=4",
-                               "actor.num_workers=4",
-                               "actor.megatron.tensor_model_parallel_size=2", "actor.megatron.sequence_parallel=true",
-                               "actor.megatron.transformer_impl=transformer_engine",
-                               "data.max_prompt_length=4", "data.max_response_length=12",
-                               "reward.overlong_buffer.len=4",
-                               "actor.max_token_len_per_micro_batch=32", "rollout.tensor_parallel_size=2"])
+    cfg = load_config(
+        "dapo",
+        [
+            f"model.path={tmp_path}",
+            "actor.backend=megatron",
+            "trainer.n_gpus_per_node=4",
+            "actor.num_workers=4",
+            "actor.megatron.tensor_model_parallel_size=2",
+            "actor.megatron.sequence_parallel=true",
+            "actor.megatron.transformer_impl=transformer_engine",
+            "data.max_prompt_length=4",
+            "data.max_response_length=12",
+            "reward.overlong_buffer.len=4",
+            "actor.max_token_len_per_micro_batch=32",
+            "rollout.tensor_parallel_size=2",
+        ],
+    )
     plan = make_plan(cfg, "tiny", gpu_memory_gib=1.0, reserve_gib=0.0)
     # per layer: attention 8*(8+4+4) + 8*8 = 192, MLP 3*8*16 = 384, norms 2*8 = 16 -> 592
     # total: 2*592 + embedding 80 + head 80 + final norm 8 = 1352

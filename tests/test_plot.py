@@ -16,15 +16,26 @@ def write_run(run_dir, steps=40):
     lines = [{"step": 0, "time": 0.0, "val-core/arith/acc/mean@4": 0.2}]
     for step in range(1, steps + 1):
         progress = step / steps
-        lines.append({
-            "step": step, "time": float(step),
-            "critic/score/mean": -1 + 1.5 * progress, "critic/rewards/mean": -1 + 1.4 * progress,
-            "critic/acc/mean": 0.2 + 0.6 * progress, "response_length/mean": 100 + 50 * math.sin(step),
-            "response_length/max": 300.0, "response_length/min": 10.0, "actor/entropy": 1.0 - 0.5 * progress,
-            "actor/pg_clipfrac": 0.02, "actor/pg_clipfrac_lower": 0.001,
-            "timing_s/gen": 10.0, "timing_s/reward": 0.5, "timing_s/old_log_prob": 2.0,
-            "timing_s/update_actor": 5.0 + step % 3, "timing_s/sync_weights": 1.0,
-        })
+        lines.append(
+            {
+                "step": step,
+                "time": float(step),
+                "critic/score/mean": -1 + 1.5 * progress,
+                "critic/rewards/mean": -1 + 1.4 * progress,
+                "critic/acc/mean": 0.2 + 0.6 * progress,
+                "response_length/mean": 100 + 50 * math.sin(step),
+                "response_length/max": 300.0,
+                "response_length/min": 10.0,
+                "actor/entropy": 1.0 - 0.5 * progress,
+                "actor/pg_clipfrac": 0.02,
+                "actor/pg_clipfrac_lower": 0.001,
+                "timing_s/gen": 10.0,
+                "timing_s/reward": 0.5,
+                "timing_s/old_log_prob": 2.0,
+                "timing_s/update_actor": 5.0 + step % 3,
+                "timing_s/sync_weights": 1.0,
+            }
+        )
         if step % 10 == 0:
             lines.append({"step": step, "time": float(step), "val-core/arith/acc/mean@4": 0.2 + 0.5 * progress})
     text = "\n".join(json.dumps(line) for line in lines) + '\n{"step": 41, "critic/sc'  # killed mid-write

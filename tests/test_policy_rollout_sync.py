@@ -8,8 +8,9 @@ import torch
 from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.config.schema import OptimConfig
 from nemo_dapo.policy.base import LossSettings
+from nemo_dapo.policy.inputs import mini_batches_per_rank, worker_inputs
 from nemo_dapo.rollout.base import SamplingSettings
-from nemo_dapo.trainer.batching import build_rollout_batch, mini_batches_per_rank, worker_inputs
+from nemo_dapo.trainer.batching import build_rollout_batch
 
 TOLERANCE = 1e-4  # float32 on both sides; observed max |diff| ~ 3e-6
 
@@ -25,9 +26,13 @@ def engines(tiny_model_dir):
 
 
 def prompts(tokenizer, questions):
-    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                           add_generation_prompt=True), add_special_tokens=False)
-            for q in questions]
+    return [
+        tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        for q in questions
+    ]
 
 
 def rollout(engine, tokenizer, questions, n=4, version=0) -> RolloutBatch:

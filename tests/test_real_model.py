@@ -13,8 +13,9 @@ import torch
 from tests.ranks import spawn
 from tests.test_megatron_worker import make_batch
 
-requires_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
-                                       reason="megatron-core is not installed (optional 'megatron' extra)")
+requires_megatron = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed (optional 'megatron' extra)"
+)
 FP32_TOLERANCE = 1e-4
 
 
@@ -32,8 +33,9 @@ def test_import_keeps_license_provenance_and_tokenizer_ids(smollm2_dir):
     assert config.tie_word_embeddings and not hasattr(config, "quantization_config")
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     assert tokenizer.decode(tokenizer.encode(ROUND_TRIP_PROBES[1])) == ROUND_TRIP_PROBES[1]
-    assert "<|im_start|>assistant" in tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                                                    add_generation_prompt=True)
+    assert "<|im_start|>assistant" in tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_unsupported_gguf_architecture_is_refused_by_name(tmp_path):
@@ -60,7 +62,7 @@ def test_hf_to_megatron_to_hf_is_bit_exact_for_the_real_weights(smollm2_dir):
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from nemo_dapo.policy import megatron_convert as convert
+    from nemo_dapo.policy.megatron import convert as convert
 
     hf = load_file(os.path.join(smollm2_dir, "model.safetensors"))
     shape = convert.ModelShape.from_hf_config(AutoConfig.from_pretrained(smollm2_dir))
@@ -80,11 +82,19 @@ def megatron_log_probs(rank: int, world_size: int, rendezvous: str, model_dir: s
     from dataclasses import asdict
 
     from nemo_dapo.config.schema import OptimConfig
-    from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker
+    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
-    worker = MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, asdict(OptimConfig()),
-                                  tensor_parallel_size=world_size, max_token_len=64, logits_chunk_tokens=7,
-                                  trainable=False)
+    worker = MegatronPolicyWorker(
+        rank,
+        world_size,
+        rendezvous,
+        model_dir,
+        asdict(OptimConfig()),
+        tensor_parallel_size=world_size,
+        max_token_len=64,
+        logits_chunk_tokens=7,
+        trainable=False,
+    )
     torch.save(worker.compute_log_prob(real_batch()), os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -94,7 +104,16 @@ def vllm_log_probs(model_dir, dtype: str) -> torch.Tensor:
     from vllm.inputs import TokensPrompt
 
     batch = real_batch()
-    engine = LLM(model=str(model_dir), dtype=dtype, max_model_len=64, enforce_eager=True, enable_prefix_caching=False)
+    # on CPU the "GPU" memory fraction is of the machine's RAM, checked against what is free at start:
+    # the default 0.92 fails whenever the suite's earlier processes still hold a little
+    engine = LLM(
+        model=str(model_dir),
+        dtype=dtype,
+        max_model_len=64,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        gpu_memory_utilization=0.5,
+    )
     result = torch.zeros(batch["responses"].shape)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
     for row in range(batch["input_ids"].shape[0]):

@@ -13,17 +13,20 @@ def ray_cluster():
     shutdown_ray()
 
 
-
 def test_a_silent_or_dead_worker_fails_the_call_naming_group_call_and_rank(ray_cluster):
     from nemo_dapo.cluster.worker_group import RemoteCallError, WorkerGroup
     from tests.flaky_worker import Napper
 
-    stuck, crashed = (WorkerGroup(Napper, 2, name=name, num_cpus_per_worker=0.5, call_timeout_s=3)
-                      for name in ("stuck", "crashed"))
+    stuck, crashed = (
+        WorkerGroup(Napper, 2, name=name, num_cpus_per_worker=0.5, call_timeout_s=3) for name in ("stuck", "crashed")
+    )
     try:
         assert stuck.call_all("nap", 0.1) == [0, 1]
-        with pytest.raises(RemoteCallError, match=r"stuck\.nap: rank\(s\) \[1\] gave no answer within 3 s "
-                                                  r"\(trainer\.remote_timeout_s\); their logs: /\S+/logs"):
+        with pytest.raises(
+            RemoteCallError,
+            match=r"stuck\.nap: rank\(s\) \[1\] gave no answer within 3 s "
+            r"\(trainer\.remote_timeout_s\); their logs: /\S+/logs",
+        ):
             stuck.call_all("nap", 60)
         with pytest.raises(RemoteCallError, match=r"crashed\.die: a worker died \(\w+"):
             crashed.call_all("die")

@@ -10,7 +10,7 @@ MAX_LEN, BUFFER, FACTOR = 20, 8, 0.5  # penalty starts after 12 tokens, reaches 
 
 
 def _expected_penalty(length):
-    """SPEC 5 written out independently of the implementation."""
+    """docs/algorithm.md §5 written out independently of the implementation."""
     return min(-(length - (MAX_LEN - BUFFER)) / BUFFER * FACTOR, 0.0)
 
 

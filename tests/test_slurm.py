@@ -25,13 +25,24 @@ import pytest
 from nemo_dapo.trainer.preemption import PreemptionSignals
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = [REPO / "slurm" / "ray_cluster.sh", REPO / "slurm" / "dapo_32b.sbatch", REPO / "slurm" / "dapo_tiny_cpu.sbatch",
-           REPO / "tests" / "slurm" / "setup_local_slurm.sh", REPO / "tools" / "install_slurm.sh"]
+SCRIPTS = [
+    REPO / "slurm" / "ray_cluster.sh",
+    REPO / "slurm" / "dapo_32b.sbatch",
+    REPO / "slurm" / "dapo_tiny_cpu.sbatch",
+    REPO / "tests" / "slurm" / "setup_local_slurm.sh",
+    REPO / "tools" / "install_slurm.sh",
+]
 SLURM_DIR = Path(os.environ.get("SLURM_LOCAL_DIR", "/tmp/nemo-dapo-slurm"))
 TOTAL_STEPS = 40  # long enough that the resumed run is still going when the test requeues it
-TRAIN_OVERRIDES = [f"trainer.total_training_steps={TOTAL_STEPS}", "trainer.save_freq=2", "data.train_batch_size=8",
-                   "data.gen_batch_size=12", "actor.ppo_mini_batch_size=4", "trainer.val_before_train=false",
-                   "trainer.test_freq=0"]
+TRAIN_OVERRIDES = [
+    f"trainer.total_training_steps={TOTAL_STEPS}",
+    "trainer.save_freq=2",
+    "data.train_batch_size=8",
+    "data.gen_batch_size=12",
+    "actor.ppo_mini_batch_size=4",
+    "trainer.val_before_train=false",
+    "trainer.test_freq=0",
+]
 
 
 def ensure_packages(*commands: str) -> None:
@@ -49,8 +60,9 @@ def test_script_parses_and_passes_shellcheck(script):
     ensure_packages("shellcheck")
     parsed = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert parsed.returncode == 0, parsed.stderr
-    checked = subprocess.run(["shellcheck", "-x", str(script.relative_to(REPO))], capture_output=True, text=True,
-                             cwd=REPO)
+    checked = subprocess.run(
+        ["shellcheck", "-x", str(script.relative_to(REPO))], capture_output=True, text=True, cwd=REPO
+    )
     assert checked.returncode == 0, checked.stdout
 
 
@@ -76,8 +88,12 @@ def slurm_env():
     setup = REPO / "tests" / "slurm" / "setup_local_slurm.sh"
     started = subprocess.run(["bash", str(setup), "start"], capture_output=True, text=True, timeout=120)
     assert started.returncode == 0, started.stderr + _daemon_logs()
-    env = {**os.environ, "SLURM_CONF": str(SLURM_DIR / "slurm.conf"),
-           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]), "PYTHON": sys.executable}
+    env = {
+        **os.environ,
+        "SLURM_CONF": str(SLURM_DIR / "slurm.conf"),
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+        "PYTHON": sys.executable,
+    }
     yield env
     subprocess.run(["bash", str(setup), "stop"], capture_output=True, timeout=120)
 
@@ -112,21 +128,29 @@ class Job:
     def wait_for(self, what: str, condition, timeout: float = 150) -> None:
         deadline = time.monotonic() + timeout
         while not condition():
-            assert time.monotonic() < deadline, (f"job {self.id}: no {what} after {timeout:.0f} s (state "
-                                                 f"{self.field('JobState')}, reason {self.field('Reason')})\n"
-                                                 f"{self.log()[-4000:]}")
+            assert time.monotonic() < deadline, (
+                f"job {self.id}: no {what} after {timeout:.0f} s (state "
+                f"{self.field('JobState')}, reason {self.field('Reason')})\n"
+                f"{self.log()[-4000:]}"
+            )
             time.sleep(0.5)
 
     def release_requeued(self, restarts: int) -> None:
         """Start the requeued job now: Slurm holds a requeued job for about two minutes (BeginTime)."""
-        self.wait_for(f"requeue #{restarts}",
-                      lambda: self.field("Restarts") == str(restarts) and self.field("JobState") == "PENDING")
+        self.wait_for(
+            f"requeue #{restarts}",
+            lambda: self.field("Restarts") == str(restarts) and self.field("JobState") == "PENDING",
+        )
         self.run("scontrol", "update", f"JobId={self.id}", "StartTime=now")
 
 
 def submit_tiny_job(env: dict, tmp_path: Path) -> Job:
-    job_env = {**env, "CKPT_DIR": str(tmp_path / "ckpt"), "LOG_DIR": str(tmp_path / "logs"),
-               "RAY_PORT": str(free_port())}
+    job_env = {
+        **env,
+        "CKPT_DIR": str(tmp_path / "ckpt"),
+        "LOG_DIR": str(tmp_path / "logs"),
+        "RAY_PORT": str(free_port()),
+    }
     output = tmp_path / "job.out"
     command = ["sbatch", "--parsable", f"--output={output}", "slurm/dapo_tiny_cpu.sbatch", *TRAIN_OVERRIDES]
     submitted = subprocess.run(command, capture_output=True, text=True, env=job_env, cwd=REPO, timeout=60)
@@ -185,6 +209,11 @@ def test_tiny_job_survives_stop_signal_and_requeue(slurm_env, tmp_path):
     trained_steps = {json.loads(line)["step"] for line in (ckpt / "prompts.jsonl").read_text().splitlines()}
     assert trained_steps == set(range(1, TOTAL_STEPS + 1))
     assert sorted(p.name for p in (tmp_path / "logs" / job.id).glob("ray-head.r*.log")) == [
-        "ray-head.r0.log", "ray-head.r1.log", "ray-head.r2.log"]
-    print(f"slurm job {job.id}: USR1 stop at step {stop['step']}, requeue, {TOTAL_STEPS} steps in "
-          f"{time.monotonic() - started:.0f} s")
+        "ray-head.r0.log",
+        "ray-head.r1.log",
+        "ray-head.r2.log",
+    ]
+    print(
+        f"slurm job {job.id}: USR1 stop at step {stop['step']}, requeue, {TOTAL_STEPS} steps in "
+        f"{time.monotonic() - started:.0f} s"
+    )

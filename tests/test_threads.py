@@ -17,7 +17,7 @@ def test_thread_share_of_the_visible_cores():
 
 def test_workers_per_node_follow_the_layout():
     from nemo_dapo.config import load_config
-    from nemo_dapo.trainer.launch import workers_per_node
+    from nemo_dapo.trainer.assembly import workers_per_node
 
     cpu = load_config("tiny_cpu", [])
     assert workers_per_node(cpu, 2) == 2  # a CPU machine: the whole group shares it
@@ -42,7 +42,7 @@ def remote_threads(group) -> list[int]:
 
 def test_policy_and_rollout_workers_in_ray_use_the_machine_cores(local_ray, tiny_model_dir):
     from nemo_dapo.config import load_config
-    from nemo_dapo.trainer.launch import _policy_group, _rollout_group
+    from nemo_dapo.trainer.assembly import _policy_group, _rollout_group
 
     cfg = load_config("tiny_cpu", [f"model.path={tiny_model_dir}"])
     policy = _policy_group(cfg, "threads_actor", 1, None)
@@ -58,7 +58,7 @@ def test_policy_and_rollout_workers_in_ray_use_the_machine_cores(local_ray, tiny
 
 def test_an_explicit_thread_count_is_applied(local_ray, tiny_model_dir):
     from nemo_dapo.config import load_config
-    from nemo_dapo.trainer.launch import _policy_group
+    from nemo_dapo.trainer.assembly import _policy_group
 
     cfg = load_config("tiny_cpu", [f"model.path={tiny_model_dir}", "trainer.cpu_threads_per_worker=3"])
     policy = _policy_group(cfg, "threads_explicit", 1, None)

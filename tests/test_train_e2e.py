@@ -19,8 +19,13 @@ pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "nemo_dapo.cli"]
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-SMALL = ["data.train_batch_size=8", "data.gen_batch_size=12", "actor.ppo_mini_batch_size=4",
-         "trainer.val_before_train=false", "trainer.test_freq=0"]
+SMALL = [
+    "data.train_batch_size=8",
+    "data.gen_batch_size=12",
+    "actor.ppo_mini_batch_size=4",
+    "trainer.val_before_train=false",
+    "trainer.test_freq=0",
+]
 
 
 def train(output: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -53,16 +58,32 @@ def test_dapo_run_learns_and_writes_everything(workdir):
     events = EventAccumulator(str(out / "tensorboard" / "tiny_cpu"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    for tag in ("critic/score/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/grad_norm", "timing_s/gen",
-                "dapo/num_gen_batches", "dapo/kept_group_fraction", "overlong/fraction", "perf/throughput",
-                "rollout_corr/logprob_abs_diff_max", "val-core/arith/acc/mean@4", "response_length/mean"):
+    for tag in (
+        "critic/score/mean",
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/grad_norm",
+        "timing_s/gen",
+        "dapo/num_gen_batches",
+        "dapo/kept_group_fraction",
+        "overlong/fraction",
+        "perf/throughput",
+        "rollout_corr/logprob_abs_diff_max",
+        "val-core/arith/acc/mean@4",
+        "response_length/mean",
+    ):
         assert tag in tags, tag
     assert len(events.Scalars("critic/score/mean")) == 40
     assert max(e.value for e in events.Scalars("rollout_corr/logprob_abs_diff_max")) < 1e-3  # vLLM == policy
     assert (out / "hf_export" / "model.safetensors").is_file() and (out / "hf_export" / "tokenizer.json").is_file()
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["global_step_20", "global_step_40"]
-    exported = subprocess.run([*CLI, "export", str(out / "checkpoints" / "global_step_20"), str(workdir / "hf20")],
-                              capture_output=True, text=True, timeout=300, env=ENV)
+    exported = subprocess.run(
+        [*CLI, "export", str(out / "checkpoints" / "global_step_20"), str(workdir / "hf20")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
     assert exported.returncode == 0, exported.stderr[-3000:]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -90,8 +111,9 @@ def test_sigkill_resume_same_prompts_then_fallback_and_new_dp_size(workdir):
     out = workdir / "run"
     steps = ["trainer.save_freq=2", "checkpoint.keep_last=3", *SMALL]
     command = [*CLI, "train", f"trainer.output_dir={out}", "trainer.total_training_steps=8", *steps]
-    victim = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True, env=ENV)
+    victim = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True, env=ENV
+    )
     wait_for(out / "checkpoints" / "global_step_4", victim, timeout=300)
     os.killpg(victim.pid, signal.SIGKILL)  # the trainer, its Ray, vLLM and worker processes
     victim.wait()
@@ -102,8 +124,11 @@ def test_sigkill_resume_same_prompts_then_fallback_and_new_dp_size(workdir):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr
     rows = records(out / "prompts.jsonl")
-    resumed_from = max(s for s in (2, 4, 6) if (out / "checkpoints" / f"global_step_{s}").exists() and s < 8
-                       and s <= max(crashed_steps))
+    resumed_from = max(
+        s
+        for s in (2, 4, 6)
+        if (out / "checkpoints" / f"global_step_{s}").exists() and s < 8 and s <= max(crashed_steps)
+    )
     assert rows[len(crashed_steps)]["step"] == resumed_from + 1  # picks up right after its checkpoint
     by_step = last_per_step(rows)
     assert sorted(by_step) == list(range(1, 9))
@@ -127,8 +152,13 @@ def test_sigkill_resume_same_prompts_then_fallback_and_new_dp_size(workdir):
 def test_eval_on_aime_prints_acc(tiny_model_dir):
     from shared_paths import AIME_2024
 
-    done = subprocess.run([*CLI, "eval", "--model", str(tiny_model_dir), "--data", str(AIME_2024), "--n", "2",
-                           "--max-tokens", "24"], capture_output=True, text=True, timeout=600, env=ENV)
+    done = subprocess.run(
+        [*CLI, "eval", "--model", str(tiny_model_dir), "--data", str(AIME_2024), "--n", "2", "--max-tokens", "24"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=ENV,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = dict(line.split(": ") for line in done.stdout.splitlines() if line.startswith(("eval/", "val-aux/")))
     accuracy = float(lines["eval/math_dapo/acc/mean@2"]) if "eval/math_dapo/acc/mean@2" in lines else None
@@ -139,9 +169,16 @@ def test_eval_on_aime_prints_acc(tiny_model_dir):
 def test_megatron_tp2_run_learns(workdir):
     pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
     out = workdir / "megatron"
-    done = train(out, "actor.backend=megatron", "actor.num_workers=2", "actor.megatron.tensor_model_parallel_size=2",
-                 "trainer.total_training_steps=40", "trainer.test_freq=20", "trainer.save_freq=20",
-                 "checkpoint.async_save=true")
+    done = train(
+        out,
+        "actor.backend=megatron",
+        "actor.num_workers=2",
+        "actor.megatron.tensor_model_parallel_size=2",
+        "trainer.total_training_steps=40",
+        "trainer.test_freq=20",
+        "trainer.save_freq=20",
+        "checkpoint.async_save=true",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_val_acc"] > summary["initial_val_acc"] + 0.05, summary
@@ -161,10 +198,17 @@ def test_kl_loss_against_a_frozen_megatron_reference(workdir):
     (``sequence_packing`` reaches the actor and the reference from the config)."""
     pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
     out = workdir / "kl"
-    done = train(out, "actor.backend=megatron", "actor.use_kl_loss=true", "actor.kl_loss_type=low_var_kl",
-                 "actor.megatron.sequence_packing=true", "trainer.total_training_steps=4", "trainer.save_freq=0", *SMALL,
-                 "actor.ppo_mini_batch_size=8")  # one optimizer step per trainer step
+    done = train(
+        out,
+        "actor.backend=megatron",
+        "actor.use_kl_loss=true",
+        "actor.kl_loss_type=low_var_kl",
+        "actor.megatron.sequence_packing=true",
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=0",
+        *SMALL,
+        "actor.ppo_mini_batch_size=8",
+    )  # one optimizer step per trainer step
     assert done.returncode == 0, done.stderr[-3000:]
     kl = [r["actor/kl_loss"] for r in records(out / "metrics.jsonl") if "actor/kl_loss" in r]
     assert len(kl) == 4 and kl[0] == pytest.approx(0.0, abs=1e-6) and kl[-1] > 1e-6, kl
-

@@ -36,10 +36,10 @@ NOT_RESOLVED = {
     "megatron-bridge": "installed with --no-deps: its flashinfer / transformers pins contradict vLLM's",
     "transformer-engine-torch": "a source build against the installed torch (--no-build-isolation)",
 }
-PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in range(17, 36)] + ["manylinux2014_x86_64", "linux_x86_64",
-                                                                          "any"]
-TARGET_FLAGS = ["--python-version", TARGET_PYTHON, "--only-binary=:all:"] + \
-    [flag for platform in PLATFORMS for flag in ("--platform", platform)]
+PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in range(17, 36)] + ["manylinux2014_x86_64", "linux_x86_64", "any"]
+TARGET_FLAGS = ["--python-version", TARGET_PYTHON, "--only-binary=:all:"] + [
+    flag for platform in PLATFORMS for flag in ("--platform", platform)
+]
 
 
 def parse_constraints(path: Path = CONSTRAINTS) -> dict[str, str]:
@@ -64,8 +64,11 @@ def project_requirements(extras: tuple[str, ...], python_version: str = TARGET_P
     project = tomllib.loads(PYPROJECT.read_text())["project"]
     chosen = [(Requirement(text), "") for text in project["dependencies"]]
     chosen += [(Requirement(text), extra) for extra in extras for text in project["optional-dependencies"][extra]]
-    environment = {**default_environment(), "python_version": python_version,
-                   "python_full_version": f"{python_version}.0"}
+    environment = {
+        **default_environment(),
+        "python_version": python_version,
+        "python_full_version": f"{python_version}.0",
+    }
     return [req for req, extra in chosen if req.marker is None or req.marker.evaluate({**environment, "extra": extra})]
 
 
@@ -90,8 +93,19 @@ def resolve(pins: dict[str, str]) -> tuple[bool, str]:
     with tempfile.TemporaryDirectory() as tmp:
         wheels, target = Path(tmp, "wheels"), Path(tmp, "target")
         for _ in range(5):
-            result = _pip("install", "--dry-run", "--ignore-installed", "--target", str(target), *TARGET_FLAGS,
-                          "--find-links", str(wheels), "-c", str(CONSTRAINTS), *packages)
+            result = _pip(
+                "install",
+                "--dry-run",
+                "--ignore-installed",
+                "--target",
+                str(target),
+                *TARGET_FLAGS,
+                "--find-links",
+                str(wheels),
+                "-c",
+                str(CONSTRAINTS),
+                *packages,
+            )
             if result.returncode == 0:
                 count = len(re.findall(r"\S+-\S+", result.stdout.split("Would install", 1)[-1]))
                 return True, f"{len(packages)} requested packages resolve ({count} to install)"

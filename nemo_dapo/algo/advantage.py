@@ -1,4 +1,4 @@
-"""Advantage estimators, registered by name (SPEC 3).
+"""Advantage estimators, registered by name (docs/algorithm.md §3).
 
 An estimator is called as ``est(token_level_rewards=..., response_mask=..., group_ids=...,
 norm_adv_by_std=True, epsilon=1e-6)`` and returns ``(advantages, returns)``, both [B, T]
@@ -8,8 +8,8 @@ prompt the sequence answers, so its group baseline is the other answers to that 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Sequence
 from enum import Enum
-from typing import Callable, Hashable, Sequence
 
 import torch
 

@@ -7,8 +7,9 @@ never rewrite those of another stage, so a step can be audited field by field.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -55,7 +56,7 @@ class RolloutBatch:
         target = self.tensors if isinstance(value, torch.Tensor) else self.fields
         target[name] = value if isinstance(value, torch.Tensor) else list(value)
 
-    def select(self, rows: Sequence[int] | torch.Tensor) -> "RolloutBatch":
+    def select(self, rows: Sequence[int] | torch.Tensor) -> RolloutBatch:
         index = torch.as_tensor(rows, dtype=torch.long)
         positions = index.tolist()
         return RolloutBatch(
@@ -65,7 +66,7 @@ class RolloutBatch:
         )
 
     @staticmethod
-    def concat(batches: Iterable["RolloutBatch"]) -> "RolloutBatch":
+    def concat(batches: Iterable[RolloutBatch]) -> RolloutBatch:
         """Stack batches row-wise, padding 2-D tensors of different widths with zeros."""
         batches = [b for b in batches if len(b)]
         if not batches:
@@ -74,8 +75,10 @@ class RolloutBatch:
         for b in batches[1:]:
             if sorted(b.keys()) != sorted(names):
                 raise ValueError(f"cannot concat batches with different fields: {sorted(names)} vs {sorted(b.keys())}")
-        tensors = {name: _pad_and_cat([b.tensors[name] for b in batches], left=name in LEFT_PADDED)
-                   for name in batches[0].tensors}
+        tensors = {
+            name: _pad_and_cat([b.tensors[name] for b in batches], left=name in LEFT_PADDED)
+            for name in batches[0].tensors
+        }
         fields = {name: [v for b in batches for v in b.fields[name]] for name in batches[0].fields}
         return RolloutBatch(tensors, fields, dict(batches[0].meta))
 

@@ -1,4 +1,4 @@
-"""Rollout (off-policy) correction between the generation and training policies (SPEC 7).
+"""Rollout (off-policy) correction between the generation and training policies (docs/algorithm.md §7).
 
 The engine that sampled a response (vLLM, maybe with stale weights) is not exactly the
 policy being trained, so ``log r = old_lp - rollout_lp`` is not zero. Correction either
@@ -23,7 +23,7 @@ LOSS_TYPES = ("ppo_clip", "reinforce")
 
 @dataclass(frozen=True)
 class CorrectionSettings:
-    """The knobs of SPEC 7 (the config schema mirrors these names)."""
+    """The knobs of docs/algorithm.md §7 (the config schema mirrors these names)."""
 
     rollout_is: str | None = None
     rollout_is_threshold: float = 2.0
@@ -39,8 +39,9 @@ PRESETS: dict[str, CorrectionSettings] = {
     "decoupled_seq_is": CorrectionSettings(rollout_is="sequence", rollout_is_threshold=2.0),
     "decoupled_geo_rs": CorrectionSettings(rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001"),
     "bypass_ppo_clip": CorrectionSettings(bypass_mode=True, loss_type="ppo_clip"),
-    "bypass_pg_is": CorrectionSettings(rollout_is="sequence", rollout_is_threshold=2.0, bypass_mode=True,
-                                       loss_type="reinforce"),
+    "bypass_pg_is": CorrectionSettings(
+        rollout_is="sequence", rollout_is_threshold=2.0, bypass_mode=True, loss_type="reinforce"
+    ),
 }
 
 
@@ -56,8 +57,13 @@ def rollout_log_ratio(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor
     return torch.where(mask.bool(), log_ratio, torch.zeros_like(log_ratio)).detach()
 
 
-def is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str | None, threshold: float = 2.0,
-               batch_normalize: bool = False) -> tuple[torch.Tensor | None, dict[str, float]]:
+def is_weights(
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    level: str | None,
+    threshold: float = 2.0,
+    batch_normalize: bool = False,
+) -> tuple[torch.Tensor | None, dict[str, float]]:
     """Truncated IS weights: ``token`` w_t = r_t, ``sequence`` w = prod_t r_t (broadcast).
 
     Truncated above at ``threshold`` and detached; ``batch_normalize`` rescales the valid
@@ -124,8 +130,10 @@ def _parse_rs_mode(name: str, bound: str) -> tuple[str, str, float, float]:
         else:
             low, high = float("-inf"), float(bound)
     except ValueError as err:
-        raise ValueError(f"rollout_rs threshold {bound!r} for {name}: k1 takes 'lower_upper' "
-                         "(a ratio range such as 0.999_1.001), k2/k3 a positive number") from err
+        raise ValueError(
+            f"rollout_rs threshold {bound!r} for {name}: k1 takes 'lower_upper' "
+            "(a ratio range such as 0.999_1.001), k2/k3 a positive number"
+        ) from err
     if (stat == "k1" and not 0 < low < high) or (stat != "k1" and high <= 0):
         raise ValueError(f"rollout_rs threshold {bound!r} for {name}: k1 needs 0 < lower < upper, k2/k3 upper > 0")
     return level, stat, low, high
@@ -165,7 +173,9 @@ def _accepted(log_ratio, mask, level, stat, low, high) -> torch.Tensor:
     return inside.unsqueeze(-1).expand_as(mask)
 
 
-def mismatch_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def mismatch_metrics(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
     """How far the training policy is from the engine that generated the batch."""
     gap = (old_log_prob - rollout_log_prob).abs()
     log_ratio = rollout_log_ratio(old_log_prob, rollout_log_prob, mask)
@@ -177,8 +187,9 @@ def mismatch_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
     }
 
 
-def apply_rollout_correction(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor,
-                             settings: CorrectionSettings) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
+def apply_rollout_correction(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor, settings: CorrectionSettings
+) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """IS weights (or None), the loss mask after rejection, and all mismatch metrics.
 
     Decoupled mode passes the recomputed old policy's log-probs, once per batch. Bypass mode
@@ -188,6 +199,7 @@ def apply_rollout_correction(old_log_prob: torch.Tensor, rollout_log_prob: torch
     log_ratio = rollout_log_ratio(old_log_prob, rollout_log_prob, mask)
     modes = parse_rs_modes(settings.rollout_rs, settings.rollout_rs_threshold)
     new_mask, rs_metrics = rejection_mask(log_ratio, mask, modes)
-    weights, is_metrics = is_weights(log_ratio, new_mask, settings.rollout_is, settings.rollout_is_threshold,
-                                     settings.rollout_is_batch_normalize)
+    weights, is_metrics = is_weights(
+        log_ratio, new_mask, settings.rollout_is, settings.rollout_is_threshold, settings.rollout_is_batch_normalize
+    )
     return weights, new_mask, {**mismatch_metrics(old_log_prob, rollout_log_prob, mask), **rs_metrics, **is_metrics}

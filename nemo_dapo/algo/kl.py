@@ -1,4 +1,4 @@
-"""KL penalty estimators and KL coefficient controllers (SPEC 4).
+"""KL penalty estimators and KL coefficient controllers (docs/algorithm.md §4).
 
 With ``d = lp - ref_lp`` per token: ``k1`` = d, ``abs`` = |d|, ``k2`` = d^2 / 2, ``k3`` =
 ``exp(-d) + d - 1`` (Schulman's low-variance unbiased estimator, clamped to [-10, 10]).
@@ -16,7 +16,16 @@ import torch
 LOG_RATIO_CLAMP = 20.0
 K3_CLAMP = 10.0
 
-_ALIASES = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3", "full": "full"}
+_ALIASES = {
+    "kl": "k1",
+    "k1": "k1",
+    "abs": "abs",
+    "mse": "k2",
+    "k2": "k2",
+    "low_var_kl": "k3",
+    "k3": "k3",
+    "full": "full",
+}
 KL_PENALTY_NAMES = tuple(sorted(set(_ALIASES) | {name + "+" for name in _ALIASES if name != "full"}))
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -27,13 +27,9 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     return torch.logsumexp(scaled, dim=-1) - (probs * scaled).sum(dim=-1)
 
 
-def sum_squared_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``sum_v p_v^2`` per position, needed by the gradient-variance proxy (SPEC 9)."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return (probs * probs).sum(dim=-1)
-
-
-def token_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def token_stats(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log_probs, entropy)`` of full-vocabulary logits."""
     return log_probs_from_logits(logits, labels, temperature), entropy_from_logits(logits, temperature)
 
@@ -49,9 +45,13 @@ def chunk_tokens_for(vocab_columns: int, chunk_bytes: int = LOGITS_CHUNK_BYTES) 
     return max(1, chunk_bytes // (4 * vocab_columns))
 
 
-def chunked_token_stats(hidden: torch.Tensor, labels: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
-                        stats: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-                        chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_token_stats(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    stats: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    chunk_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``stats(head(hidden), labels)`` computed ``chunk_tokens`` positions at a time.
 
     A whole micro-batch's ``[tokens, vocab]`` logits never exist: each chunk's logits are made,
@@ -73,7 +73,7 @@ def chunked_token_stats(hidden: torch.Tensor, labels: torch.Tensor, head: Callab
     # no positions still runs one empty chunk: its results stay attached to the graph, so every rank
     # of a context-parallel group back-propagates (and meets its peers' collectives) alike
     for start in range(0, max(flat_labels.shape[0], 1), chunk_tokens):
-        args = (flat_hidden[start: start + chunk_tokens], flat_labels[start: start + chunk_tokens])
+        args = (flat_hidden[start : start + chunk_tokens], flat_labels[start : start + chunk_tokens])
         part_lp, part_ent = checkpoint(one_chunk, *args, use_reentrant=False) if grad else one_chunk(*args)
         log_probs.append(part_lp)
         entropy.append(part_ent)

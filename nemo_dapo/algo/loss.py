@@ -1,11 +1,12 @@
-"""Loss aggregation, the bypass-mode REINFORCE loss and the entropy term (SPEC 1-2).
+"""Loss aggregation and the bypass-mode REINFORCE loss (docs/algorithm.md: loss aggregation).
 
-The policy losses (:mod:`nemo_dapo.algo.policy_losses`) and the ones here build a per-token
-loss matrix that :func:`aggregate_loss` turns into a scalar. Aggregation takes optional *global* denominators (token / sequence counts over the
-whole mini-batch and all data-parallel ranks): with them, summing the gradients of all
-micro-batches and ranks gives exactly the gradient of the un-split mini-batch, whatever the
-micro-batch size or parallel layout. The reference recipe averages per micro-batch and
-rescales, which is exact only with one micro-batch on one rank.
+The policy losses (:mod:`nemo_dapo.algo.policy_losses`) and the one here build a per-token
+loss matrix that :func:`aggregate_loss` turns into a scalar. Aggregation takes optional
+*global* denominators (token / sequence counts over the whole mini-batch and all
+data-parallel ranks): with them, summing the gradients of all micro-batches and ranks gives
+exactly the gradient of the un-split mini-batch, whatever the micro-batch size or layout.
+The reference recipe averages per micro-batch and rescales, which is exact only with one
+micro-batch on one rank.
 """
 
 from __future__ import annotations
@@ -48,9 +49,8 @@ def aggregate_loss(
     global_token_count: float | torch.Tensor | None = None,
     global_seq_count: float | torch.Tensor | None = None,
     norm_constant: float | None = None,
-    dp_size: int = 1,
 ) -> torch.Tensor:
-    """Reduce a [B, T] per-token loss to a scalar (SPEC 2).
+    """Reduce a [B, T] per-token loss to a scalar (docs/algorithm.md §2).
 
     - ``token-mean``: sum(L * mask) / N_tokens.
     - ``seq-mean-token-sum``: sum over non-empty rows of the row's token sum / N_seqs.
@@ -58,8 +58,8 @@ def aggregate_loss(
     - ``seq-mean-token-sum-norm``: sum(L * mask) / norm_constant (default: padded T).
 
     ``N_tokens`` / ``N_seqs`` default to this batch's counts; pass the counts over the whole
-    mini-batch (all micro-batches, all DP ranks) to make the split exact. ``dp_size`` scales
-    the result so that DDP's gradient *average* over ranks becomes the required *sum*.
+    mini-batch (all micro-batches, all DP ranks) to make the split exact; the workers then sum
+    (not average) the gradients over ranks.
     Fully masked rows count in no denominator and yield no NaN.
     """
     mode = LossAggMode(mode)
@@ -78,7 +78,7 @@ def aggregate_loss(
         non_empty = (tokens_per_row > 0).to(loss_mat.dtype)
         count = non_empty.sum() if global_seq_count is None else global_seq_count
         loss = (row_sums * non_empty).sum() / _at_least_one(count)
-    return loss * dp_size
+    return loss
 
 
 def _at_least_one(count) -> torch.Tensor:
@@ -102,8 +102,3 @@ def reinforce_loss(
     weights = torch.ones_like(log_prob) if rollout_is_weights is None else rollout_is_weights.detach()
     loss_mat = -advantages * log_prob * weights
     return aggregate_loss(loss_mat, response_mask, loss_agg_mode, **agg_kwargs), {}
-
-
-def entropy_loss(entropy: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode, **agg_kwargs) -> torch.Tensor:
-    """Entropy aggregated like the policy loss, so an entropy bonus is split-invariant too."""
-    return aggregate_loss(entropy, response_mask, loss_agg_mode, **agg_kwargs)

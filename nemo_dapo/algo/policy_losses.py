@@ -71,8 +71,10 @@ def get_policy_loss(name: str) -> PolicyLoss:
         except ImportError as error:
             raise ValueError(f"actor.policy_loss={name!r}: cannot import {module!r} ({error})") from error
     if registered not in POLICY_LOSSES:
-        raise ValueError(f"actor.policy_loss={name!r} is not a registered policy loss; known: "
-                         f"{sorted(POLICY_LOSSES)} (or 'your.module:name', registered with @register_policy_loss)")
+        raise ValueError(
+            f"actor.policy_loss={name!r} is not a registered policy loss; known: "
+            f"{sorted(POLICY_LOSSES)} (or 'your.module:name', registered with @register_policy_loss)"
+        )
     return POLICY_LOSSES[registered]
 
 
@@ -83,8 +85,10 @@ def policy_loss_problems(name: str, loss_agg_mode: str) -> list[str]:
     except ValueError as error:
         return [str(error)]
     if loss_agg_mode not in loss.loss_agg_modes:
-        return [f"actor.policy_loss={name} is defined for actor.loss_agg_mode in {list(loss.loss_agg_modes)}, "
-                f"not {loss_agg_mode!r}: set actor.loss_agg_mode={loss.loss_agg_modes[0]}"]
+        return [
+            f"actor.policy_loss={name} is defined for actor.loss_agg_mode in {list(loss.loss_agg_modes)}, "
+            f"not {loss_agg_mode!r}: set actor.loss_agg_mode={loss.loss_agg_modes[0]}"
+        ]
     return []
 
 
@@ -109,8 +113,19 @@ def _pessimistic(ratio: torch.Tensor, advantages: torch.Tensor, low: float, high
 
 
 @register_policy_loss("dapo")
-def dapo_loss(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.28,
-              clip_ratio_c=10.0, loss_agg_mode="token-mean", rollout_is_weights=None, **agg_kwargs):
+def dapo_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    clip_ratio_low=0.2,
+    clip_ratio_high=0.28,
+    clip_ratio_c=10.0,
+    loss_agg_mode="token-mean",
+    rollout_is_weights=None,
+    **agg_kwargs,
+):
     """Decoupled-clip PPO loss with dual clip (DAPO, arXiv 2503.14476; dual clip: arXiv 1912.09729).
 
     ``r = exp(clamp(lp - old_lp, -20, 20))``; ``C1 = max(-A r, -A clip(r, 1-eps_low, 1+eps_high))``;
@@ -133,8 +148,18 @@ def dapo_loss(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_l
     return aggregate_loss(_weighted(loss_mat, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs), metrics
 
 
-def _gspo(old_log_prob, log_prob, advantages, response_mask, token_level: bool, low: float, high: float,
-          loss_agg_mode: str, rollout_is_weights, agg_kwargs):
+def _gspo(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    token_level: bool,
+    low: float,
+    high: float,
+    loss_agg_mode: str,
+    rollout_is_weights,
+    agg_kwargs,
+):
     log_ratio = _log_ratio(old_log_prob, log_prob)
     sequence_log_ratio = _row_mean(log_ratio, response_mask)[:, None]  # log s_i = mean_t log r_t
     if token_level:  # s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]: the value of s_i, a per-token gradient
@@ -144,34 +169,89 @@ def _gspo(old_log_prob, log_prob, advantages, response_mask, token_level: bool, 
         ratio = torch.exp(sequence_log_ratio).expand_as(log_prob)
         row_advantages = _row_mean(advantages, response_mask)[:, None].expand_as(log_prob)
     loss_mat, clipped = _pessimistic(ratio, row_advantages, low, high)
-    metrics = {"pg_clipfrac": masked_mean(clipped.float(), response_mask).item(),
-               "ppo_kl": masked_mean(-log_ratio, response_mask).item()}
+    metrics = {
+        "pg_clipfrac": masked_mean(clipped.float(), response_mask).item(),
+        "ppo_kl": masked_mean(-log_ratio, response_mask).item(),
+    }
     return aggregate_loss(_weighted(loss_mat, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs), metrics
 
 
 @register_policy_loss("gspo", loss_agg_modes=SEQUENCE_LEVEL)
-def gspo_loss(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.28,
-              clip_ratio_c=10.0, loss_agg_mode="seq-mean-token-mean", rollout_is_weights=None, **agg_kwargs):
+def gspo_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    clip_ratio_low=0.2,
+    clip_ratio_high=0.28,
+    clip_ratio_c=10.0,
+    loss_agg_mode="seq-mean-token-mean",
+    rollout_is_weights=None,
+    **agg_kwargs,
+):
     """GSPO (arXiv 2507.18071): one ratio per sequence, ``s_i = exp(mean_t (lp - old_lp))``,
     clipped like PPO with the row's mean advantage, averaged over sequences. The paper's clip range
     is far narrower than a token ratio's (eps 3e-4 / 4e-4): set ``actor.clip_ratio_low/high``.
     ``clip_ratio_c`` (dual clip) does not apply."""
-    return _gspo(old_log_prob, log_prob, advantages, response_mask, False, clip_ratio_low, clip_ratio_high,
-                 loss_agg_mode, rollout_is_weights, agg_kwargs)
+    return _gspo(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        False,
+        clip_ratio_low,
+        clip_ratio_high,
+        loss_agg_mode,
+        rollout_is_weights,
+        agg_kwargs,
+    )
 
 
 @register_policy_loss("gspo_token", loss_agg_modes=SEQUENCE_LEVEL)
-def gspo_token_loss(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.28,
-                    clip_ratio_c=10.0, loss_agg_mode="seq-mean-token-mean", rollout_is_weights=None, **agg_kwargs):
+def gspo_token_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    clip_ratio_low=0.2,
+    clip_ratio_high=0.28,
+    clip_ratio_c=10.0,
+    loss_agg_mode="seq-mean-token-mean",
+    rollout_is_weights=None,
+    **agg_kwargs,
+):
     """GSPO-token (arXiv 2507.18071): ``s_i,t = sg[s_i] * pi_t / sg[pi_t]`` with per-token advantages;
     with one advantage per row its value and gradient equal ``gspo``'s."""
-    return _gspo(old_log_prob, log_prob, advantages, response_mask, True, clip_ratio_low, clip_ratio_high,
-                 loss_agg_mode, rollout_is_weights, agg_kwargs)
+    return _gspo(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        True,
+        clip_ratio_low,
+        clip_ratio_high,
+        loss_agg_mode,
+        rollout_is_weights,
+        agg_kwargs,
+    )
 
 
 @register_policy_loss("cispo")
-def cispo_loss(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.28,
-               clip_ratio_c=10.0, loss_agg_mode="token-mean", rollout_is_weights=None, **agg_kwargs):
+def cispo_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    clip_ratio_low=0.2,
+    clip_ratio_high=0.28,
+    clip_ratio_c=10.0,
+    loss_agg_mode="token-mean",
+    rollout_is_weights=None,
+    **agg_kwargs,
+):
     """CISPO (MiniMax-M1, arXiv 2506.13585): ``-sg[clip(r, 1-eps_low, 1+eps_high)] * A * lp``.
 
     The IS weight is clipped and detached instead of the update being cut off, so every token
@@ -183,14 +263,27 @@ def cispo_loss(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_
     ratio = torch.exp(log_ratio)
     weight = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high).detach()
     loss_mat = -weight * advantages * log_prob
-    metrics = {"pg_clipfrac": masked_mean((weight != ratio.detach()).float(), response_mask).item(),
-               "ppo_kl": masked_mean(-log_ratio, response_mask).item()}
+    metrics = {
+        "pg_clipfrac": masked_mean((weight != ratio.detach()).float(), response_mask).item(),
+        "ppo_kl": masked_mean(-log_ratio, response_mask).item(),
+    }
     return aggregate_loss(_weighted(loss_mat, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs), metrics
 
 
 @register_policy_loss("gmpo", loss_agg_modes=SEQUENCE_LEVEL)
-def gmpo_loss(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low=0.2, clip_ratio_high=0.28,
-              clip_ratio_c=10.0, loss_agg_mode="seq-mean-token-mean", rollout_is_weights=None, **agg_kwargs):
+def gmpo_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    clip_ratio_low=0.2,
+    clip_ratio_high=0.28,
+    clip_ratio_c=10.0,
+    loss_agg_mode="seq-mean-token-mean",
+    rollout_is_weights=None,
+    **agg_kwargs,
+):
     """GMPO (arXiv 2507.20673): the geometric mean of the token ratios instead of their mean.
 
     Per token, in log space, the pessimistic choice between ``log r`` and its clip to
@@ -200,14 +293,19 @@ def gmpo_loss(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_l
     tokens where the clip won.
     """
     log_ratio = _log_ratio(old_log_prob, log_prob)
-    bounded = torch.clamp(log_ratio, math.log(1.0 - clip_ratio_low) if clip_ratio_low < 1 else -LOG_RATIO_CLAMP,
-                          math.log1p(clip_ratio_high))
+    bounded = torch.clamp(
+        log_ratio,
+        math.log(1.0 - clip_ratio_low) if clip_ratio_low < 1 else -LOG_RATIO_CLAMP,
+        math.log1p(clip_ratio_high),
+    )
     sign = torch.sign(advantages)
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * bounded)
     row_advantages = _row_mean(advantages, response_mask)
     row_loss = -row_advantages * torch.exp(_row_mean(pessimistic, response_mask))
     loss_mat = row_loss[:, None].expand_as(log_prob)
     clipped = (pessimistic != log_ratio) & (sign != 0)
-    metrics = {"pg_clipfrac": masked_mean(clipped.float(), response_mask).item(),
-               "ppo_kl": masked_mean(-log_ratio, response_mask).item()}
+    metrics = {
+        "pg_clipfrac": masked_mean(clipped.float(), response_mask).item(),
+        "ppo_kl": masked_mean(-log_ratio, response_mask).item(),
+    }
     return aggregate_loss(_weighted(loss_mat, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs), metrics

@@ -1,4 +1,4 @@
-"""Dynamic sampling: drop prompt groups that carry no learning signal (SPEC 6).
+"""Dynamic sampling: drop prompt groups that carry no learning signal (docs/algorithm.md §6).
 
 A group whose answers all got the same metric (all right or all wrong) has zero GRPO
 advantage everywhere, so it only dilutes the batch. Kept groups accumulate over generation
@@ -7,7 +7,7 @@ rounds until the batch holds ``train_batch_size`` groups.
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
@@ -26,7 +26,9 @@ def group_keep_mask(group_ids: Sequence[Hashable], metric: torch.Tensor) -> tupl
     values = torch.as_tensor(metric, dtype=torch.float64)
     if values.shape[0] != len(group_ids):
         raise ValueError(f"{len(group_ids)} group ids for {values.shape[0]} metric values")
-    kept = [gid for gid, rows in group_rows(group_ids).items() if len(rows) == 1 or values[rows].std(unbiased=False) > 0]
+    kept = [
+        gid for gid, rows in group_rows(group_ids).items() if len(rows) == 1 or values[rows].std(unbiased=False) > 0
+    ]
     kept_set = set(kept)
     return torch.tensor([gid in kept_set for gid in group_ids], dtype=torch.bool), kept
 
@@ -58,8 +60,14 @@ class GroupAccumulator:
     policy version old; ``policy_version`` in the batch says so).
     """
 
-    def __init__(self, target_groups: int, max_num_gen_batches: int = 0, carry_over: bool = False,
-                 metric: str = "acc", uid_key: str = "uid") -> None:
+    def __init__(
+        self,
+        target_groups: int,
+        max_num_gen_batches: int = 0,
+        carry_over: bool = False,
+        metric: str = "acc",
+        uid_key: str = "uid",
+    ) -> None:
         if target_groups <= 0:
             raise ValueError(f"data.train_batch_size={target_groups}: must be > 0")
         self.target_groups = target_groups
@@ -122,7 +130,7 @@ class GroupAccumulator:
         members = group_rows(held[self.uid_key])
         ordered = list(members.values())
         take = [row for rows in ordered[: self.target_groups] for row in rows]
-        rest = [row for rows in ordered[self.target_groups:] for row in rows]
+        rest = [row for rows in ordered[self.target_groups :] for row in rows]
         self.surplus_groups = len(ordered) - self.target_groups
         metrics = self.metrics()  # before the reset below clears the round counters
         self._carried = held.select(rest) if (self.carry_over and rest) else RolloutBatch()
@@ -142,7 +150,7 @@ class GroupAccumulator:
         return metrics
 
     def state_dict(self) -> dict:
-        """Carried-over groups survive a checkpoint (SPEC 11)."""
+        """Carried-over groups survive a checkpoint (docs/algorithm.md §11)."""
         carried = self._carried if len(self._carried) else RolloutBatch.concat(self._parts)
         return {"carried": {"tensors": carried.tensors, "fields": carried.fields, "meta": carried.meta}}
 

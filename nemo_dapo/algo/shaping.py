@@ -1,4 +1,4 @@
-"""Overlong reward shaping (DAPO, SPEC 5).
+"""Overlong reward shaping (DAPO, docs/algorithm.md §5).
 
 A response that runs into the last ``buffer_len`` tokens before ``max_response_length``
 is penalised linearly, so the policy learns to finish before it is cut off instead of

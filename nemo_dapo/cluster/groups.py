@@ -16,8 +16,8 @@ from nemo_dapo.algo.metrics import reduce_metrics
 from nemo_dapo.cluster.worker_group import WorkerGroup
 from nemo_dapo.policy.actor_loss import SUMMED_METRICS
 from nemo_dapo.policy.base import LossSettings
+from nemo_dapo.policy.inputs import mini_batches_per_rank, shard, worker_inputs
 from nemo_dapo.rollout.base import Generation, SamplingSettings
-from nemo_dapo.trainer.batching import mini_batches_per_rank, shard, worker_inputs
 
 # Weight buckets a policy rank may gather ahead of the engines (and each engine's queue depth).
 EXPORT_BUCKETS_AHEAD = 2
@@ -51,11 +51,18 @@ class PolicyGroup:
         leaders = [results[i] for i in self._leaders]
         return {key: torch.cat([r[key][:, :width] for r in leaders]) for key in leaders[0]}
 
-    def update(self, batch: RolloutBatch, settings: LossSettings, prompts_per_mini_batch: int, ppo_epochs: int,
-               correction: CorrectionSettings | None = None) -> dict[str, float]:
+    def update(
+        self,
+        batch: RolloutBatch,
+        settings: LossSettings,
+        prompts_per_mini_batch: int,
+        ppo_epochs: int,
+        correction: CorrectionSettings | None = None,
+    ) -> dict[str, float]:
         per_replica = mini_batches_per_rank(batch, prompts_per_mini_batch, self.dp_size, ppo_epochs)
-        results = self.workers.call_each("update", [(mbs, settings, correction)
-                                                    for mbs in self._per_worker(per_replica)])
+        results = self.workers.call_each(
+            "update", [(mbs, settings, correction) for mbs in self._per_worker(per_replica)]
+        )
         merged: dict[str, list[float]] = {}
         for rank_metrics in (results[i] for i in self._leaders):
             for key, values in rank_metrics.items():
@@ -73,9 +80,12 @@ class PolicyGroup:
         ``EXPORT_BUCKETS_AHEAD`` buckets per rank wait unconsumed, so a rank never runs far ahead of
         the engines. Ranks are read in rank order: pipeline stages come out first to last.
         """
-        streams = [worker.export_weights.options(num_returns="streaming",
-                                                 _generator_backpressure_num_objects=EXPORT_BUCKETS_AHEAD)
-                   .remote(bucket_bytes) for worker in self.workers.workers]
+        streams = [
+            worker.export_weights.options(
+                num_returns="streaming", _generator_backpressure_num_objects=EXPORT_BUCKETS_AHEAD
+            ).remote(bucket_bytes)
+            for worker in self.workers.workers
+        ]
         for stream in streams:
             yield from stream
 
@@ -102,14 +112,10 @@ class RolloutGroup:
         """Start generating without waiting (the async trainer overlaps it with training)."""
         size = self.workers.world_size
         bounds = [len(prompts) * r // size for r in range(size + 1)]
-        return [worker.generate.remote(prompts[bounds[r]: bounds[r + 1]], sampling)
-                for r, worker in enumerate(self.workers.workers)]
-
-    @staticmethod
-    def is_done(handles: list) -> bool:
-        import ray
-
-        return len(ray.wait(handles, num_returns=len(handles), timeout=0)[0]) == len(handles)
+        return [
+            worker.generate.remote(prompts[bounds[r] : bounds[r + 1]], sampling)
+            for r, worker in enumerate(self.workers.workers)
+        ]
 
     def collect(self, handles: list) -> list[Generation]:
         return [generation for part in self.workers.gather(handles, "generate") for generation in part]
@@ -137,8 +143,9 @@ class RolloutGroup:
         from ray.util.queue import Queue
 
         if self._queues is None:
-            self._queues = [Queue(maxsize=EXPORT_BUCKETS_AHEAD, actor_options={"num_cpus": 0})
-                            for _ in self.workers.workers]
+            self._queues = [
+                Queue(maxsize=EXPORT_BUCKETS_AHEAD, actor_options={"num_cpus": 0}) for _ in self.workers.workers
+            ]
         return self._queues
 
     @staticmethod
@@ -152,8 +159,10 @@ class RolloutGroup:
                 try:
                     queue.put(item, timeout=1.0)
                     break
-                except Full:
+                except Full as full:
                     done, _ = ray.wait(pending, timeout=0)
                     if done:
                         ray.get(done)
-                        raise RuntimeError("a rollout engine finished its weight update before all buckets arrived")
+                        raise RuntimeError(
+                            "a rollout engine finished its weight update before all buckets arrived"
+                        ) from full

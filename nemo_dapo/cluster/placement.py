@@ -35,8 +35,11 @@ class Slot:
     def actor_options(self) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=self.bundle,
-                                                    placement_group_capture_child_tasks=self.capture_child_tasks)
+        strategy = PlacementGroupSchedulingStrategy(
+            self.group,
+            placement_group_bundle_index=self.bundle,
+            placement_group_capture_child_tasks=self.capture_child_tasks,
+        )
         options = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "scheduling_strategy": strategy}
         if self.env:
             options["runtime_env"] = {"env_vars": dict(self.env)}  # merged with the job's env_vars
@@ -52,8 +55,10 @@ def reserve(bundles: list[dict], strategy: str, name: str, timeout_s: float, uni
     wanted = sum(b.get("GPU", 0) for b in bundles)
     total = ray.cluster_resources().get("GPU", 0)
     if wanted > total:
-        raise RuntimeError(f"{name}: {len(bundles)} {unit} need {wanted:g} GPUs, the Ray cluster has {total:g}. "
-                           "Lower the worker counts, or share the GPUs (trainer.colocate=true).")
+        raise RuntimeError(
+            f"{name}: {len(bundles)} {unit} need {wanted:g} GPUs, the Ray cluster has {total:g}. "
+            "Lower the worker counts, or share the GPUs (trainer.colocate=true)."
+        )
     group = placement_group(bundles, strategy=strategy)
     try:
         ray.get(group.ready(), timeout=timeout_s)
@@ -66,8 +71,9 @@ def reserve(bundles: list[dict], strategy: str, name: str, timeout_s: float, uni
     return group
 
 
-def own_slots(name: str, num_workers: int, num_cpus: float, num_gpus: float,
-              timeout_s: float) -> tuple[Any, list[Slot]]:
+def own_slots(
+    name: str, num_workers: int, num_cpus: float, num_gpus: float, timeout_s: float
+) -> tuple[Any, list[Slot]]:
     """A group's own placement group (the separate layout): one whole bundle per worker, PACKed."""
     bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
     group = reserve([bundle] * num_workers, "PACK", name, timeout_s)
@@ -83,15 +89,23 @@ class SharedGPUs:
         self.node_groups: list = []
         try:
             for node in range(nnodes):
-                self.node_groups.append(reserve([{"GPU": 1, "CPU": 1}] * gpus_per_node, "STRICT_PACK",
-                                                f"shared GPUs of node {node}", timeout_s, unit="GPUs"))
+                self.node_groups.append(
+                    reserve(
+                        [{"GPU": 1, "CPU": 1}] * gpus_per_node,
+                        "STRICT_PACK",
+                        f"shared GPUs of node {node}",
+                        timeout_s,
+                        unit="GPUs",
+                    )
+                )
         except RuntimeError:
             self.shutdown()  # free the nodes already reserved
             raise
 
     def _slot(self, gpu: int, num_gpus: float, **extra) -> Slot:
-        return Slot(self.node_groups[gpu // self.gpus_per_node], gpu % self.gpus_per_node, self.fraction, num_gpus,
-                    **extra)
+        return Slot(
+            self.node_groups[gpu // self.gpus_per_node], gpu % self.gpus_per_node, self.fraction, num_gpus, **extra
+        )
 
     def training_slots(self, ranks: int) -> list[Slot]:
         """Training rank ``i`` on GPU ``i``."""
@@ -107,8 +121,9 @@ class SharedGPUs:
         """Engine ``e`` on GPUs ``e*t .. e*t+t-1``; its actor sits on the first of them."""
         if self.engine_executor(tensor_parallel_size) is None:
             return [self._slot(engine, self.fraction) for engine in range(engines)]
-        return [self._ray_executor_slot(engine * tensor_parallel_size, tensor_parallel_size)
-                for engine in range(engines)]
+        return [
+            self._ray_executor_slot(engine * tensor_parallel_size, tensor_parallel_size) for engine in range(engines)
+        ]
 
     def _ray_executor_slot(self, first_gpu: int, tensor_parallel_size: int) -> Slot:
         """GPU only, untested here (no multi-GPU machine): a TP > 1 engine runs its TP workers as
@@ -116,8 +131,10 @@ class SharedGPUs:
         actor itself holds no GPU; vLLM reads each worker's share and bundles from the environment
         (``VLLM_RAY_PER_WORKER_GPUS``, ``VLLM_RAY_BUNDLE_INDICES``, as in vLLM's rlhf_colocate example)."""
         local = first_gpu % self.gpus_per_node
-        env = {"VLLM_RAY_PER_WORKER_GPUS": str(self.fraction),
-               "VLLM_RAY_BUNDLE_INDICES": ",".join(str(b) for b in range(local, local + tensor_parallel_size))}
+        env = {
+            "VLLM_RAY_PER_WORKER_GPUS": str(self.fraction),
+            "VLLM_RAY_BUNDLE_INDICES": ",".join(str(b) for b in range(local, local + tensor_parallel_size)),
+        }
         return self._slot(first_gpu, 0.0, env=env, capture_child_tasks=True)
 
     def shutdown(self) -> None:

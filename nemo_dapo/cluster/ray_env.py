@@ -50,8 +50,16 @@ def init_ray(num_cpus: int | None = None, namespace: str = "nemo_dapo", num_gpus
     if is_attached_to_cluster():
         ray.init(address=os.environ["RAY_ADDRESS"], namespace=namespace, runtime_env=runtime_env, log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, _node_ip_address=LOOPBACK, include_dashboard=False,
-                 namespace=namespace, runtime_env=runtime_env, log_to_driver=True, configure_logging=False)
+        ray.init(
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            _node_ip_address=LOOPBACK,
+            include_dashboard=False,
+            namespace=namespace,
+            runtime_env=runtime_env,
+            log_to_driver=True,
+            configure_logging=False,
+        )
     return ray
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from nemo_dapo.cluster.placement import Slot, own_slots
 
@@ -20,10 +21,19 @@ class RemoteCallError(RuntimeError):
 
 
 class WorkerGroup:
-    def __init__(self, worker_cls: type, num_workers: int, *, name: str, num_cpus_per_worker: float = 1.0,
-                 num_gpus_per_worker: float = 0.0, worker_kwargs: dict | None = None,
-                 placement_timeout_s: float = 300.0, slots: Sequence[Slot] | None = None,
-                 call_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        worker_cls: type,
+        num_workers: int,
+        *,
+        name: str,
+        num_cpus_per_worker: float = 1.0,
+        num_gpus_per_worker: float = 0.0,
+        worker_kwargs: dict | None = None,
+        placement_timeout_s: float = 300.0,
+        slots: Sequence[Slot] | None = None,
+        call_timeout_s: float | None = None,
+    ) -> None:
         """Without ``slots`` the group reserves a placement group of its own (one bundle of
         ``num_cpus_per_worker`` CPUs and ``num_gpus_per_worker`` GPUs per worker) and frees it at
         shutdown; with ``slots`` (one per worker, e.g. shares of GPUs colocated with another group)
@@ -36,16 +46,20 @@ class WorkerGroup:
         self.call_timeout_s = call_timeout_s
         self._own_placement = None
         if slots is None:
-            self._own_placement, slots = own_slots(name, num_workers, num_cpus_per_worker, num_gpus_per_worker,
-                                                   placement_timeout_s)
+            self._own_placement, slots = own_slots(
+                name, num_workers, num_cpus_per_worker, num_gpus_per_worker, placement_timeout_s
+            )
         if len(slots) != num_workers:
             raise ValueError(f"{name}: {len(slots)} slots for {num_workers} workers")
         self._rendezvous_dir = tempfile.mkdtemp(prefix=f"nemo_dapo_{name}_")
-        remote_cls = ray.remote(worker_cls)
-        self.workers = [
+        remote_cls: Any = ray.remote(worker_cls)
+        self.workers: list[Any] = [
             remote_cls.options(name=f"{name}_{rank}_{os.getpid()}", **slot.actor_options()).remote(
-                rank=rank, world_size=num_workers, rendezvous=os.path.join(self._rendezvous_dir, "store"),
-                **(worker_kwargs or {}))
+                rank=rank,
+                world_size=num_workers,
+                rendezvous=os.path.join(self._rendezvous_dir, "store"),
+                **(worker_kwargs or {}),
+            )
             for rank, slot in enumerate(slots)
         ]
         self.call_all("ready")
@@ -60,9 +74,6 @@ class WorkerGroup:
             raise ValueError(f"{self.name}: {len(per_rank_args)} argument sets for {self.world_size} workers")
         return self.gather([getattr(w, method).remote(*args) for w, args in zip(self.workers, per_rank_args)], method)
 
-    def call_rank0(self, method: str, *args, **kwargs) -> Any:
-        return self.gather([getattr(self.workers[0], method).remote(*args, **kwargs)], method)[0]
-
     def gather(self, refs: list, method: str) -> list[Any]:
         """``ray.get`` of one call's per-rank results (rank order), within ``call_timeout_s``; a dead
         or silent worker becomes a :class:`RemoteCallError` instead of a hang or a bare Ray error."""
@@ -74,11 +85,15 @@ class WorkerGroup:
         except GetTimeoutError:
             done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             silent = [rank for rank, ref in enumerate(refs) if ref not in done]
-            raise RemoteCallError(f"{self.name}.{method}: rank(s) {silent} gave no answer within "
-                                  f"{self.call_timeout_s:g} s (trainer.remote_timeout_s); {self._logs()}") from None
+            raise RemoteCallError(
+                f"{self.name}.{method}: rank(s) {silent} gave no answer within "
+                f"{self.call_timeout_s:g} s (trainer.remote_timeout_s); {self._logs()}"
+            ) from None
         except RayActorError as err:
-            raise RemoteCallError(f"{self.name}.{method}: a worker died ({err.__class__.__name__}: "
-                                  f"{str(err).splitlines()[0]}); {self._logs()}") from err
+            raise RemoteCallError(
+                f"{self.name}.{method}: a worker died ({err.__class__.__name__}: "
+                f"{str(err).splitlines()[0]}); {self._logs()}"
+            ) from err
 
     @staticmethod
     def _logs() -> str:

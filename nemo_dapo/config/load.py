@@ -7,8 +7,8 @@ compose (base + model + cluster) instead of repeating each other.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -50,8 +50,9 @@ def read_preset(name_or_path: str, seen: tuple[str, ...] = ()) -> DictConfig:
     return OmegaConf.merge(merged, raw)
 
 
-def load_config(name_or_path: str | None = DEFAULT_PRESET, overrides: Sequence[str] = (),
-                placement: bool = True) -> Config:
+def load_config(
+    name_or_path: str | None = DEFAULT_PRESET, overrides: Sequence[str] = (), placement: bool = True
+) -> Config:
     """Typed, validated config; an unknown key or a wrong type names the key.
 
     ``placement=False``: see :func:`~nemo_dapo.config.validate.validate`.

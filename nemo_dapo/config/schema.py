@@ -10,8 +10,9 @@ verl user recognises the knobs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from nemo_dapo.algo.advantage import registered_estimators
 from nemo_dapo.algo.kl import KL_PENALTY_NAMES
@@ -20,8 +21,9 @@ from nemo_dapo.algo.loss import LOSS_AGG_MODES
 Choices = tuple | Callable[[], Any]
 
 
-def setting(default: Any = MISSING, *, help: str, choices: Choices | None = None,
-            factory: Callable[[], Any] | None = None) -> Any:
+def setting(
+    default: Any = MISSING, *, help: str, choices: Choices | None = None, factory: Callable[[], Any] | None = None
+) -> Any:
     """A schema field with its help text and, for enumerations, the values validation accepts.
 
     ``choices`` is a tuple, or a function returning the names of a registry that users can
@@ -42,24 +44,42 @@ def section(cls: type, help: str) -> Any:
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = setting(factory=list, help="Training data: parquet or JSONL files in verl's format "
-                                     "(prompt as chat messages, reward_model.ground_truth), or <model>:<split> for "
-                                     "the task built with a built-in model (tiny:train).")
-    val_files: list[str] = setting(factory=list, help="Held-out data scored every trainer.test_freq steps "
-                                   "(val-core/<source>/acc/mean@n). Empty: no validation.")
+    train_files: list[str] = setting(
+        factory=list,
+        help="Training data: parquet or JSONL files in verl's format "
+        "(prompt as chat messages, reward_model.ground_truth), or <model>:<split> for "
+        "the task built with a built-in model (tiny:train).",
+    )
+    val_files: list[str] = setting(
+        factory=list,
+        help="Held-out data scored every trainer.test_freq steps (val-core/<source>/acc/mean@n). Empty: no validation.",
+    )
     max_prompt_length: int = setting(2048, help="Longest prompt in tokens, chat template included.")
-    max_response_length: int = setting(20480, help="Generation budget per response in tokens; a response that hits "
-                                       "it ends with finish reason 'length' (see algorithm.overlong_filtering).")
+    max_response_length: int = setting(
+        20480,
+        help="Generation budget per response in tokens; a response that hits "
+        "it ends with finish reason 'length' (see algorithm.overlong_filtering).",
+    )
     train_batch_size: int = setting(512, help="Prompts per training step (each sampled rollout.n times).")
-    gen_batch_size: Optional[int] = setting(None, help="Prompts per generation round; larger than train_batch_size "
-                                            "leaves room for dynamic sampling to drop groups. null: train_batch_size.")
-    truncation: str = setting("left", choices=("left", "right", "error"),
-                              help="What to do with a prompt over max_prompt_length when filter_overlong_prompts is "
-                                   "off: keep its end (left), keep its start (right) or fail naming the row (error).")
-    filter_overlong_prompts: bool = setting(True, help="Drop prompts longer than max_prompt_length when the data "
-                                            "loads (counted in the log) instead of truncating them.")
-    shuffle: bool = setting(True, help="Shuffle the prompts every epoch (resumable: the order is a function of "
-                            "seed and epoch).")
+    gen_batch_size: Optional[int] = setting(
+        None,
+        help="Prompts per generation round; larger than train_batch_size "
+        "leaves room for dynamic sampling to drop groups. null: train_batch_size.",
+    )
+    truncation: str = setting(
+        "left",
+        choices=("left", "right", "error"),
+        help="What to do with a prompt over max_prompt_length when filter_overlong_prompts is "
+        "off: keep its end (left), keep its start (right) or fail naming the row (error).",
+    )
+    filter_overlong_prompts: bool = setting(
+        True,
+        help="Drop prompts longer than max_prompt_length when the data "
+        "loads (counted in the log) instead of truncating them.",
+    )
+    shuffle: bool = setting(
+        True, help="Shuffle the prompts every epoch (resumable: the order is a function of seed and epoch)."
+    )
     seed: int = setting(1, help="Seed of the prompt order.")
 
     @property
@@ -69,34 +89,51 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = setting("", help="Hugging Face folder (config, safetensors, tokenizer), or the name of a model the "
-                        "project builds and caches itself: tiny, smollm2-135m-instruct, smollm2-135m-arith.")
-    dtype: str = setting("bfloat16", choices=("float32", "bfloat16", "float16"),
-                         help="Compute dtype of the policy and the engines; the optimizer keeps fp32 master weights.")
+    path: str = setting(
+        "",
+        help="Hugging Face folder (config, safetensors, tokenizer), or the name of a model the "
+        "project builds and caches itself: tiny, smollm2-135m-instruct, smollm2-135m-arith.",
+    )
+    dtype: str = setting(
+        "bfloat16",
+        choices=("float32", "bfloat16", "float16"),
+        help="Compute dtype of the policy and the engines; the optimizer keeps fp32 master weights.",
+    )
 
 
 @dataclass
 class KLControlConfig:
-    type: str = setting("fixed", choices=("fixed", "adaptive"),
-                        help="KL-in-reward coefficient: fixed, or adaptive (steered towards target_kl, Ziegler et "
-                             "al. 2019).")
+    type: str = setting(
+        "fixed",
+        choices=("fixed", "adaptive"),
+        help="KL-in-reward coefficient: fixed, or adaptive (steered towards target_kl, Ziegler et al. 2019).",
+    )
     kl_coef: float = setting(0.001, help="KL-in-reward coefficient (the starting value when adaptive).")
-    horizon: int = setting(10000, help="Adaptive controller: samples over which the coefficient moves by at most "
-                           "20%.")
+    horizon: int = setting(10000, help="Adaptive controller: samples over which the coefficient moves by at most 20%.")
     target_kl: float = setting(0.1, help="Adaptive controller: the KL per token it steers towards.")
 
 
 @dataclass
 class FilterGroupsConfig:
-    enable: bool = setting(False, help="DAPO's dynamic sampling: drop groups whose samples all score the same "
-                           "(zero advantage, no gradient) and generate more rounds until train_batch_size groups "
-                           "remain.")
-    metric: str = setting("acc", help="Per-sample value whose spread decides if a group is kept: acc, score, "
-                          "seq_reward, seq_final_reward, or any extra field the reward returns.")
-    max_num_gen_batches: int = setting(10, help="Most generation rounds per step before the run fails (the "
-                                       "error says how many groups were kept); <= 0: unbounded.")
-    carry_over: bool = setting(False, help="Keep the kept groups beyond train_batch_size for the next step instead "
-                               "of dropping them.")
+    enable: bool = setting(
+        False,
+        help="DAPO's dynamic sampling: drop groups whose samples all score the same "
+        "(zero advantage, no gradient) and generate more rounds until train_batch_size groups "
+        "remain.",
+    )
+    metric: str = setting(
+        "acc",
+        help="Per-sample value whose spread decides if a group is kept: acc, score, "
+        "seq_reward, seq_final_reward, or any extra field the reward returns.",
+    )
+    max_num_gen_batches: int = setting(
+        10,
+        help="Most generation rounds per step before the run fails (the "
+        "error says how many groups were kept); <= 0: unbounded.",
+    )
+    carry_over: bool = setting(
+        False, help="Keep the kept groups beyond train_batch_size for the next step instead of dropping them."
+    )
 
 
 @dataclass
@@ -106,46 +143,76 @@ class RolloutCorrectionConfig:
     Unset (null) fields take the preset's value, or the plain default without a preset.
     """
 
-    preset: Optional[str] = setting(None, help="Named combination: decoupled_token_is, decoupled_seq_is, "
-                                    "decoupled_geo_rs, bypass_pg_is, ... (nemo_dapo/algo/correction.py). Fields set "
-                                    "beside it override it.")
-    rollout_is: Optional[str] = setting(None, choices=("none", "token", "sequence"),
-                                        help="Importance weights pi_old/pi_rollout, truncated and detached, per token "
-                                             "or per sequence (product over tokens). none: off.")
+    preset: Optional[str] = setting(
+        None,
+        help="Named combination: decoupled_token_is, decoupled_seq_is, "
+        "decoupled_geo_rs, bypass_pg_is, ... (nemo_dapo/algo/correction.py). Fields set "
+        "beside it override it.",
+    )
+    rollout_is: Optional[str] = setting(
+        None,
+        choices=("none", "token", "sequence"),
+        help="Importance weights pi_old/pi_rollout, truncated and detached, per token "
+        "or per sequence (product over tokens). none: off.",
+    )
     rollout_is_threshold: Optional[float] = setting(None, help="Upper truncation of the IS weights (default 2.0).")
-    rollout_is_batch_normalize: Optional[bool] = setting(None, help="Rescale the IS weights to mean 1 over the "
-                                                         "batch's valid tokens.")
-    rollout_rs: Optional[str] = setting(None, help="Rejection sampling: comma list of <level>_<stat> with level in "
-                                        "token, seq_sum, seq_mean, seq_max and stat in k1, k2, k3, e.g. seq_mean_k1 "
-                                        "(masks samples whose rollout/old divergence is out of bounds).")
-    rollout_rs_threshold: Optional[str] = setting(None, help="One bound per rollout_rs mode: 'lower_upper' ratio "
-                                                  "range for k1 (e.g. 0.999_1.001), an upper bound for k2/k3.")
-    bypass_mode: Optional[bool] = setting(None, help="Skip the old-log-prob pass: the rollout's log-probs act as "
-                                          "pi_old (one forward less per step).")
-    loss_type: Optional[str] = setting(None, choices=("ppo_clip", "reinforce"),
-                                       help="Bypass mode's loss: ppo_clip (the clipped policy loss on rollout "
-                                            "ratios) or reinforce (IS-weighted policy gradient, needs bypass_mode).")
+    rollout_is_batch_normalize: Optional[bool] = setting(
+        None, help="Rescale the IS weights to mean 1 over the batch's valid tokens."
+    )
+    rollout_rs: Optional[str] = setting(
+        None,
+        help="Rejection sampling: comma list of <level>_<stat> with level in "
+        "token, seq_sum, seq_mean, seq_max and stat in k1, k2, k3, e.g. seq_mean_k1 "
+        "(masks samples whose rollout/old divergence is out of bounds).",
+    )
+    rollout_rs_threshold: Optional[str] = setting(
+        None,
+        help="One bound per rollout_rs mode: 'lower_upper' ratio "
+        "range for k1 (e.g. 0.999_1.001), an upper bound for k2/k3.",
+    )
+    bypass_mode: Optional[bool] = setting(
+        None, help="Skip the old-log-prob pass: the rollout's log-probs act as pi_old (one forward less per step)."
+    )
+    loss_type: Optional[str] = setting(
+        None,
+        choices=("ppo_clip", "reinforce"),
+        help="Bypass mode's loss: ppo_clip (the clipped policy loss on rollout "
+        "ratios) or reinforce (IS-weighted policy gradient, needs bypass_mode).",
+    )
 
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = setting("grpo", choices=registered_estimators,
-                                 help="Advantage estimator by registry name (@register_adv_est): grpo is the "
-                                      "group-normalised reward (Shao et al. 2024).")
-    norm_adv_by_std: bool = setting(True, help="GRPO: divide by the group's reward std (false: Dr. GRPO's mean-only "
-                                    "baseline, Liu et al. 2025).")
-    use_kl_in_reward: bool = setting(False, help="Subtract kl_ctrl.kl_coef x KL(policy || reference) from the "
-                                     "reward per token (builds a reference model).")
-    kl_penalty: str = setting("kl", choices=KL_PENALTY_NAMES,
-                              help="KL estimator of the in-reward penalty: kl/k1, abs, mse/k2, low_var_kl/k3, full; "
-                                   "a '+' suffix uses the straight-through form.")
+    adv_estimator: str = setting(
+        "grpo",
+        choices=registered_estimators,
+        help="Advantage estimator by registry name (@register_adv_est): grpo is the "
+        "group-normalised reward (Shao et al. 2024).",
+    )
+    norm_adv_by_std: bool = setting(
+        True, help="GRPO: divide by the group's reward std (false: Dr. GRPO's mean-only baseline, Liu et al. 2025)."
+    )
+    use_kl_in_reward: bool = setting(
+        False,
+        help="Subtract kl_ctrl.kl_coef x KL(policy || reference) from the reward per token (builds a reference model).",
+    )
+    kl_penalty: str = setting(
+        "kl",
+        choices=KL_PENALTY_NAMES,
+        help="KL estimator of the in-reward penalty: kl/k1, abs, mse/k2, low_var_kl/k3, full; "
+        "a '+' suffix uses the straight-through form.",
+    )
     kl_ctrl: KLControlConfig = section(KLControlConfig, "Coefficient of the KL-in-reward penalty.")
-    overlong_filtering: bool = setting(False, help="DAPO's overlong filtering: responses the engine stopped at "
-                                       "data.max_response_length leave the loss and its denominators; their group "
-                                       "keeps their score for advantages and dynamic sampling.")
+    overlong_filtering: bool = setting(
+        False,
+        help="DAPO's overlong filtering: responses the engine stopped at "
+        "data.max_response_length leave the loss and its denominators; their group "
+        "keeps their score for advantages and dynamic sampling.",
+    )
     filter_groups: FilterGroupsConfig = section(FilterGroupsConfig, "Dynamic sampling (DAPO).")
-    rollout_correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig, "Rollout correction: IS weights "
-                                                          "and rejection sampling against the engine's log-probs.")
+    rollout_correction: RolloutCorrectionConfig = section(
+        RolloutCorrectionConfig, "Rollout correction: IS weights and rejection sampling against the engine's log-probs."
+    )
 
 
 @dataclass
@@ -155,8 +222,11 @@ class OptimConfig:
     betas: list[float] = setting(factory=lambda: [0.9, 0.999], help="AdamW (beta1, beta2).")
     eps: float = setting(1e-8, help="AdamW epsilon.")
     warmup_steps: int = setting(10, help="Optimizer steps of linear warm-up from 0 to lr.")
-    lr_schedule: str = setting("constant", choices=("constant", "cosine"),
-                               help="After warm-up: constant, or cosine decay to min_lr_ratio x lr at the last step.")
+    lr_schedule: str = setting(
+        "constant",
+        choices=("constant", "cosine"),
+        help="After warm-up: constant, or cosine decay to min_lr_ratio x lr at the last step.",
+    )
     min_lr_ratio: float = setting(0.0, help="Cosine schedule: the final learning rate as a fraction of lr.")
     clip_grad: float = setting(1.0, help="Global gradient-norm clip.")
 
@@ -172,73 +242,115 @@ class MegatronConfig:
     tensor_model_parallel_size: int = setting(1, help="TP: ranks splitting every weight matrix.")
     pipeline_model_parallel_size: int = setting(1, help="PP: stages splitting the layers (1F1B schedule).")
     virtual_pipeline_model_parallel_size: Optional[int] = setting(
-        None, help="Interleaved 1F1B: model chunks per pipeline rank (>= 2, needs PP >= 2); null: off.")
-    context_parallel_size: int = setting(1, help="CP: ranks sharing each packed row's tokens (> 1 needs "
-                                         "sequence_packing).")
+        None, help="Interleaved 1F1B: model chunks per pipeline rank (>= 2, needs PP >= 2); null: off."
+    )
+    context_parallel_size: int = setting(
+        1, help="CP: ranks sharing each packed row's tokens (> 1 needs sequence_packing)."
+    )
     expert_model_parallel_size: int = setting(1, help="EP: ranks splitting the experts of each MoE layer.")
-    sequence_parallel: bool = setting(False, help="Split norms and dropout activations along the sequence over the "
-                                      "TP group (needs transformer_engine and TP > 1).")
-    transformer_impl: str = setting("local", choices=("local", "transformer_engine"),
-                                    help="Layer implementation: local (CPU or GPU), transformer_engine (GPU; FP8 and "
-                                         "sequence_parallel need it).")
-    use_distributed_optimizer: bool = setting(True, help="Shard fp32 master weights and Adam moments over DP "
-                                              "(ZeRO-1).")
-    overlap_grad_reduce: bool = setting(False, help="Start each bucket's gradient reduce-scatter inside the last "
-                                        "backward.")
-    overlap_param_gather: bool = setting(False, help="Gather updated parameter shards during the next forward "
-                                         "(needs use_distributed_optimizer).")
-    ddp_bucket_size: Optional[int] = setting(None, help="Parameters per gradient communication bucket; null: "
-                                             "Megatron's default.")
-    fp8: Optional[str] = setting(None, choices=(None, "hybrid", "e4m3"),
-                                 help="FP8 training format (TransformerEngine, GPU only); null: off.")
-    fp8_recipe: str = setting("delayed", choices=("delayed", "tensorwise", "blockwise", "mxfp8"),
-                              help="FP8 scaling recipe.")
-    recompute_granularity: Optional[str] = setting(None, choices=(None, "full", "selective"),
-                                                   help="Activation recomputation in backward; null: off.")
-    moe_aux_loss_coeff: float = setting(0.0, help="MoE router load-balancing loss per routed token; 0: off (the RL "
-                                        "loss alone moves the router).")
-    sequence_packing: bool = setting(False, help="Micro-batch rows end to end without padding (THD layout; each row "
-                                     "attends only to itself).")
+    sequence_parallel: bool = setting(
+        False,
+        help="Split norms and dropout activations along the sequence over the "
+        "TP group (needs transformer_engine and TP > 1).",
+    )
+    transformer_impl: str = setting(
+        "local",
+        choices=("local", "transformer_engine"),
+        help="Layer implementation: local (CPU or GPU), transformer_engine (GPU; FP8 and sequence_parallel need it).",
+    )
+    use_distributed_optimizer: bool = setting(True, help="Shard fp32 master weights and Adam moments over DP (ZeRO-1).")
+    overlap_grad_reduce: bool = setting(
+        False, help="Start each bucket's gradient reduce-scatter inside the last backward."
+    )
+    overlap_param_gather: bool = setting(
+        False, help="Gather updated parameter shards during the next forward (needs use_distributed_optimizer)."
+    )
+    ddp_bucket_size: Optional[int] = setting(
+        None, help="Parameters per gradient communication bucket; null: Megatron's default."
+    )
+    fp8: Optional[str] = setting(
+        None, choices=(None, "hybrid", "e4m3"), help="FP8 training format (TransformerEngine, GPU only); null: off."
+    )
+    fp8_recipe: str = setting(
+        "delayed", choices=("delayed", "tensorwise", "blockwise", "mxfp8"), help="FP8 scaling recipe."
+    )
+    recompute_granularity: Optional[str] = setting(
+        None, choices=(None, "full", "selective"), help="Activation recomputation in backward; null: off."
+    )
+    moe_aux_loss_coeff: float = setting(
+        0.0, help="MoE router load-balancing loss per routed token; 0: off (the RL loss alone moves the router)."
+    )
+    sequence_packing: bool = setting(
+        False, help="Micro-batch rows end to end without padding (THD layout; each row attends only to itself)."
+    )
 
 
 @dataclass
 class ActorConfig:
-    backend: str = setting("torch", choices=("torch", "megatron"),
-                           help="Training backend: torch (Hugging Face model, DDP over gloo/NCCL) or megatron "
-                                "(megatron-core: TP, PP, CP, EP, distributed optimizer).")
+    backend: str = setting(
+        "torch",
+        choices=("torch", "megatron"),
+        help="Training backend: torch (Hugging Face model, DDP over gloo/NCCL) or megatron "
+        "(megatron-core: TP, PP, CP, EP, distributed optimizer).",
+    )
     num_workers: int = setting(1, help="Training ranks (one per GPU on a GPU cluster).")
-    clip_ratio_low: float = setting(0.2, help="Lower PPO clip: ratios below 1 - clip_ratio_low stop pushing down "
-                                    "(DAPO, Yu et al. 2025, arXiv 2503.14476).")
-    clip_ratio_high: float = setting(0.28, help="Upper PPO clip, decoupled from the lower one (DAPO's clip-higher): "
-                                     "ratios above 1 + clip_ratio_high stop pushing up, and a larger value keeps "
-                                     "low-probability tokens explorable (DAPO, Yu et al. 2025, arXiv 2503.14476).")
-    clip_ratio_c: float = setting(10.0, help="Dual-clip bound for negative advantages: the loss is capped at "
-                                  "clip_ratio_c x |A| (Ye et al. 2020, arXiv 1912.09729); must be > 1.")
-    policy_loss: str = setting("dapo", help="Policy loss by name (nemo_dapo/algo/policy_losses.py): dapo (decoupled "
-                               "+ dual clip), gspo and gspo_token (Zheng et al. 2025, arXiv 2507.18071), cispo "
-                               "(MiniMax-M1, arXiv 2506.13585), gmpo (arXiv 2507.20673), or 'your.module:name' for "
-                               "one registered with @register_policy_loss.")
-    loss_agg_mode: str = setting("token-mean", choices=LOSS_AGG_MODES,
-                                 help="How token losses become the batch loss: token-mean (DAPO's token-level loss), "
-                                      "seq-mean-token-mean (GRPO), seq-mean-token-sum, seq-mean-token-sum-norm "
-                                      "(Dr. GRPO: divided by loss_scale_factor).")
-    loss_scale_factor: Optional[float] = setting(None, help="seq-mean-token-sum-norm's constant divisor; null: "
-                                                 "data.max_response_length.")
+    clip_ratio_low: float = setting(
+        0.2,
+        help="Lower PPO clip: ratios below 1 - clip_ratio_low stop pushing down "
+        "(DAPO, Yu et al. 2025, arXiv 2503.14476).",
+    )
+    clip_ratio_high: float = setting(
+        0.28,
+        help="Upper PPO clip, decoupled from the lower one (DAPO's clip-higher): "
+        "ratios above 1 + clip_ratio_high stop pushing up, and a larger value keeps "
+        "low-probability tokens explorable (DAPO, Yu et al. 2025, arXiv 2503.14476).",
+    )
+    clip_ratio_c: float = setting(
+        10.0,
+        help="Dual-clip bound for negative advantages: the loss is capped at "
+        "clip_ratio_c x |A| (Ye et al. 2020, arXiv 1912.09729); must be > 1.",
+    )
+    policy_loss: str = setting(
+        "dapo",
+        help="Policy loss by name (nemo_dapo/algo/policy_losses.py): dapo (decoupled "
+        "+ dual clip), gspo and gspo_token (Zheng et al. 2025, arXiv 2507.18071), cispo "
+        "(MiniMax-M1, arXiv 2506.13585), gmpo (arXiv 2507.20673), or 'your.module:name' for "
+        "one registered with @register_policy_loss.",
+    )
+    loss_agg_mode: str = setting(
+        "token-mean",
+        choices=LOSS_AGG_MODES,
+        help="How token losses become the batch loss: token-mean (DAPO's token-level loss), "
+        "seq-mean-token-mean (GRPO), seq-mean-token-sum, seq-mean-token-sum-norm "
+        "(Dr. GRPO: divided by loss_scale_factor).",
+    )
+    loss_scale_factor: Optional[float] = setting(
+        None, help="seq-mean-token-sum-norm's constant divisor; null: data.max_response_length."
+    )
     entropy_coeff: float = setting(0.0, help="Entropy bonus coefficient (0 in DAPO).")
-    use_kl_loss: bool = setting(False, help="Add kl_loss_coef x KL(policy || reference) to the loss (builds a "
-                                "reference model; DAPO uses none).")
+    use_kl_loss: bool = setting(
+        False, help="Add kl_loss_coef x KL(policy || reference) to the loss (builds a reference model; DAPO uses none)."
+    )
     kl_loss_coef: float = setting(0.001, help="Coefficient of the KL loss.")
-    kl_loss_type: str = setting("low_var_kl", choices=KL_PENALTY_NAMES,
-                                help="KL estimator of the KL loss (low_var_kl = k3, Schulman 2020).")
+    kl_loss_type: str = setting(
+        "low_var_kl", choices=KL_PENALTY_NAMES, help="KL estimator of the KL loss (low_var_kl = k3, Schulman 2020)."
+    )
     ppo_epochs: int = setting(1, help="Passes over each step's batch.")
-    ppo_mini_batch_size: int = setting(32, help="Prompts per optimizer step (with their rollout.n samples); must "
-                                       "divide data.train_batch_size.")
-    max_token_len_per_micro_batch: int = setting(16384, help="Token budget of one forward/backward micro-batch "
-                                                 "(per rank); sequences are packed into micro-batches by length.")
-    logits_chunk_tokens: Optional[int] = setting(None, help="Response positions per output-layer chunk when "
-                                                 "computing log-probs and entropy (recomputed in backward, so the "
-                                                 "[tokens, vocab] logits never exist at once); null: 128 MiB of "
-                                                 "fp32 logits per chunk.")
+    ppo_mini_batch_size: int = setting(
+        32, help="Prompts per optimizer step (with their rollout.n samples); must divide data.train_batch_size."
+    )
+    max_token_len_per_micro_batch: int = setting(
+        16384,
+        help="Token budget of one forward/backward micro-batch "
+        "(per rank); sequences are packed into micro-batches by length.",
+    )
+    logits_chunk_tokens: Optional[int] = setting(
+        None,
+        help="Response positions per output-layer chunk when "
+        "computing log-probs and entropy (recomputed in backward, so the "
+        "[tokens, vocab] logits never exist at once); null: 128 MiB of "
+        "fp32 logits per chunk.",
+    )
     optim: OptimConfig = section(OptimConfig, "Optimizer and learning-rate schedule.")
     megatron: MegatronConfig = section(MegatronConfig, "Parallel layout and precision of the megatron backend.")
 
@@ -255,8 +367,9 @@ class ValSamplingConfig:
 class RolloutConfig:
     num_workers: int = setting(1, help="vLLM engines.")
     tensor_parallel_size: int = setting(1, help="GPUs per engine.")
-    gpu_memory_utilization: float = setting(0.8, help="Fraction of each GPU an engine may take for weights and "
-                                            "KV cache.")
+    gpu_memory_utilization: float = setting(
+        0.8, help="Fraction of each GPU an engine may take for weights and KV cache."
+    )
     n: int = setting(16, help="Samples per prompt (the group size of GRPO).")
     temperature: float = setting(1.0, help="Training sampling temperature; the trainer's log-probs use the same one.")
     top_p: float = setting(1.0, help="Training nucleus sampling (1.0: off, as DAPO).")
@@ -266,67 +379,99 @@ class RolloutConfig:
 
 @dataclass
 class OverlongBufferConfig:
-    enable: bool = setting(False, help="DAPO's soft overlong punishment: responses longer than "
-                           "data.max_response_length - len lose up to penalty_factor of reward, linearly.")
+    enable: bool = setting(
+        False,
+        help="DAPO's soft overlong punishment: responses longer than "
+        "data.max_response_length - len lose up to penalty_factor of reward, linearly.",
+    )
     len: int = setting(4096, help="Length of the punishment interval at the end of the budget, in tokens.")
     penalty_factor: float = setting(1.0, help="Reward lost at the budget's end.")
 
 
 @dataclass
 class RewardConfig:
-    scorer: str = setting("math_dapo", choices=("math_dapo", "math_verify"),
-                          help="Answer checker: math_dapo (DAPO's 'Answer:' line, exact after normalisation) or "
-                               "math_verify (HF math-verify, symbolic equivalence).")
+    scorer: str = setting(
+        "math_dapo",
+        choices=("math_dapo", "math_verify"),
+        help="Answer checker: math_dapo (DAPO's 'Answer:' line, exact after normalisation) or "
+        "math_verify (HF math-verify, symbolic equivalence).",
+    )
     num_workers: int = setting(2, help="Scoring processes.")
-    timeout_s: float = setting(10.0, help="Longest one answer may take to score (math_verify); a timeout scores -1 and is "
-                             "flagged as such.")
+    timeout_s: float = setting(
+        10.0, help="Longest one answer may take to score (math_verify); a timeout scores -1 and is flagged as such."
+    )
     overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig, "Soft overlong punishment (DAPO).")
 
 
 @dataclass
 class CheckpointConfig:
-    resume: str = setting("auto", help="auto (the newest checkpoint in trainer.output_dir, if any), disable, or the "
-                          "path of a checkpoint folder.")
+    resume: str = setting(
+        "auto",
+        help="auto (the newest checkpoint in trainer.output_dir, if any), disable, or the path of a checkpoint folder.",
+    )
     keep_last: int = setting(2, help="Checkpoints kept; older ones are deleted after a new one is complete.")
-    async_save: bool = setting(False, help="megatron backend: a background process writes the sharded state while "
-                               "training goes on; the checkpoint becomes visible (manifest, rename, latest) once "
-                               "every rank finished.")
+    async_save: bool = setting(
+        False,
+        help="megatron backend: a background process writes the sharded state while "
+        "training goes on; the checkpoint becomes visible (manifest, rename, latest) once "
+        "every rank finished.",
+    )
 
 
 @dataclass
 class TrainerConfig:
-    mode: str = setting("sync", choices=("sync", "async"),
-                        help="sync: generate, then train, then sync weights. async: the engines generate the next "
-                             "round while the policy trains on this one (off-policy by up to max_staleness).")
+    mode: str = setting(
+        "sync",
+        choices=("sync", "async"),
+        help="sync: generate, then train, then sync weights. async: the engines generate the next "
+        "round while the policy trains on this one (off-policy by up to max_staleness).",
+    )
     parameter_sync_step: int = setting(1, help="async: local updates between two weight syncs.")
-    max_staleness: int = setting(1, help="async: the oldest policy lag (versions) a trajectory may have; older ones "
-                                 "are dropped and their prompts reissued.")
+    max_staleness: int = setting(
+        1,
+        help="async: the oldest policy lag (versions) a trajectory may have; older ones "
+        "are dropped and their prompts reissued.",
+    )
     experiment_name: str = setting("dapo", help="Name in logs and TensorBoard.")
     output_dir: str = setting("outputs/dapo", help="Checkpoints, logs, TensorBoard events and summary.json.")
     total_epochs: int = setting(1, help="Passes over the training prompts.")
     total_training_steps: Optional[int] = setting(None, help="Training steps; null: total_epochs x steps per epoch.")
-    total_generated_samples: Optional[int] = setting(None, help="Stop once this many samples were generated (sync "
-                                                     "mode): a budget fair to dynamic sampling, whose steps generate "
-                                                     "more than train_batch_size x n. null: steps only.")
+    total_generated_samples: Optional[int] = setting(
+        None,
+        help="Stop once this many samples were generated (sync "
+        "mode): a budget fair to dynamic sampling, whose steps generate "
+        "more than train_batch_size x n. null: steps only.",
+    )
     test_freq: int = setting(5, help="Validate every this many steps; <= 0: never.")
-    save_freq: int = setting(5, help="Checkpoint every this many steps (and after the last one); <= 0: only at the "
-                             "end and at preemption.")
+    save_freq: int = setting(
+        5, help="Checkpoint every this many steps (and after the last one); <= 0: only at the end and at preemption."
+    )
     val_before_train: bool = setting(True, help="Validate once before the first step (the baseline).")
     seed: int = setting(1, help="Seed of model init, sampling and shuffling.")
-    loggers: list[str] = setting(factory=lambda: ["console", "tensorboard"], choices=("console", "tensorboard"),
-                                 help="Metric sinks.")
+    loggers: list[str] = setting(
+        factory=lambda: ["console", "tensorboard"], choices=("console", "tensorboard"), help="Metric sinks."
+    )
     nnodes: int = setting(1, help="Nodes of the job.")
     n_gpus_per_node: int = setting(8, help="GPUs per node; 0: CPU mode (workers are plain processes).")
-    colocate: bool = setting(False, help="GPU mode: training ranks and vLLM engines share every GPU and take turns "
-                             "(the engines sleep while the policy trains). false: each group gets GPUs of its own. "
-                             "Ignored in CPU mode.")
-    cpu_threads_per_worker: Optional[int] = setting(None, help="CPU threads of each policy, reference and rollout "
-                                                    "worker. null: the cores of its node divided among the workers "
-                                                    "of its group there.")
-    remote_timeout_s: Optional[float] = setting(7200.0, help="Longest the driver waits on one call of a worker "
-                                                "group (engine start, generate, log-probs, update, weight sync, "
-                                                "checkpoint) before failing with the group, call and ranks named; a "
-                                                "dead worker fails at once. null: wait forever.")
+    colocate: bool = setting(
+        False,
+        help="GPU mode: training ranks and vLLM engines share every GPU and take turns "
+        "(the engines sleep while the policy trains). false: each group gets GPUs of its own. "
+        "Ignored in CPU mode.",
+    )
+    cpu_threads_per_worker: Optional[int] = setting(
+        None,
+        help="CPU threads of each policy, reference and rollout "
+        "worker. null: the cores of its node divided among the workers "
+        "of its group there.",
+    )
+    remote_timeout_s: Optional[float] = setting(
+        7200.0,
+        help="Longest the driver waits on one call of a worker "
+        "group (engine start, generate, log-probs, update, weight sync, "
+        "checkpoint) before failing with the group, call and ranks named; a "
+        "dead worker fails at once. null: wait forever.",
+    )
 
 
 @dataclass

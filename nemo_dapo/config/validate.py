@@ -10,13 +10,17 @@ from dataclasses import replace
 
 from nemo_dapo.algo.correction import PRESETS, CorrectionSettings, parse_rs_modes
 from nemo_dapo.algo.policy_losses import policy_loss_problems
-from nemo_dapo.config.reference import settings as schema_settings
+from nemo_dapo.config.fields import settings as schema_settings
 from nemo_dapo.config.schema import Config, RolloutCorrectionConfig
-from nemo_dapo.errors import InputError
-
-
-class ConfigError(InputError, ValueError):
-    """A config that cannot run; the message lists every problem found."""
+from nemo_dapo.config.topology import (
+    cluster_gpus,
+    engine_gpus,
+    is_colocated,
+    needs_reference,
+    policy_groups,
+    training_world_size,
+)
+from nemo_dapo.errors import ConfigError
 
 
 class _Problems(list):
@@ -48,7 +52,9 @@ def correction_settings(cfg: RolloutCorrectionConfig) -> CorrectionSettings:
     if cfg.preset is not None and cfg.preset not in PRESETS:
         raise ConfigError(f"algorithm.rollout_correction.preset={cfg.preset!r}: choose one of {sorted(PRESETS)}")
     base = PRESETS[cfg.preset] if cfg.preset else CorrectionSettings()
-    chosen = {name: getattr(cfg, name) for name in CorrectionSettings.__dataclass_fields__ if getattr(cfg, name) is not None}
+    chosen = {
+        name: getattr(cfg, name) for name in CorrectionSettings.__dataclass_fields__ if getattr(cfg, name) is not None
+    }
     if chosen.get("rollout_is") == "none":
         chosen["rollout_is"] = None
     return replace(base, **chosen)
@@ -57,20 +63,34 @@ def correction_settings(cfg: RolloutCorrectionConfig) -> CorrectionSettings:
 def _check_algorithm(cfg: Config, problems: _Problems) -> None:
     algo = cfg.algorithm
     if algo.kl_ctrl.type == "adaptive":
-        problems.require(algo.kl_ctrl.target_kl > 0, "algorithm.kl_ctrl.target_kl", algo.kl_ctrl.target_kl, "must be > 0")
+        problems.require(
+            algo.kl_ctrl.target_kl > 0, "algorithm.kl_ctrl.target_kl", algo.kl_ctrl.target_kl, "must be > 0"
+        )
         problems.require(algo.kl_ctrl.horizon > 0, "algorithm.kl_ctrl.horizon", algo.kl_ctrl.horizon, "must be > 0")
-    problems.require(bool(algo.filter_groups.metric), "algorithm.filter_groups.metric", algo.filter_groups.metric,
-                     "name the per-sample value to filter on, e.g. acc")
+    problems.require(
+        bool(algo.filter_groups.metric),
+        "algorithm.filter_groups.metric",
+        algo.filter_groups.metric,
+        "name the per-sample value to filter on, e.g. acc",
+    )
     try:
         settings = correction_settings(algo.rollout_correction)
     except ConfigError as err:
         problems.append(str(err))
         return
     key = "algorithm.rollout_correction"
-    problems.require(settings.rollout_is_threshold > 0, f"{key}.rollout_is_threshold", settings.rollout_is_threshold,
-                     "must be > 0 (IS weights are truncated above it)")
-    problems.require(settings.loss_type != "reinforce" or settings.bypass_mode, f"{key}.loss_type", settings.loss_type,
-                     "the REINFORCE loss needs bypass_mode=true (decoupled mode uses ppo_clip)")
+    problems.require(
+        settings.rollout_is_threshold > 0,
+        f"{key}.rollout_is_threshold",
+        settings.rollout_is_threshold,
+        "must be > 0 (IS weights are truncated above it)",
+    )
+    problems.require(
+        settings.loss_type != "reinforce" or settings.bypass_mode,
+        f"{key}.loss_type",
+        settings.loss_type,
+        "the REINFORCE loss needs bypass_mode=true (decoupled mode uses ppo_clip)",
+    )
     try:
         parse_rs_modes(settings.rollout_rs, settings.rollout_rs_threshold)
     except ValueError as err:
@@ -82,29 +102,43 @@ def _check_actor(cfg: Config, problems: _Problems) -> None:
     problems.require(actor.num_workers >= 1, "actor.num_workers", actor.num_workers, "must be >= 1")
     problems.require(0 <= actor.clip_ratio_low < 1, "actor.clip_ratio_low", actor.clip_ratio_low, "must be in [0, 1)")
     problems.require(actor.clip_ratio_high >= 0, "actor.clip_ratio_high", actor.clip_ratio_high, "must be >= 0")
-    problems.require(actor.clip_ratio_c > 1, "actor.clip_ratio_c", actor.clip_ratio_c,
-                     "the dual-clip bound must be > 1 (DAPO uses 10)")
+    problems.require(
+        actor.clip_ratio_c > 1,
+        "actor.clip_ratio_c",
+        actor.clip_ratio_c,
+        "the dual-clip bound must be > 1 (DAPO uses 10)",
+    )
     problems.extend(policy_loss_problems(actor.policy_loss, actor.loss_agg_mode))
-    problems.require(actor.policy_loss == "dapo" or correction_settings(cfg.algorithm.rollout_correction).loss_type
-                     != "reinforce", "actor.policy_loss", actor.policy_loss,
-                     "bypass mode's REINFORCE loss (rollout_correction loss_type=reinforce) takes the place of the "
-                     "policy loss: keep actor.policy_loss=dapo, or use loss_type=ppo_clip")
+    problems.require(
+        actor.policy_loss == "dapo" or correction_settings(cfg.algorithm.rollout_correction).loss_type != "reinforce",
+        "actor.policy_loss",
+        actor.policy_loss,
+        "bypass mode's REINFORCE loss (rollout_correction loss_type=reinforce) takes the place of the "
+        "policy loss: keep actor.policy_loss=dapo, or use loss_type=ppo_clip",
+    )
     problems.require(actor.ppo_epochs >= 1, "actor.ppo_epochs", actor.ppo_epochs, "must be >= 1")
-    problems.require(actor.max_token_len_per_micro_batch > 0, "actor.max_token_len_per_micro_batch",
-                     actor.max_token_len_per_micro_batch, "must be > 0")
+    problems.require(
+        actor.max_token_len_per_micro_batch > 0,
+        "actor.max_token_len_per_micro_batch",
+        actor.max_token_len_per_micro_batch,
+        "must be > 0",
+    )
     batch, mini = cfg.data.train_batch_size, actor.ppo_mini_batch_size
-    problems.require(0 < mini <= batch and batch % mini == 0, "actor.ppo_mini_batch_size", mini,
-                     f"must divide data.train_batch_size={batch} (each mini-batch is one optimizer step)")
+    problems.require(
+        0 < mini <= batch and batch % mini == 0,
+        "actor.ppo_mini_batch_size",
+        mini,
+        f"must divide data.train_batch_size={batch} (each mini-batch is one optimizer step)",
+    )
     problems.require(optim.lr > 0, "actor.optim.lr", optim.lr, "must be > 0")
     problems.require(optim.warmup_steps >= 0, "actor.optim.warmup_steps", optim.warmup_steps, "must be >= 0")
     problems.require(optim.clip_grad > 0, "actor.optim.clip_grad", optim.clip_grad, "must be > 0")
-    problems.require(len(optim.betas) == 2 and all(0 <= b < 1 for b in optim.betas), "actor.optim.betas",
-                     optim.betas, "two numbers in [0, 1)")
-
-
-def training_world_size(cfg: Config) -> int:
-    """Training ranks the launcher starts: ``actor.num_workers`` (one GPU each on a GPU cluster)."""
-    return cfg.actor.num_workers
+    problems.require(
+        len(optim.betas) == 2 and all(0 <= b < 1 for b in optim.betas),
+        "actor.optim.betas",
+        optim.betas,
+        "two numbers in [0, 1)",
+    )
 
 
 def _check_megatron(cfg: Config, problems: _Problems) -> None:
@@ -112,71 +146,93 @@ def _check_megatron(cfg: Config, problems: _Problems) -> None:
     if cfg.actor.backend != "megatron":
         return
     mg, key = cfg.actor.megatron, "actor.megatron"
-    tp, pp, cp, ep = (mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, mg.context_parallel_size,
-                      mg.expert_model_parallel_size)
-    sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "context_parallel_size": cp,
-             "expert_model_parallel_size": ep}
+    tp, pp, cp, ep = (
+        mg.tensor_model_parallel_size,
+        mg.pipeline_model_parallel_size,
+        mg.context_parallel_size,
+        mg.expert_model_parallel_size,
+    )
+    sizes = {
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "context_parallel_size": cp,
+        "expert_model_parallel_size": ep,
+    }
     for name, size in sizes.items():
         problems.require(size >= 1, f"{key}.{name}", size, "must be >= 1")
     if min(sizes.values()) < 1:
         return
     vpp = mg.virtual_pipeline_model_parallel_size
-    problems.require(vpp is None or (vpp >= 2 and pp >= 2), f"{key}.virtual_pipeline_model_parallel_size", vpp,
-                     f"interleaving needs >= 2 chunks and pipeline_model_parallel_size >= 2 (it is {pp}); "
-                     "null turns it off")
+    problems.require(
+        vpp is None or (vpp >= 2 and pp >= 2),
+        f"{key}.virtual_pipeline_model_parallel_size",
+        vpp,
+        f"interleaving needs >= 2 chunks and pipeline_model_parallel_size >= 2 (it is {pp}); null turns it off",
+    )
     world = training_world_size(cfg)
     if world % (tp * pp * cp):
-        problems.append(f"{key}: TP={tp} x PP={pp} x CP={cp} = {tp * pp * cp} must divide the {world} training "
-                        "ranks (actor.num_workers); DP is the quotient")
+        problems.append(
+            f"{key}: TP={tp} x PP={pp} x CP={cp} = {tp * pp * cp} must divide the {world} training "
+            "ranks (actor.num_workers); DP is the quotient"
+        )
     if world % (tp * ep * pp):
-        problems.append(f"{key}: TP={tp} x EP={ep} x PP={pp} = {tp * ep * pp} must divide the {world} training "
-                        "ranks (the expert layout; expert DP is the quotient)")
-    problems.require(not mg.sequence_parallel or tp > 1, f"{key}.sequence_parallel", mg.sequence_parallel,
-                     "needs tensor_model_parallel_size > 1 (it splits the sequence over the TP group)")
-    problems.require(ep == 1 or tp == 1 or mg.sequence_parallel, f"{key}.sequence_parallel", mg.sequence_parallel,
-                     "must be true when experts (EP > 1) are combined with tensor parallelism (TP > 1)")
+        problems.append(
+            f"{key}: TP={tp} x EP={ep} x PP={pp} = {tp * ep * pp} must divide the {world} training "
+            "ranks (the expert layout; expert DP is the quotient)"
+        )
+    problems.require(
+        not mg.sequence_parallel or tp > 1,
+        f"{key}.sequence_parallel",
+        mg.sequence_parallel,
+        "needs tensor_model_parallel_size > 1 (it splits the sequence over the TP group)",
+    )
+    problems.require(
+        ep == 1 or tp == 1 or mg.sequence_parallel,
+        f"{key}.sequence_parallel",
+        mg.sequence_parallel,
+        "must be true when experts (EP > 1) are combined with tensor parallelism (TP > 1)",
+    )
     te = mg.transformer_impl == "transformer_engine"
-    problems.require(not mg.sequence_parallel or te, f"{key}.sequence_parallel", mg.sequence_parallel,
-                     "needs transformer_impl=transformer_engine (its norms handle sequence-split activations)")
+    problems.require(
+        not mg.sequence_parallel or te,
+        f"{key}.sequence_parallel",
+        mg.sequence_parallel,
+        "needs transformer_impl=transformer_engine (its norms handle sequence-split activations)",
+    )
     problems.require(not mg.fp8 or te, f"{key}.fp8", mg.fp8, "needs transformer_impl=transformer_engine")
-    problems.require(cp == 1 or mg.sequence_packing, f"{key}.context_parallel_size", cp,
-                     "context parallelism splits packed rows: set actor.megatron.sequence_packing=true (or use 1)")
-    problems.require(not mg.overlap_param_gather or mg.use_distributed_optimizer, f"{key}.overlap_param_gather",
-                     mg.overlap_param_gather, "needs use_distributed_optimizer=true (it gathers the optimizer's shards)")
-    problems.require(mg.moe_aux_loss_coeff >= 0, f"{key}.moe_aux_loss_coeff", mg.moe_aux_loss_coeff,
-                     "must be >= 0 (0 turns the router's load-balancing loss off)")
-    problems.require(mg.ddp_bucket_size is None or mg.ddp_bucket_size > 0, f"{key}.ddp_bucket_size",
-                     mg.ddp_bucket_size, "must be a positive number of parameters, or null for Megatron's default")
+    problems.require(
+        cp == 1 or mg.sequence_packing,
+        f"{key}.context_parallel_size",
+        cp,
+        "context parallelism splits packed rows: set actor.megatron.sequence_packing=true (or use 1)",
+    )
+    problems.require(
+        not mg.overlap_param_gather or mg.use_distributed_optimizer,
+        f"{key}.overlap_param_gather",
+        mg.overlap_param_gather,
+        "needs use_distributed_optimizer=true (it gathers the optimizer's shards)",
+    )
+    problems.require(
+        mg.moe_aux_loss_coeff >= 0,
+        f"{key}.moe_aux_loss_coeff",
+        mg.moe_aux_loss_coeff,
+        "must be >= 0 (0 turns the router's load-balancing loss off)",
+    )
+    problems.require(
+        mg.ddp_bucket_size is None or mg.ddp_bucket_size > 0,
+        f"{key}.ddp_bucket_size",
+        mg.ddp_bucket_size,
+        "must be a positive number of parameters, or null for Megatron's default",
+    )
     if world % (tp * pp * cp) == 0:
         dp = world // (tp * pp * cp)
         sequences = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
-        problems.require(sequences % dp == 0, "actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size,
-                         f"x rollout.n = {sequences} sequences per optimizer step must split evenly over DP = {dp}")
-
-
-def cluster_gpus(cfg: Config) -> int:
-    """GPUs of the job: trainer.nnodes x trainer.n_gpus_per_node (0 in CPU mode)."""
-    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-
-
-def needs_reference(cfg: Config) -> bool:
-    """DAPO has no KL term and then builds no reference model."""
-    return cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
-
-
-def policy_groups(cfg: Config) -> int:
-    """Worker groups of ``actor.num_workers`` ranks: the actor, and the reference model if needed."""
-    return 2 if needs_reference(cfg) else 1
-
-
-def engine_gpus(cfg: Config) -> int:
-    """GPUs the vLLM engines take: rollout.num_workers x rollout.tensor_parallel_size."""
-    return cfg.rollout.num_workers * cfg.rollout.tensor_parallel_size
-
-
-def is_colocated(cfg: Config) -> bool:
-    """Training ranks and engines share the GPUs. CPU workers reserve no device, so there it means nothing."""
-    return cfg.trainer.colocate and cfg.trainer.n_gpus_per_node > 0
+        problems.require(
+            sequences % dp == 0,
+            "actor.ppo_mini_batch_size",
+            cfg.actor.ppo_mini_batch_size,
+            f"x rollout.n = {sequences} sequences per optimizer step must split evenly over DP = {dp}",
+        )
 
 
 def _check_placement(cfg: Config, problems: _Problems) -> None:
@@ -189,25 +245,45 @@ def _check_placement(cfg: Config, problems: _Problems) -> None:
     if gpus == 0:
         return
     tp, n_gpus, engines = cfg.rollout.tensor_parallel_size, cfg.trainer.n_gpus_per_node, engine_gpus(cfg)
-    problems.require(world <= gpus, "actor.num_workers", world,
-                     f"one training rank per GPU: the job has {gpus} (trainer.nnodes x trainer.n_gpus_per_node)")
+    problems.require(
+        world <= gpus,
+        "actor.num_workers",
+        world,
+        f"one training rank per GPU: the job has {gpus} (trainer.nnodes x trainer.n_gpus_per_node)",
+    )
     if engines > gpus:
         problems.append(f"rollout.num_workers x rollout.tensor_parallel_size = {engines} GPUs, the job has {gpus}")
     if not is_colocated(cfg):
         return
     fix = "or set trainer.colocate=false to give each group GPUs of its own"
-    problems.require(cfg.trainer.mode != "async", "trainer.mode", cfg.trainer.mode,
-                     "the async trainer generates while it trains, so it cannot share GPUs with the engines "
-                     "(trainer.colocate=true): use trainer.mode=sync, or trainer.colocate=false with "
-                     "actor.num_workers + rollout.num_workers x rollout.tensor_parallel_size <= the job's GPUs")
-    problems.require(n_gpus % tp == 0, "rollout.tensor_parallel_size", tp,
-                     f"colocated engines must not span nodes: must divide trainer.n_gpus_per_node={n_gpus}")
-    problems.require(world >= gpus, "actor.num_workers", world,
-                     f"colocated, every GPU hosts one training rank: must be {gpus} "
-                     f"(trainer.nnodes x trainer.n_gpus_per_node), {fix}")
-    problems.require(engines >= gpus, "rollout.num_workers", cfg.rollout.num_workers,
-                     f"colocated, the engines must cover all {gpus} GPUs: rollout.num_workers x "
-                     f"rollout.tensor_parallel_size = {engines}; set rollout.num_workers={gpus // tp}, {fix}")
+    problems.require(
+        cfg.trainer.mode != "async",
+        "trainer.mode",
+        cfg.trainer.mode,
+        "the async trainer generates while it trains, so it cannot share GPUs with the engines "
+        "(trainer.colocate=true): use trainer.mode=sync, or trainer.colocate=false with "
+        "actor.num_workers + rollout.num_workers x rollout.tensor_parallel_size <= the job's GPUs",
+    )
+    problems.require(
+        n_gpus % tp == 0,
+        "rollout.tensor_parallel_size",
+        tp,
+        f"colocated engines must not span nodes: must divide trainer.n_gpus_per_node={n_gpus}",
+    )
+    problems.require(
+        world >= gpus,
+        "actor.num_workers",
+        world,
+        f"colocated, every GPU hosts one training rank: must be {gpus} "
+        f"(trainer.nnodes x trainer.n_gpus_per_node), {fix}",
+    )
+    problems.require(
+        engines >= gpus,
+        "rollout.num_workers",
+        cfg.rollout.num_workers,
+        f"colocated, the engines must cover all {gpus} GPUs: rollout.num_workers x "
+        f"rollout.tensor_parallel_size = {engines}; set rollout.num_workers={gpus // tp}, {fix}",
+    )
 
 
 def separate_groups_problems(cfg: Config) -> list[str]:
@@ -223,10 +299,12 @@ def separate_groups_problems(cfg: Config) -> list[str]:
     if training + engines <= gpus:
         return []
     reference = " (x2: the reference model's ranks)" if needs_reference(cfg) else ""
-    return [f"trainer.colocate=false: actor.num_workers{reference} + rollout.num_workers x "
-            f"rollout.tensor_parallel_size = {training} + {engines} GPUs, the job has {gpus} "
-            "(trainer.nnodes x trainer.n_gpus_per_node): set trainer.colocate=true to share the GPUs, or "
-            "lower the worker counts"]
+    return [
+        f"trainer.colocate=false: actor.num_workers{reference} + rollout.num_workers x "
+        f"rollout.tensor_parallel_size = {training} + {engines} GPUs, the job has {gpus} "
+        "(trainer.nnodes x trainer.n_gpus_per_node): set trainer.colocate=true to share the GPUs, or "
+        "lower the worker counts"
+    ]
 
 
 def placement_problems(cfg: Config) -> list[str]:
@@ -241,47 +319,85 @@ def _check_data_and_rollout(cfg: Config, problems: _Problems) -> None:
     problems.require(data.max_prompt_length > 0, "data.max_prompt_length", data.max_prompt_length, "must be > 0")
     problems.require(data.max_response_length > 0, "data.max_response_length", data.max_response_length, "must be > 0")
     problems.require(data.train_batch_size > 0, "data.train_batch_size", data.train_batch_size, "must be > 0")
-    problems.require(data.effective_gen_batch_size >= data.train_batch_size, "data.gen_batch_size", data.gen_batch_size,
-                     f"must be >= data.train_batch_size={data.train_batch_size} (or null to use it)")
+    problems.require(
+        data.effective_gen_batch_size >= data.train_batch_size,
+        "data.gen_batch_size",
+        data.gen_batch_size,
+        f"must be >= data.train_batch_size={data.train_batch_size} (or null to use it)",
+    )
     problems.require(rollout.n >= 1, "rollout.n", rollout.n, "must be >= 1")
     problems.require(rollout.temperature > 0, "rollout.temperature", rollout.temperature, "must be > 0")
     problems.require(0 < rollout.top_p <= 1, "rollout.top_p", rollout.top_p, "must be in (0, 1]")
     problems.require(0 < rollout.val.top_p <= 1, "rollout.val.top_p", rollout.val.top_p, "must be in (0, 1]")
     problems.require(rollout.val.n >= 1, "rollout.val.n", rollout.val.n, "must be >= 1")
     problems.require(rollout.num_workers >= 1, "rollout.num_workers", rollout.num_workers, "must be >= 1")
-    problems.require(0 < rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
-                     rollout.gpu_memory_utilization, "must be in (0, 1]")
+    problems.require(
+        0 < rollout.gpu_memory_utilization <= 1,
+        "rollout.gpu_memory_utilization",
+        rollout.gpu_memory_utilization,
+        "must be in (0, 1]",
+    )
 
 
 def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
     buffer = cfg.reward.overlong_buffer
     problems.require(cfg.reward.timeout_s > 0, "reward.timeout_s", cfg.reward.timeout_s, "must be > 0")
     if buffer.enable:
-        problems.require(buffer.len > 0, "reward.overlong_buffer.len", buffer.len,
-                         "must be > 0 when enabled (or set reward.overlong_buffer.enable=false)")
-        problems.require(buffer.len <= cfg.data.max_response_length, "reward.overlong_buffer.len", buffer.len,
-                         f"must be <= data.max_response_length={cfg.data.max_response_length}")
-        problems.require(buffer.penalty_factor >= 0, "reward.overlong_buffer.penalty_factor", buffer.penalty_factor,
-                         "must be >= 0")
+        problems.require(
+            buffer.len > 0,
+            "reward.overlong_buffer.len",
+            buffer.len,
+            "must be > 0 when enabled (or set reward.overlong_buffer.enable=false)",
+        )
+        problems.require(
+            buffer.len <= cfg.data.max_response_length,
+            "reward.overlong_buffer.len",
+            buffer.len,
+            f"must be <= data.max_response_length={cfg.data.max_response_length}",
+        )
+        problems.require(
+            buffer.penalty_factor >= 0, "reward.overlong_buffer.penalty_factor", buffer.penalty_factor, "must be >= 0"
+        )
     trainer = cfg.trainer
-    problems.require(trainer.parameter_sync_step >= 1, "trainer.parameter_sync_step", trainer.parameter_sync_step,
-                     "must be >= 1")
+    problems.require(
+        trainer.parameter_sync_step >= 1, "trainer.parameter_sync_step", trainer.parameter_sync_step, "must be >= 1"
+    )
     problems.require(trainer.max_staleness >= 0, "trainer.max_staleness", trainer.max_staleness, "must be >= 0")
     problems.require(trainer.total_epochs >= 1, "trainer.total_epochs", trainer.total_epochs, "must be >= 1")
-    problems.require(trainer.total_training_steps is None or trainer.total_training_steps >= 1,
-                     "trainer.total_training_steps", trainer.total_training_steps, "must be >= 1 or null")
-    problems.require(trainer.remote_timeout_s is None or trainer.remote_timeout_s > 0, "trainer.remote_timeout_s",
-                     trainer.remote_timeout_s, "must be > 0 seconds, or null to wait forever")
+    problems.require(
+        trainer.total_training_steps is None or trainer.total_training_steps >= 1,
+        "trainer.total_training_steps",
+        trainer.total_training_steps,
+        "must be >= 1 or null",
+    )
+    problems.require(
+        trainer.remote_timeout_s is None or trainer.remote_timeout_s > 0,
+        "trainer.remote_timeout_s",
+        trainer.remote_timeout_s,
+        "must be > 0 seconds, or null to wait forever",
+    )
     budget = trainer.total_generated_samples
     problems.require(budget is None or budget >= 1, "trainer.total_generated_samples", budget, "must be >= 1 or null")
-    problems.require(budget is None or trainer.mode == "sync", "trainer.total_generated_samples", budget,
-                     "counts the synchronous trainer's rounds only: use trainer.mode=sync or leave it null")
+    problems.require(
+        budget is None or trainer.mode == "sync",
+        "trainer.total_generated_samples",
+        budget,
+        "counts the synchronous trainer's rounds only: use trainer.mode=sync or leave it null",
+    )
     problems.require(bool(trainer.output_dir), "trainer.output_dir", trainer.output_dir, "must name a folder")
     problems.require(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
-    problems.require(not cfg.checkpoint.async_save or cfg.actor.backend == "megatron", "checkpoint.async_save",
-                     cfg.checkpoint.async_save, "needs actor.backend=megatron (the torch worker saves synchronously)")
-    problems.require(bool(cfg.checkpoint.resume), "checkpoint.resume", cfg.checkpoint.resume,
-                     "use auto, disable, or a checkpoint folder")
+    problems.require(
+        not cfg.checkpoint.async_save or cfg.actor.backend == "megatron",
+        "checkpoint.async_save",
+        cfg.checkpoint.async_save,
+        "needs actor.backend=megatron (the torch worker saves synchronously)",
+    )
+    problems.require(
+        bool(cfg.checkpoint.resume),
+        "checkpoint.resume",
+        cfg.checkpoint.resume,
+        "use auto, disable, or a checkpoint folder",
+    )
 
 
 def raise_problems(problems: list[str]) -> None:
@@ -296,7 +412,14 @@ def validate(cfg: Config, placement: bool = True) -> Config:
     next to the memory figures instead of refusing to load.
     """
     problems = _Problems()
-    checks = [_check_choices, _check_data_and_rollout, _check_algorithm, _check_actor, _check_megatron, _check_reward_and_trainer]
+    checks = [
+        _check_choices,
+        _check_data_and_rollout,
+        _check_algorithm,
+        _check_actor,
+        _check_megatron,
+        _check_reward_and_trainer,
+    ]
     for check in checks + ([_check_placement] if placement else []):
         check(cfg, problems)
     raise_problems(problems)
@@ -312,5 +435,6 @@ def combination_notes(cfg: Config) -> list[str]:
             f"algorithm.overlong_filtering with reward.overlong_buffer: truncated responses leave the loss, so the "
             f"soft punishment acts on the finished responses longer than "
             f"{cfg.data.max_response_length - buffer.len} tokens (and on truncated ones only through their "
-            f"group's advantage baseline)")
+            f"group's advantage baseline)"
+        )
     return notes

@@ -59,10 +59,11 @@ def write_arithmetic_dataset(output_dir: str | Path, spec: ArithmeticSpec = Arit
     rng = random.Random(spec.seed)
     seen: set[str] = set()
     rows: dict[str, list[dict]] = {"train": [], "val": []}
-    capacity = ((spec.max_first - spec.min_first + 1) * (spec.max_second - spec.min_second + 1)
-                * len(spec.operators))
+    capacity = (spec.max_first - spec.min_first + 1) * (spec.max_second - spec.min_second + 1) * len(spec.operators)
     if spec.num_train + spec.num_val > capacity:
-        raise ValueError(f"only {capacity} distinct problems exist for operands up to {spec.max_first}, {spec.max_second}")
+        raise ValueError(
+            f"only {capacity} distinct problems exist for operands up to {spec.max_first}, {spec.max_second}"
+        )
     for split, count in (("val", spec.num_val), ("train", spec.num_train)):
         while len(rows[split]) < count:
             question, answer = make_problem(rng, spec)

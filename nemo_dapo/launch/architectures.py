@@ -68,8 +68,13 @@ class Architecture:
         return 2 * self.hidden_size
 
     def layer_params(self) -> int:
-        return self.attention_params() + self.mlp_params() + self.expert_params() + self.router_params() + \
-            self.norm_params()
+        return (
+            self.attention_params()
+            + self.mlp_params()
+            + self.expert_params()
+            + self.router_params()
+            + self.norm_params()
+        )
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
@@ -84,13 +89,32 @@ class Architecture:
 
 KNOWN_ARCHITECTURES = {
     # config.json of Qwen/Qwen2.5-32B: 32,763,876,352 parameters
-    "qwen2.5-32b": Architecture(name="Qwen2.5-32B", hidden_size=5120, num_layers=64, num_attention_heads=40,
-                                num_kv_heads=8, head_dim=128, intermediate_size=27648, vocab_size=152064,
-                                qkv_bias=True),
+    "qwen2.5-32b": Architecture(
+        name="Qwen2.5-32B",
+        hidden_size=5120,
+        num_layers=64,
+        num_attention_heads=40,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=27648,
+        vocab_size=152064,
+        qkv_bias=True,
+    ),
     # config.json of Qwen/Qwen3-30B-A3B(-Base): 30.5 B parameters, 3.3 B active
-    "qwen3-30b-a3b": Architecture(name="Qwen3-30B-A3B", hidden_size=2048, num_layers=48, num_attention_heads=32,
-                                  num_kv_heads=4, head_dim=128, intermediate_size=6144, vocab_size=151936,
-                                  qk_norm=True, num_experts=128, experts_per_token=8, moe_intermediate_size=768),
+    "qwen3-30b-a3b": Architecture(
+        name="Qwen3-30B-A3B",
+        hidden_size=2048,
+        num_layers=48,
+        num_attention_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=6144,
+        vocab_size=151936,
+        qk_norm=True,
+        num_experts=128,
+        experts_per_token=8,
+        moe_intermediate_size=768,
+    ),
 }
 
 
@@ -133,6 +157,8 @@ def resolve_architecture(model_path: str) -> Architecture:
         return from_hf_config(json.loads(config_file.read_text()), Path(model_path).name)
     known = _known(model_path)
     if known is None:
-        raise ValueError(f"model.path={model_path!r}: no config.json there and not a known architecture "
-                         f"({sorted(KNOWN_ARCHITECTURES)}); point model.path at a local Hugging Face folder")
+        raise ValueError(
+            f"model.path={model_path!r}: no config.json there and not a known architecture "
+            f"({sorted(KNOWN_ARCHITECTURES)}); point model.path at a local Hugging Face folder"
+        )
     return known

@@ -42,10 +42,10 @@ from dataclasses import dataclass
 
 from nemo_dapo.algo.logprob import chunk_tokens_for
 from nemo_dapo.config.schema import Config
-from nemo_dapo.config.validate import is_colocated, needs_reference, training_world_size
+from nemo_dapo.config.topology import is_colocated, needs_reference, training_world_size
 from nemo_dapo.launch.architectures import Architecture
 
-GIB = 1024 ** 3
+GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GRAD_BYTES = 4
 ADAM_MOMENT_BYTES = 8
@@ -75,14 +75,29 @@ class Layout:
 def layout_of(cfg: Config) -> Layout:
     """The megatron layout; the torch backend is plain data parallelism with a replicated optimizer."""
     if cfg.actor.backend == "torch":
-        return Layout(world=cfg.actor.num_workers, tp=1, pp=1, cp=1, ep=1, vpp=None, sequence_parallel=False,
-                      distributed_optimizer=False, recompute=None)
+        return Layout(
+            world=cfg.actor.num_workers,
+            tp=1,
+            pp=1,
+            cp=1,
+            ep=1,
+            vpp=None,
+            sequence_parallel=False,
+            distributed_optimizer=False,
+            recompute=None,
+        )
     mg = cfg.actor.megatron
-    return Layout(world=training_world_size(cfg), tp=mg.tensor_model_parallel_size,
-                  pp=mg.pipeline_model_parallel_size, cp=mg.context_parallel_size,
-                  ep=mg.expert_model_parallel_size, vpp=mg.virtual_pipeline_model_parallel_size,
-                  sequence_parallel=mg.sequence_parallel, distributed_optimizer=mg.use_distributed_optimizer,
-                  recompute=mg.recompute_granularity)
+    return Layout(
+        world=training_world_size(cfg),
+        tp=mg.tensor_model_parallel_size,
+        pp=mg.pipeline_model_parallel_size,
+        cp=mg.context_parallel_size,
+        ep=mg.expert_model_parallel_size,
+        vpp=mg.virtual_pipeline_model_parallel_size,
+        sequence_parallel=mg.sequence_parallel,
+        distributed_optimizer=mg.use_distributed_optimizer,
+        recompute=mg.recompute_granularity,
+    )
 
 
 @dataclass(frozen=True)
@@ -178,13 +193,17 @@ def training_memory(cfg: Config, arch: Architecture, reserve_gib: float) -> Trai
     tokens = tokens_per_micro_batch(cfg, layout)
     activations = activation_bytes(arch, layout, tokens, elt)
     return TrainingMemory(
-        params=params.total, weights=params.total * elt / GIB, gradients=params.total * GRAD_BYTES / GIB,
-        optimizer=optimizer / GIB, activations={k: v / GIB for k, v in activations.items()},
+        params=params.total,
+        weights=params.total * elt / GIB,
+        gradients=params.total * GRAD_BYTES / GIB,
+        optimizer=optimizer / GIB,
+        activations={k: v / GIB for k, v in activations.items()},
         recompute=layout.recompute or "none",
         logits=logits_bytes(arch, layout, tokens, elt, cfg.actor.logits_chunk_tokens) / GIB,
         reserve=reserve_gib,
         # the reference worker is built frozen: weights only, in the same layout as the actor
-        reference=params.total * elt / GIB if needs_reference(cfg) and is_colocated(cfg) else 0.0)
+        reference=params.total * elt / GIB if needs_reference(cfg) and is_colocated(cfg) else 0.0,
+    )
 
 
 @dataclass(frozen=True)
@@ -219,10 +238,13 @@ def kv_heads_per_gpu(arch: Architecture, rollout_tp: int) -> int:
 def generation_memory(cfg: Config, arch: Architecture, gpu_memory_gib: float, reserve_gib: float) -> GenerationMemory:
     elt, rollout_tp = DTYPE_BYTES[cfg.model.dtype], cfg.rollout.tensor_parallel_size
     kv_per_token = arch.num_layers * kv_heads_per_gpu(arch, rollout_tp) * arch.head_dim * 2 * elt
-    return GenerationMemory(budget=cfg.rollout.gpu_memory_utilization * gpu_memory_gib,
-                            weights=arch.total_params() * elt / rollout_tp / GIB, reserve=reserve_gib,
-                            kv_bytes_per_token=kv_per_token,
-                            sequence_tokens=cfg.data.max_prompt_length + cfg.data.max_response_length)
+    return GenerationMemory(
+        budget=cfg.rollout.gpu_memory_utilization * gpu_memory_gib,
+        weights=arch.total_params() * elt / rollout_tp / GIB,
+        reserve=reserve_gib,
+        kv_bytes_per_token=kv_per_token,
+        sequence_tokens=cfg.data.max_prompt_length + cfg.data.max_response_length,
+    )
 
 
 @dataclass(frozen=True)
@@ -245,5 +267,6 @@ class ColocatedMemory:
 def colocated_memory(training: TrainingMemory, generation: GenerationMemory) -> ColocatedMemory:
     """While the engines generate, the training process keeps its state and its own reserve (CUDA
     context, NCCL buffers) beside vLLM's ``gpu_memory_utilization`` share."""
-    return ColocatedMemory(training_phase=training.total, training_kept=training.resident + training.reserve,
-                           vllm=generation.budget)
+    return ColocatedMemory(
+        training_phase=training.total, training_kept=training.resident + training.reserve, vllm=generation.budget
+    )

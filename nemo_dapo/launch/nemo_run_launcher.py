@@ -38,8 +38,11 @@ def add_parser(subparsers) -> None:
     launch.add_argument("--ckpt-dir", help="trainer.output_dir (Slurm default: REMOTE_JOB_DIR/NAME/outputs)")
     slurm = launch.add_argument_group("slurm")
     slurm.add_argument("--nodes", type=int, help="default: the preset's trainer.nnodes")
-    slurm.add_argument("--gpus-per-node", type=int,
-                       help="default: the preset's trainer.n_gpus_per_node; 0 runs Ray and the trainer on CPUs")
+    slurm.add_argument(
+        "--gpus-per-node",
+        type=int,
+        help="default: the preset's trainer.n_gpus_per_node; 0 runs Ray and the trainer on CPUs",
+    )
     slurm.add_argument("--time", default="04:00:00", help="time limit per run, HH:MM:SS")
     slurm.add_argument("--account")
     slurm.add_argument("--partition")
@@ -50,13 +53,23 @@ def add_parser(subparsers) -> None:
     slurm.add_argument("--ssh-host", help="submit over SSH from this machine (else: on a login node)")
     slurm.add_argument("--ssh-user")
     slurm.add_argument("--ssh-identity", help="SSH private key file")
-    slurm.add_argument("--remote-job-dir", help="with --ssh-host: shared folder on the cluster for NeMo-Run's "
-                       "job folders (on a login node they are $NEMORUN_HOME/experiments, which must be shared)")
-    slurm.add_argument("--max-restarts", type=int, default=20,
-                       help="requeues in all (preemptions, exit 3, and crashes); "
-                       "an invalid config (exit 2) never requeues")
-    slurm.add_argument("--max-crash-restarts", type=int, default=2,
-                       help="of those, requeues after a crash (exit 1 or a signal): a failing job stops soon")
+    slurm.add_argument(
+        "--remote-job-dir",
+        help="with --ssh-host: shared folder on the cluster for NeMo-Run's "
+        "job folders (on a login node they are $NEMORUN_HOME/experiments, which must be shared)",
+    )
+    slurm.add_argument(
+        "--max-restarts",
+        type=int,
+        default=20,
+        help="requeues in all (preemptions, exit 3, and crashes); an invalid config (exit 2) never requeues",
+    )
+    slurm.add_argument(
+        "--max-crash-restarts",
+        type=int,
+        default=2,
+        help="of those, requeues after a crash (exit 1 or a signal): a failing job stops soon",
+    )
     slurm.add_argument("--python", default="python3", help="interpreter in the container (or on the nodes)")
     launch.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_training_steps=10")
     launch.set_defaults(fn=run_launch)
@@ -90,8 +103,10 @@ def remote_job_dir(args: argparse.Namespace) -> str:
     if not args.ssh_host:
         local = f"{get_nemorun_home()}/experiments"
         if args.remote_job_dir and Path(args.remote_job_dir).resolve() != Path(local).resolve():
-            raise SystemExit(f"nemo-dapo launch: without --ssh-host the job folders are {local}; "
-                             "set NEMORUN_HOME to a shared folder instead of --remote-job-dir")
+            raise SystemExit(
+                f"nemo-dapo launch: without --ssh-host the job folders are {local}; "
+                "set NEMORUN_HOME to a shared folder instead of --remote-job-dir"
+            )
         return local
     if not (args.ssh_user and args.remote_job_dir):
         raise SystemExit("nemo-dapo launch: --ssh-host needs --ssh-user and --remote-job-dir")
@@ -126,8 +141,13 @@ def train_task(python: str, config: str, overrides: list[str], *, shell: bool, e
     import nemo_run as run
 
     arguments = ["train", "--config", config, *overrides]
-    return run.Script(path="nemo_dapo.cli", entrypoint=python, m=True, env=env or {},
-                      args=[shlex.quote(a) for a in arguments] if shell else arguments)
+    return run.Script(
+        path="nemo_dapo.cli",
+        entrypoint=python,
+        m=True,
+        env=env or {},
+        args=[shlex.quote(a) for a in arguments] if shell else arguments,
+    )
 
 
 # ----------------------------------------------------------------------------- local
@@ -158,8 +178,11 @@ def container_mounts(args: argparse.Namespace) -> list[str]:
 
 def slurm_env(args: argparse.Namespace) -> dict[str, str]:
     """Exported by the batch script: read by slurm/ray_cluster.sh and by the preset's ${oc.env:...}."""
-    env = {"CONTAINER": args.container_image or "", "RAY_GPUS_PER_NODE": str(args.gpus_per_node),
-           "LOG_DIR": f"{args.remote_job_dir}/{experiment_name(args)}/logs"}
+    env = {
+        "CONTAINER": args.container_image or "",
+        "RAY_GPUS_PER_NODE": str(args.gpus_per_node),
+        "LOG_DIR": f"{args.remote_job_dir}/{experiment_name(args)}/logs",
+    }
     if args.data_dir:
         env["DAPO_DATA_DIR"] = args.data_dir
     if args.hf_model:
@@ -173,24 +196,27 @@ def requeue_policy_lines(max_crash_restarts: int) -> str:
     (exit 3); after a crash (exit 1 or a signal) ``max_crash_restarts`` times, counted in
     ``$LOG_DIR/crash_restarts`` across requeues; never after an invalid config (exit 2), which
     would fail the same way each time. Every other ``scontrol`` call passes through."""
-    return "\n".join([
-        "# nemo-dapo's requeue policy (exit 3: preempted; 2: invalid config; other: crash)",
-        "scontrol() {",
-        '    if [ "${1:-}" != requeue ]; then command scontrol "$@"; return; fi',
-        '    local crashes_file="${LOG_DIR:-$PWD}/crash_restarts" crashes',
-        '    case "${exitcode:-1}" in',
-        "        3) ;;",
-        '        2) echo "nemo-dapo: invalid configuration (exit 2): not requeued" >&2; return 0 ;;',
-        '        *) crashes=$(cat "$crashes_file" 2>/dev/null || echo 0)',
-        f'           if [ "$crashes" -ge {max_crash_restarts} ]; then',
-        f'               echo "nemo-dapo: exit $exitcode after {max_crash_restarts} crash restarts: not requeued" >&2',
-        "               return 0",
-        "           fi",
-        '           mkdir -p "$(dirname "$crashes_file")" && echo $((crashes + 1)) >"$crashes_file" ;;',
-        "    esac",
-        '    command scontrol "$@"',
-        "}",
-    ])
+    return "\n".join(
+        [
+            "# nemo-dapo's requeue policy (exit 3: preempted; 2: invalid config; other: crash)",
+            "scontrol() {",
+            '    if [ "${1:-}" != requeue ]; then command scontrol "$@"; return; fi',
+            '    local crashes_file="${LOG_DIR:-$PWD}/crash_restarts" crashes',
+            '    case "${exitcode:-1}" in',
+            "        3) ;;",
+            '        2) echo "nemo-dapo: invalid configuration (exit 2): not requeued" >&2; return 0 ;;',
+            '        *) crashes=$(cat "$crashes_file" 2>/dev/null || echo 0)',
+            f'           if [ "$crashes" -ge {max_crash_restarts} ]; then',
+            f'               echo "nemo-dapo: exit $exitcode after {max_crash_restarts} crash restarts: '
+            'not requeued" >&2',
+            "               return 0",
+            "           fi",
+            '           mkdir -p "$(dirname "$crashes_file")" && echo $((crashes + 1)) >"$crashes_file" ;;',
+            "    esac",
+            '    command scontrol "$@"',
+            "}",
+        ]
+    )
 
 
 def ray_setup_lines(remote_task_dir: str, mounts: list[str]) -> str:
@@ -201,32 +227,46 @@ def ray_setup_lines(remote_task_dir: str, mounts: list[str]) -> str:
     nemo_dapo from there, like the trainer.
     """
     ray_mounts = ",".join([*mounts, f"{remote_task_dir}:/nemo_run"])
-    return "\n".join([
-        "# Ray over the allocation, in the trainer's container: slurm/ray_cluster.sh, as in slurm/dapo_32b.sbatch",
-        "set +vx  # keep the per-job Ray token out of the log",
-        f"export CONTAINER_MOUNTS={shlex.quote(ray_mounts)}",
-        f"cd {shlex.quote(remote_task_dir + '/code')}",
-        "source slurm/ray_cluster.sh",
-        "ray_cluster_start",
-    ])
+    return "\n".join(
+        [
+            "# Ray over the allocation, in the trainer's container: slurm/ray_cluster.sh, as in slurm/dapo_32b.sbatch",
+            "set +vx  # keep the per-job Ray token out of the log",
+            f"export CONTAINER_MOUNTS={shlex.quote(ray_mounts)}",
+            f"cd {shlex.quote(remote_task_dir + '/code')}",
+            "source slurm/ray_cluster.sh",
+            "ray_cluster_start",
+        ]
+    )
 
 
 def slurm_executor(args: argparse.Namespace):
     import nemo_run as run
 
     if args.ssh_host:
-        tunnel = run.SSHTunnel(host=args.ssh_host, user=args.ssh_user, job_dir=args.remote_job_dir,
-                               identity=args.ssh_identity)
+        tunnel = run.SSHTunnel(
+            host=args.ssh_host, user=args.ssh_user, job_dir=args.remote_job_dir, identity=args.ssh_identity
+        )
     else:
         tunnel = run.LocalTunnel(job_dir="")  # job folders: $NEMORUN_HOME/experiments
     return run.SlurmExecutor(
-        account=args.account, partition=args.partition, job_name_prefix=f"{experiment_name(args)}-", nodes=args.nodes,
+        account=args.account,
+        partition=args.partition,
+        job_name_prefix=f"{experiment_name(args)}-",
+        nodes=args.nodes,
         ntasks_per_node=1,
-        gpus_per_node=args.gpus_per_node or None, time=args.time, exclusive=True, signal=PREEMPTION_SIGNAL,
-        container_image=args.container_image, container_mounts=container_mounts(args), env_vars=slurm_env(args),
+        gpus_per_node=args.gpus_per_node or None,
+        time=args.time,
+        exclusive=True,
+        signal=PREEMPTION_SIGNAL,
+        container_image=args.container_image,
+        container_mounts=container_mounts(args),
+        env_vars=slurm_env(args),
         # the trainer is one process on the head node, beside the Ray steps
         srun_args=["--nodes=1", "--ntasks=1", "--overlap", "--relative=0"],
-        retries=args.max_restarts, tunnel=tunnel, packager=run.GitArchivePackager())
+        retries=args.max_restarts,
+        tunnel=tunnel,
+        packager=run.GitArchivePackager(),
+    )
 
 
 def _launch_slurm(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -238,8 +278,12 @@ def _launch_slurm(args: argparse.Namespace, overrides: list[str]) -> int:
         experiment.add(task, name="train")
         job_executor = experiment.jobs[0].executor  # the experiment's copy, now with its cluster folders
         remote_task_dir = f"{job_executor.tunnel.job_dir}/{Path(job_executor.job_dir).name}"
-        job_executor.setup_lines = "\n".join([requeue_policy_lines(args.max_crash_restarts),
-                                               ray_setup_lines(remote_task_dir, job_executor.container_mounts)])
+        job_executor.setup_lines = "\n".join(
+            [
+                requeue_policy_lines(args.max_crash_restarts),
+                ray_setup_lines(remote_task_dir, job_executor.container_mounts),
+            ]
+        )
         if args.dryrun:
             experiment.dryrun(log=False, delete_exp_dir=False)
             print(batch_script(job_executor))

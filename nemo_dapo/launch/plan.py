@@ -18,10 +18,19 @@ from dataclasses import dataclass
 
 from nemo_dapo.config import ConfigError, load_config
 from nemo_dapo.config.schema import Config
-from nemo_dapo.config.validate import is_colocated, placement_problems
+from nemo_dapo.config.topology import is_colocated
+from nemo_dapo.config.validate import placement_problems
 from nemo_dapo.launch.architectures import Architecture, resolve_architecture
-from nemo_dapo.launch.capacity import (ColocatedMemory, GenerationMemory, Layout, TrainingMemory, colocated_memory,
-                                       generation_memory, layout_of, training_memory)
+from nemo_dapo.launch.capacity import (
+    ColocatedMemory,
+    GenerationMemory,
+    Layout,
+    TrainingMemory,
+    colocated_memory,
+    generation_memory,
+    layout_of,
+    training_memory,
+)
 
 
 def _divides(problems: list[str], size: int, count: int, what: str, key: str) -> None:
@@ -36,15 +45,21 @@ def training_layout_problems(arch: Architecture, layout: Layout) -> list[str]:
     _divides(problems, layout.tp, arch.num_attention_heads, "attention heads", f"{key}.tensor_model_parallel_size")
     _divides(problems, layout.tp, arch.num_kv_heads, "KV heads (query groups)", f"{key}.tensor_model_parallel_size")
     if arch.is_moe:
-        _divides(problems, layout.tp, arch.moe_intermediate_size, "expert FFN width",
-                 f"{key}.tensor_model_parallel_size")
+        _divides(
+            problems, layout.tp, arch.moe_intermediate_size, "expert FFN width", f"{key}.tensor_model_parallel_size"
+        )
         _divides(problems, layout.ep, arch.num_experts, "experts", f"{key}.expert_model_parallel_size")
     else:
         _divides(problems, layout.tp, arch.intermediate_size, "FFN width", f"{key}.tensor_model_parallel_size")
         if layout.ep > 1:
             problems.append(f"{key}.expert_model_parallel_size={layout.ep}: {arch.name} is dense (no experts)")
-    _divides(problems, layout.pp * (layout.vpp or 1), arch.num_layers, "layers",
-             f"{key}.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size")
+    _divides(
+        problems,
+        layout.pp * (layout.vpp or 1),
+        arch.num_layers,
+        "layers",
+        f"{key}.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size",
+    )
     return problems
 
 
@@ -53,29 +68,38 @@ def rollout_layout_problems(cfg: Config, arch: Architecture) -> list[str]:
     tp, problems = cfg.rollout.tensor_parallel_size, []
     _divides(problems, tp, arch.num_attention_heads, "attention heads", "rollout.tensor_parallel_size")
     if arch.num_kv_heads % tp and tp % arch.num_kv_heads:
-        problems.append(f"rollout.tensor_parallel_size={tp}: neither divides nor is a multiple of the model's "
-                        f"{arch.num_kv_heads} KV heads")
+        problems.append(
+            f"rollout.tensor_parallel_size={tp}: neither divides nor is a multiple of the model's "
+            f"{arch.num_kv_heads} KV heads"
+        )
     return problems
 
 
-def memory_problems(training: TrainingMemory, generation: GenerationMemory, colocated: ColocatedMemory | None,
-                    gpu_memory_gib: float) -> list[str]:
+def memory_problems(
+    training: TrainingMemory, generation: GenerationMemory, colocated: ColocatedMemory | None, gpu_memory_gib: float
+) -> list[str]:
     problems = []
     if training.total > gpu_memory_gib:
-        problems.append(f"training needs {training.total:.1f} GiB per GPU, the GPU has {gpu_memory_gib:g} GiB: raise "
-                        "TP / PP / CP (CP splits long sequences), or turn on recompute_granularity=full or the "
-                        "distributed optimizer")
+        problems.append(
+            f"training needs {training.total:.1f} GiB per GPU, the GPU has {gpu_memory_gib:g} GiB: raise "
+            "TP / PP / CP (CP splits long sequences), or turn on recompute_granularity=full or the "
+            "distributed optimizer"
+        )
     if generation.full_sequences < 1:
-        problems.append(f"vLLM: {generation.kv_cache:.1f} GiB left for the KV cache holds {generation.kv_tokens} "
-                        f"tokens, less than one {generation.sequence_tokens}-token sequence: raise "
-                        "rollout.tensor_parallel_size or rollout.gpu_memory_utilization")
+        problems.append(
+            f"vLLM: {generation.kv_cache:.1f} GiB left for the KV cache holds {generation.kv_tokens} "
+            f"tokens, less than one {generation.sequence_tokens}-token sequence: raise "
+            "rollout.tensor_parallel_size or rollout.gpu_memory_utilization"
+        )
     if colocated and colocated.generation_phase > gpu_memory_gib:
         room = math.floor(100 * (gpu_memory_gib - colocated.training_kept) / gpu_memory_gib) / 100
-        problems.append(f"colocated generation needs {colocated.generation_phase:.1f} GiB per GPU, the GPU has "
-                        f"{gpu_memory_gib:g} GiB: training keeps {colocated.training_kept:.1f} GiB (weights, "
-                        f"gradients, optimizer, reserve) beside vLLM's {colocated.vllm:.1f} GiB: lower "
-                        "rollout.gpu_memory_utilization "
-                        f"to <= {room:.2f}, shard the training state further, or set trainer.colocate=false")
+        problems.append(
+            f"colocated generation needs {colocated.generation_phase:.1f} GiB per GPU, the GPU has "
+            f"{gpu_memory_gib:g} GiB: training keeps {colocated.training_kept:.1f} GiB (weights, "
+            f"gradients, optimizer, reserve) beside vLLM's {colocated.vllm:.1f} GiB: lower "
+            "rollout.gpu_memory_utilization "
+            f"to <= {room:.2f}, shard the training state further, or set trainer.colocate=false"
+        )
     return problems
 
 
@@ -96,20 +120,42 @@ class Plan:
         """Machine-readable plan (``--json``); memory in GiB."""
         training, generation = self.training, self.generation
         return {
-            "config": self.config, "model": self.arch.name, "params_total": self.arch.total_params(),
-            "params_per_gpu": round(training.params), "world": self.layout.world, "dp": self.layout.dp,
-            "expert_dp": self.layout.expert_dp, "gpu_memory_gib": self.gpu_memory_gib,
-            "training": {"weights": training.weights, "gradients": training.gradients, "optimizer": training.optimizer,
-                         "activations": training.activations, "recompute": training.recompute,
-                         "logits": training.logits, "reserve": training.reserve, "reference": training.reference,
-                         "total": training.total},
-            "generation": {"budget": generation.budget, "weights": generation.weights, "reserve": generation.reserve,
-                           "kv_cache": generation.kv_cache, "kv_bytes_per_token": generation.kv_bytes_per_token,
-                           "kv_tokens": generation.kv_tokens, "full_sequences": generation.full_sequences},
-            "colocated": self.colocated and {"training_phase": self.colocated.training_phase,
-                                             "generation_phase": self.colocated.generation_phase,
-                                             "peak": self.colocated.peak},
-            "fits": not self.problems, "problems": self.problems,
+            "config": self.config,
+            "model": self.arch.name,
+            "params_total": self.arch.total_params(),
+            "params_per_gpu": round(training.params),
+            "world": self.layout.world,
+            "dp": self.layout.dp,
+            "expert_dp": self.layout.expert_dp,
+            "gpu_memory_gib": self.gpu_memory_gib,
+            "training": {
+                "weights": training.weights,
+                "gradients": training.gradients,
+                "optimizer": training.optimizer,
+                "activations": training.activations,
+                "recompute": training.recompute,
+                "logits": training.logits,
+                "reserve": training.reserve,
+                "reference": training.reference,
+                "total": training.total,
+            },
+            "generation": {
+                "budget": generation.budget,
+                "weights": generation.weights,
+                "reserve": generation.reserve,
+                "kv_cache": generation.kv_cache,
+                "kv_bytes_per_token": generation.kv_bytes_per_token,
+                "kv_tokens": generation.kv_tokens,
+                "full_sequences": generation.full_sequences,
+            },
+            "colocated": self.colocated
+            and {
+                "training_phase": self.colocated.training_phase,
+                "generation_phase": self.colocated.generation_phase,
+                "peak": self.colocated.peak,
+            },
+            "fits": not self.problems,
+            "problems": self.problems,
         }
 
 
@@ -145,9 +191,11 @@ def cpu_memory_problems(cfg: Config, host_gib: float) -> list[str]:
     need = training.total * cfg.actor.num_workers + engine * cfg.rollout.num_workers
     if need <= HOST_MEMORY_FRACTION * host_gib:
         return []
-    return [f"actor.max_token_len_per_micro_batch={cfg.actor.max_token_len_per_micro_batch}: the workers need about "
-            f"{need:.1f} GiB ({training.activations['none']:.1f} GiB of activations per policy rank) of this machine's "
-            f"{host_gib:.1f} GiB; lower it (activations grow with it) or use fewer actor.num_workers"]
+    return [
+        f"actor.max_token_len_per_micro_batch={cfg.actor.max_token_len_per_micro_batch}: the workers need about "
+        f"{need:.1f} GiB ({training.activations['none']:.1f} GiB of activations per policy rank) of this machine's "
+        f"{host_gib:.1f} GiB; lower it (activations grow with it) or use fewer actor.num_workers"
+    ]
 
 
 HOST_MEMORY_FRACTION = 0.85  # the rest: driver, Ray, the reward pool, the page cache
@@ -165,22 +213,37 @@ def make_plan(cfg: Config, config_name: str, gpu_memory_gib: float, reserve_gib:
     problems = shape_problems(cfg, arch) + placement_problems(cfg)
     problems += memory_problems(training, generation, colocated, gpu_memory_gib)
     engines = cfg.rollout.num_workers
-    return Plan(config=config_name, arch=arch, layout=layout, training=training, generation=generation,
-                colocated=colocated, gpu_memory_gib=gpu_memory_gib, engines=engines,
-                sequences_per_round=cfg.data.effective_gen_batch_size * cfg.rollout.n, problems=problems)
+    return Plan(
+        config=config_name,
+        arch=arch,
+        layout=layout,
+        training=training,
+        generation=generation,
+        colocated=colocated,
+        gpu_memory_gib=gpu_memory_gib,
+        engines=engines,
+        sequences_per_round=cfg.data.effective_gen_batch_size * cfg.rollout.n,
+        problems=problems,
+    )
 
 
 def _describe_model(arch: Architecture) -> str:
     kind = f"MoE {arch.num_experts} experts top-{arch.experts_per_token}" if arch.is_moe else "dense"
-    return (f"{arch.name}: {arch.total_params() / 1e9:.2f} B parameters, {arch.num_layers} layers, hidden "
-            f"{arch.hidden_size}, {arch.num_attention_heads} heads / {arch.num_kv_heads} KV heads, {kind}")
+    return (
+        f"{arch.name}: {arch.total_params() / 1e9:.2f} B parameters, {arch.num_layers} layers, hidden "
+        f"{arch.hidden_size}, {arch.num_attention_heads} heads / {arch.num_kv_heads} KV heads, {kind}"
+    )
 
 
 def _describe_layout(layout: Layout) -> str:
-    flags = f"SP={'on' if layout.sequence_parallel else 'off'} " \
-            f"distributed optimizer={'on' if layout.distributed_optimizer else 'off'}"
-    return (f"TP={layout.tp} PP={layout.pp} CP={layout.cp} EP={layout.ep} VPP={layout.vpp or '-'} {flags} "
-            f"-> DP={layout.dp}, expert DP={layout.expert_dp} over {layout.world} ranks")
+    flags = (
+        f"SP={'on' if layout.sequence_parallel else 'off'} "
+        f"distributed optimizer={'on' if layout.distributed_optimizer else 'off'}"
+    )
+    return (
+        f"TP={layout.tp} PP={layout.pp} CP={layout.cp} EP={layout.ep} VPP={layout.vpp or '-'} {flags} "
+        f"-> DP={layout.dp}, expert DP={layout.expert_dp} over {layout.world} ranks"
+    )
 
 
 def render(plan: Plan) -> str:
@@ -225,8 +288,9 @@ def run_plan(args: argparse.Namespace) -> int:
     plan = make_plan(cfg, args.config, args.gpu_memory_gib, args.reserve_gib)
     print(json.dumps(plan.as_dict(), indent=1) if args.json else render(plan))
     if plan.problems:
-        print(f"nemo-dapo plan: {args.config} cannot run as configured ({len(plan.problems)} problem(s))",
-              file=sys.stderr)
+        print(
+            f"nemo-dapo plan: {args.config} cannot run as configured ({len(plan.problems)} problem(s))", file=sys.stderr
+        )
         return 1
     return 0
 
@@ -234,10 +298,12 @@ def run_plan(args: argparse.Namespace) -> int:
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("plan", help="per-GPU memory of a preset's layout; refuses layouts that cannot fit")
     parser.add_argument("config", help="preset name in conf/ or a YAML path")
-    parser.add_argument("overrides", nargs="*",
-                        help="dotted overrides, e.g. actor.megatron.tensor_model_parallel_size=4")
+    parser.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. actor.megatron.tensor_model_parallel_size=4"
+    )
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H800: 80, H20: 96)")
-    parser.add_argument("--reserve-gib", type=float, default=4.0,
-                        help="per GPU and phase: CUDA context, NCCL buffers, fragmentation")
+    parser.add_argument(
+        "--reserve-gib", type=float, default=4.0, help="per GPU and phase: CUDA context, NCCL buffers, fragmentation"
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(fn=run_plan)

@@ -27,13 +27,22 @@ class Figure:
 
 CURVES = (
     Figure("reward.png", "Reward (training batch)", "score", ("critic/score/mean", "critic/rewards/mean")),
-    Figure("accuracy.png", "Accuracy: training batch and validation", "accuracy",
-           ("critic/acc/mean", "val-core/*", "eval/*")),
-    Figure("response_length.png", "Response length (tokens)", "tokens",
-           ("response_length/mean", "response_length/max", "response_length/min")),
+    Figure(
+        "accuracy.png",
+        "Accuracy: training batch and validation",
+        "accuracy",
+        ("critic/acc/mean", "val-core/*", "eval/*"),
+    ),
+    Figure(
+        "response_length.png",
+        "Response length (tokens)",
+        "tokens",
+        ("response_length/mean", "response_length/max", "response_length/min"),
+    ),
     Figure("entropy.png", "Policy entropy", "nats per token", ("actor/entropy",)),
-    Figure("clip_fraction.png", "Clipped token fractions", "fraction",
-           ("actor/pg_clipfrac", "actor/pg_clipfrac_lower")),
+    Figure(
+        "clip_fraction.png", "Clipped token fractions", "fraction", ("actor/pg_clipfrac", "actor/pg_clipfrac_lower")
+    ),
 )
 TIMING_PREFIX = "timing_s/"
 
@@ -82,7 +91,7 @@ def _plot_timing(ax, series: Series) -> list[str]:
         by_step = dict(series[name])
         stacks.append([by_step.get(step, 0.0) for step in steps])
     if stages:
-        ax.stackplot(steps, stacks, labels=[n[len(TIMING_PREFIX):] for n in stages])
+        ax.stackplot(steps, stacks, labels=[n[len(TIMING_PREFIX) :] for n in stages])
     return stages
 
 
@@ -144,7 +153,10 @@ def run_plot(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("plot", help="PNG curves (reward, accuracy, length, entropy, clipping, timing) "
-                                                "from RUN_DIR/metrics.jsonl into RUN_DIR/plots/")
+    parser = subparsers.add_parser(
+        "plot",
+        help="PNG curves (reward, accuracy, length, entropy, clipping, timing) "
+        "from RUN_DIR/metrics.jsonl into RUN_DIR/plots/",
+    )
     parser.add_argument("run_dir", help="a run's trainer.output_dir (holds metrics.jsonl)")
     parser.set_defaults(fn=run_plot)

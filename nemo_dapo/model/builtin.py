@@ -7,15 +7,18 @@ hub), cached by a hash of its recipe, and is an ordinary Hugging Face folder aft
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from nemo_dapo.model.smollm2 import SMOLLM2, SMOLLM2_ARITH, ensure_smollm2, ensure_smollm2_arith
 from nemo_dapo.model.tiny import ensure_tiny_model
 
 TINY_MODEL = "tiny"
-BUILTIN_MODELS: dict[str, Callable[[], Path]] = {TINY_MODEL: ensure_tiny_model, SMOLLM2: ensure_smollm2,
-                                                  SMOLLM2_ARITH: ensure_smollm2_arith}
+BUILTIN_MODELS: dict[str, Callable[[], Path]] = {
+    TINY_MODEL: ensure_tiny_model,
+    SMOLLM2: ensure_smollm2,
+    SMOLLM2_ARITH: ensure_smollm2_arith,
+}
 
 
 def _builtin_data(name: str) -> tuple[str, str] | None:

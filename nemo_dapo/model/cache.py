@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -15,8 +15,12 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("NEMO_DAPO_CACHE", Path.home() / ".cache" / "nemo_dapo"))
 
 
-def cached_build(name: str, build: Callable[[Path], object], cache_dir: str | Path | None = None,
-                 done_marker: str = "model.safetensors") -> Path:
+def cached_build(
+    name: str,
+    build: Callable[[Path], object],
+    cache_dir: str | Path | None = None,
+    done_marker: str = "model.safetensors",
+) -> Path:
     """``cache_dir/name``, built by ``build(staging)`` the first time (atomically: a staging folder,
     then a rename, so an interrupted build never looks finished and concurrent builds are safe)."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()

@@ -68,8 +68,10 @@ def import_gguf(gguf_file: str | Path, output_dir: str | Path, provenance: dict 
         raise GGUFImportError(f"{gguf_file}: no such file")
     architecture = gguf_architecture(gguf_file)
     if architecture not in SUPPORTED_ARCHITECTURES:
-        raise GGUFImportError(f"{gguf_file}: architecture {architecture!r} is not supported; "
-                              f"import-gguf takes {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        raise GGUFImportError(
+            f"{gguf_file}: architecture {architecture!r} is not supported; "
+            f"import-gguf takes {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
     source = dict(folder=str(gguf_file.parent), gguf_file=gguf_file.name)
     loaded = AutoModelForCausalLM.from_pretrained(source["folder"], gguf_file=source["gguf_file"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source["folder"], gguf_file=source["gguf_file"])
@@ -84,8 +86,13 @@ def import_gguf(gguf_file: str | Path, output_dir: str | Path, provenance: dict 
     model.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
     _check_tokenizer_round_trip(tokenizer, staging)
-    record = {"gguf_file": str(gguf_file), "architecture": architecture, "dtype": "float32 (dequantized)",
-              "parameters": sum(p.numel() for p in model.parameters()), **(provenance or {})}
+    record = {
+        "gguf_file": str(gguf_file),
+        "architecture": architecture,
+        "dtype": "float32 (dequantized)",
+        "parameters": sum(p.numel() for p in model.parameters()),
+        **(provenance or {}),
+    }
     (staging / "provenance.json").write_text(json.dumps(record, indent=1))
     shutil.rmtree(output_dir, ignore_errors=True)
     staging.rename(output_dir)

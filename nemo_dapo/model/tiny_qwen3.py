@@ -38,15 +38,29 @@ def _config(tokenizer, spec: TinyQwen3Spec):
     from transformers import Qwen3Config, Qwen3MoeConfig
 
     common = dict(
-        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim, max_position_embeddings=512, tie_word_embeddings=spec.tie_word_embeddings,
-        bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN),
-        pad_token_id=tokenizer.pad_token_id, dtype="float32")
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=512,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN),
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
     if not spec.num_experts:
         return Qwen3Config(**common)
-    return Qwen3MoeConfig(**common, num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
-                          moe_intermediate_size=spec.moe_intermediate_size, norm_topk_prob=True)
+    return Qwen3MoeConfig(
+        **common,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.experts_per_token,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        norm_topk_prob=True,
+    )
 
 
 def _sharpen(model, spec: TinyQwen3Spec) -> None:

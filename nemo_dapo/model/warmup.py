@@ -44,7 +44,7 @@ def _sft_batch(examples, rows, pad_id: int) -> tuple[torch.Tensor, torch.Tensor,
     for i, r in enumerate(rows):
         tokens, prompt_len = examples[r]
         ids[i, : len(tokens)] = torch.tensor(tokens)
-        labels[i, prompt_len: len(tokens)] = torch.tensor(tokens[prompt_len:])
+        labels[i, prompt_len : len(tokens)] = torch.tensor(tokens[prompt_len:])
         attention[i, : len(tokens)] = 1
     return ids, labels, attention
 

@@ -16,13 +16,22 @@ from nemo_dapo.algo.policy_losses import get_policy_loss
 from nemo_dapo.policy.base import LossSettings
 
 
-def actor_loss(log_probs: torch.Tensor, entropy: torch.Tensor, micro: dict[str, torch.Tensor],
-               settings: LossSettings, global_token_count: float, global_seq_count: float,
-               correction: CorrectionSettings | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def actor_loss(
+    log_probs: torch.Tensor,
+    entropy: torch.Tensor,
+    micro: dict[str, torch.Tensor],
+    settings: LossSettings,
+    global_token_count: float,
+    global_seq_count: float,
+    correction: CorrectionSettings | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss whose gradients, summed over micro-batches and ranks, equal the mini-batch gradient."""
     mask = micro["response_mask"].float()
-    agg = {"global_token_count": global_token_count, "global_seq_count": global_seq_count,
-           "norm_constant": settings.norm_constant}
+    agg = {
+        "global_token_count": global_token_count,
+        "global_seq_count": global_seq_count,
+        "norm_constant": settings.norm_constant,
+    }
     weights = micro.get("is_weights")
     metrics: dict[str, float] = {}
     if settings.bypass_mode:
@@ -32,20 +41,35 @@ def actor_loss(log_probs: torch.Tensor, entropy: torch.Tensor, micro: dict[str, 
     else:
         old_log_probs = micro["old_log_probs"]
     if settings.loss_type == "reinforce":
-        pg_loss, pg_metrics = reinforce_loss(log_probs, micro["advantages"], mask, loss_agg_mode=settings.loss_agg_mode,
-                                             rollout_is_weights=weights, **agg)
+        pg_loss, pg_metrics = reinforce_loss(
+            log_probs,
+            micro["advantages"],
+            mask,
+            loss_agg_mode=settings.loss_agg_mode,
+            rollout_is_weights=weights,
+            **agg,
+        )
     else:
         pg_loss, pg_metrics = get_policy_loss(settings.policy_loss).fn(
-            old_log_probs, log_probs, micro["advantages"], mask, clip_ratio_low=settings.clip_ratio_low,
-            clip_ratio_high=settings.clip_ratio_high, clip_ratio_c=settings.clip_ratio_c,
-            loss_agg_mode=settings.loss_agg_mode, rollout_is_weights=weights, **agg)
+            old_log_probs,
+            log_probs,
+            micro["advantages"],
+            mask,
+            clip_ratio_low=settings.clip_ratio_low,
+            clip_ratio_high=settings.clip_ratio_high,
+            clip_ratio_c=settings.clip_ratio_c,
+            loss_agg_mode=settings.loss_agg_mode,
+            rollout_is_weights=weights,
+            **agg,
+        )
     loss = pg_loss
     entropy_value = aggregate_loss(entropy, mask, settings.loss_agg_mode, **agg)
     if settings.entropy_coeff:
         loss = loss - settings.entropy_coeff * entropy_value
     if settings.use_kl_loss:
-        kl = aggregate_loss(kl_penalty(log_probs, micro["ref_log_probs"], settings.kl_loss_type), mask,
-                            settings.loss_agg_mode, **agg)
+        kl = aggregate_loss(
+            kl_penalty(log_probs, micro["ref_log_probs"], settings.kl_loss_type), mask, settings.loss_agg_mode, **agg
+        )
         loss = loss + settings.kl_loss_coef * kl
         metrics["actor/kl_loss"] = kl.item()
     metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})

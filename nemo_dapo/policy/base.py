@@ -1,4 +1,4 @@
-"""The PolicyWorker interface every training backend implements (DESIGN: two interfaces).
+"""The PolicyWorker interface every training backend implements (docs/architecture.md).
 
 One worker per training rank. Batches are plain dicts of tensors, all [B, ...] with
 ``input_ids`` = left-padded prompt + right-padded response ([B, P + R]), ``attention_mask``
@@ -8,15 +8,21 @@ driver-side group shards rows over data-parallel ranks.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import torch
+
+from nemo_dapo.algo.correction import CorrectionSettings
+
+# model.dtype names -> the compute dtype of either backend
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
 class LossSettings:
-    """Everything the actor loss reads from config (SPEC 1-2, 4, 7)."""
+    """Everything the actor loss reads from config (docs/algorithm.md §1-2, §4, §7)."""
 
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.28
@@ -45,31 +51,51 @@ class MiniBatch:
 def require_trainable(trainable: bool, what: str) -> None:
     """A worker built with ``trainable=False`` (the KL reference) keeps weights only."""
     if not trainable:
-        raise RuntimeError(f"{what}: this worker was built with trainable=False (a reference model): "
-                           "it only computes log-probs")
+        raise RuntimeError(
+            f"{what}: this worker was built with trainable=False (a reference model): it only computes log-probs"
+        )
 
 
 class PolicyWorker(Protocol):
+    """What the driver-side :class:`~nemo_dapo.cluster.groups.PolicyGroup` calls on every rank.
+
+    Both backends (``torch_worker.TorchPolicyWorker``, ``megatron.worker.MegatronPolicyWorker``)
+    implement it; the type checker holds them to it (``tests/test_interfaces.py``).
+    """
+
     def ready(self) -> bool: ...
 
-    def compute_log_prob(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``log_probs`` and ``entropy`` ([B, R]) of the response tokens under the current weights."""
+    def data_parallel_layout(self) -> tuple[int, int]:
+        """(dp_rank, dp_size): ranks of one model replica (TP x PP x CP) must get the same rows."""
+        ...
 
-    def update(self, mini_batches: list[MiniBatch], settings: LossSettings) -> dict[str, list[float]]:
-        """One optimizer step per mini-batch (the caller repeats the list for ppo_epochs)."""
+    def compute_log_prob(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> dict[str, torch.Tensor]:
+        """``log_probs`` and ``entropy`` ([B, R]) of the response tokens under the current weights,
+        at the sampling ``temperature``."""
+        ...
 
-    def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def update(
+        self, mini_batches: list[MiniBatch], settings: LossSettings, correction: CorrectionSettings | None = None
+    ) -> dict[str, list[float]]:
+        """One optimizer step per mini-batch (the caller repeats the list for ppo_epochs);
+        ``correction``: rollout IS / rejection settings the loss applies."""
+        ...
+
+    def export_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """This rank's share of the Hugging Face-named tensors in size-bounded buckets (collective).
 
         A generator: buckets stream out as they are gathered. Over all ranks every tensor is
         yielded exactly once, in rank order the HF order.
         """
+        ...
 
     def save(self, path: str, asynchronous: bool = False) -> None:
         """Collective. ``asynchronous``: some files may still be written on return, until
         :meth:`finish_save` says the save is complete."""
+        ...
 
     def finish_save(self, blocking: bool = True) -> bool:
         """Collective: whether every save begun on this worker is completely on disk."""
+        ...
 
     def load(self, path: str) -> None: ...

@@ -10,6 +10,8 @@ response-aligned field.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FULL_WIDTH_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -50,7 +52,7 @@ def trim_padding(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, t
     for name, tensor in batch.items():
         part = tensor[index]
         if name in FULL_WIDTH_KEYS:
-            part = part[:, width - prompt_keep: width + response_keep]
+            part = part[:, width - prompt_keep : width + response_keep]
         elif part.dim() >= 2:
             part = part[:, :response_keep]
         out[name] = part
@@ -75,7 +77,9 @@ def place_rows(shape: torch.Size, parts: list[tuple[torch.Tensor, torch.Tensor]]
     return out
 
 
-def uniform_micro_batches(batch: dict[str, torch.Tensor], max_tokens: int, multiple: int) -> list[dict[str, torch.Tensor]]:
+def uniform_micro_batches(
+    batch: dict[str, torch.Tensor], max_tokens: int, multiple: int
+) -> list[dict[str, torch.Tensor]]:
     """Micro-batches of one shape, a multiple of ``multiple`` of them, for schedules that send fixed
     shapes between pipeline stages (Megatron's interleaved one).
 
@@ -87,14 +91,14 @@ def uniform_micro_batches(batch: dict[str, torch.Tensor], max_tokens: int, multi
     trimmed = trim_padding(batch, list(range(rows)))
     del trimmed[ROWS]  # set per micro-batch below
     per_micro = max(1, min(rows, max_tokens // trimmed["input_ids"].shape[1]))
-    count = -(-(-(-rows // per_micro)) // multiple) * multiple
-    per_micro = -(-rows // count)
+    count = math.ceil(math.ceil(rows / per_micro) / multiple) * multiple
+    per_micro = math.ceil(rows / count)
     filler = {k: v[:1].clone() for k, v in trimmed.items()}
     filler["response_mask"] = torch.zeros_like(filler["response_mask"])
     micros = []
     for start in range(0, count * per_micro, per_micro):
         real = max(0, min(per_micro, rows - start))
-        part = {k: torch.cat([v[start: start + real]] + [filler[k]] * (per_micro - real)) for k, v in trimmed.items()}
+        part = {k: torch.cat([v[start : start + real]] + [filler[k]] * (per_micro - real)) for k, v in trimmed.items()}
         part[ROWS] = torch.arange(start, start + real)
         micros.append(part)
     return micros

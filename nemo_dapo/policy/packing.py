@@ -45,8 +45,9 @@ def rounded_lengths(lengths: torch.Tensor, segment_multiple: int) -> torch.Tenso
     return -(-lengths // segment_multiple) * segment_multiple
 
 
-def pack_rows(batch: dict[str, torch.Tensor], rows: list[int], multiple: int = 1, width: int = 0,
-              segment_multiple: int = 1) -> dict[str, torch.Tensor]:
+def pack_rows(
+    batch: dict[str, torch.Tensor], rows: list[int], multiple: int = 1, width: int = 0, segment_multiple: int = 1
+) -> dict[str, torch.Tensor]:
     """One pack of ``rows``: their real tokens end to end (each row's segment padded at its end to
     ``segment_multiple``), the pack right-padded to a multiple of ``multiple`` and at least ``width``."""
     micro = trim_padding(batch, rows)
@@ -65,25 +66,31 @@ def pack_rows(batch: dict[str, torch.Tensor], rows: list[int], multiple: int = 1
     response_width = micro["responses"].shape[1]
     prompt_lengths = real[:, : prompt_width(micro)].sum(dim=1)
     response_index = starts[: len(rows), None] + prompt_lengths[:, None] - 1 + torch.arange(response_width)
-    micro.update({
-        PACKED_IDS: packed_ids[None],
-        "packed_positions": (torch.arange(packed_width) - starts[segment_of])[None],
-        "cu_seqlens": cu_seqlens,
-        "response_index": response_index.clamp(max=packed_width - 1),
-    })
+    micro.update(
+        {
+            PACKED_IDS: packed_ids[None],
+            "packed_positions": (torch.arange(packed_width) - starts[segment_of])[None],
+            "cu_seqlens": cu_seqlens,
+            "response_index": response_index.clamp(max=packed_width - 1),
+        }
+    )
     return micro
 
 
-def packed_micro_batches(batch: dict[str, torch.Tensor], max_tokens: int, multiple: int = 1,
-                         segment_multiple: int = 1) -> list[dict[str, torch.Tensor]]:
+def packed_micro_batches(
+    batch: dict[str, torch.Tensor], max_tokens: int, multiple: int = 1, segment_multiple: int = 1
+) -> list[dict[str, torch.Tensor]]:
     """The batch's rows in packs of at most ``max_tokens`` real tokens (see the module docstring)."""
     lengths = batch["attention_mask"].sum(dim=1).tolist()
-    return [pack_rows(batch, group, multiple, segment_multiple=segment_multiple)
-            for group in first_fit_decreasing(lengths, max_tokens)]
+    return [
+        pack_rows(batch, group, multiple, segment_multiple=segment_multiple)
+        for group in first_fit_decreasing(lengths, max_tokens)
+    ]
 
 
-def uniform_packs(batch: dict[str, torch.Tensor], max_tokens: int, multiple: int, count_multiple: int,
-                  segment_multiple: int = 1) -> list[dict[str, torch.Tensor]]:
+def uniform_packs(
+    batch: dict[str, torch.Tensor], max_tokens: int, multiple: int, count_multiple: int, segment_multiple: int = 1
+) -> list[dict[str, torch.Tensor]]:
     """Packs of one width, a multiple of ``count_multiple`` of them (Megatron's interleaved pipeline
     schedule sends fixed shapes in groups of PP); filler packs repeat the first with ``response_mask``
     0 and no ``ROWS``, so they add nothing to the loss, the gradients or the token counts."""
@@ -110,7 +117,9 @@ def context_parallel_share(pack: dict[str, torch.Tensor], cp_size: int, cp_rank:
     pieces = []
     for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
         chunk = (end - start) // (2 * cp_size)
-        pieces += [torch.arange(start + j * chunk, start + (j + 1) * chunk) for j in (cp_rank, 2 * cp_size - 1 - cp_rank)]
+        pieces += [
+            torch.arange(start + j * chunk, start + (j + 1) * chunk) for j in (cp_rank, 2 * cp_size - 1 - cp_rank)
+        ]
     index = torch.cat(pieces)
     local = torch.full((packed_width(pack),), -1, dtype=torch.long)
     local[index] = torch.arange(len(index))
@@ -124,7 +133,7 @@ def packed_width(pack: dict[str, torch.Tensor]) -> int:
 def response_positions(pack: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pack positions [N] whose logits score its N real response tokens, those tokens [N], and the
     [rows, R] mask saying where they go (response columns after a row's end are not computed)."""
-    real = pack["attention_mask"][:, prompt_width(pack):].bool()
+    real = pack["attention_mask"][:, prompt_width(pack) :].bool()
     return pack["response_index"][real], pack["responses"][real], real
 
 

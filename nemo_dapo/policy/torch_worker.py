@@ -8,10 +8,9 @@ which makes the update exactly that of the un-split mini-batch.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import random
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -21,27 +20,11 @@ from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.algo.logprob import chunk_tokens_for, chunked_token_stats, token_stats
 from nemo_dapo.config.schema import OptimConfig
 from nemo_dapo.policy.actor_loss import SUMMED_METRICS, actor_loss
-from nemo_dapo.policy.base import LossSettings, MiniBatch, require_trainable
+from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, require_trainable
+from nemo_dapo.policy.lr_schedule import lr_lambda
 from nemo_dapo.policy.microbatch import ROWS, micro_batches, place_rows, prompt_width
 from nemo_dapo.policy.weights import Bucket, bucketize
 from nemo_dapo.threads import use_cpu_threads
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def lr_lambda(optim: OptimConfig, total_steps: int):
-    """Linear warm-up that starts at lr/warmup (never 0), then constant or cosine."""
-    warmup = max(optim.warmup_steps, 0)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if optim.lr_schedule == "constant" or total_steps <= warmup:
-            return 1.0
-        progress = min((step - warmup) / max(total_steps - warmup, 1), 1.0)
-        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
 
 
 def init_data_parallel(rank: int, world_size: int, rendezvous: str) -> None:
@@ -52,10 +35,22 @@ def init_data_parallel(rank: int, world_size: int, rendezvous: str) -> None:
 
 
 class TorchPolicyWorker:
-    def __init__(self, rank: int, world_size: int, rendezvous: str, model_path: str, optim: dict,
-                 dtype: str = "float32", total_steps: int = 1000, max_token_len: int = 16384,
-                 seed: int = 1, num_threads: int | None = None, workers_per_node: int | None = None,
-                 logits_chunk_tokens: int | None = None, trainable: bool = True) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        rendezvous: str,
+        model_path: str,
+        optim: dict,
+        dtype: str = "float32",
+        total_steps: int = 1000,
+        max_token_len: int = 16384,
+        seed: int = 1,
+        num_threads: int | None = None,
+        workers_per_node: int | None = None,
+        logits_chunk_tokens: int | None = None,
+        trainable: bool = True,
+    ) -> None:
         """``dtype`` is the compute precision: the parameters, their gradients and the optimizer stay
         fp32 (the master copy), matmuls run in ``dtype`` under autocast, and the log-prob and entropy
         reductions are fp32 whatever ``dtype`` is."""
@@ -72,9 +67,13 @@ class TorchPolicyWorker:
         self.optim_cfg = OptimConfig(**optim)
         self.trainable = trainable
         self.model.requires_grad_(trainable)  # a reference model (trainable=False) never updates
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.optim_cfg.lr,
-                                           betas=tuple(self.optim_cfg.betas), eps=self.optim_cfg.eps,
-                                           weight_decay=self.optim_cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=self.optim_cfg.lr,
+            betas=(self.optim_cfg.betas[0], self.optim_cfg.betas[1]),
+            eps=self.optim_cfg.eps,
+            weight_decay=self.optim_cfg.weight_decay,
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.optim_cfg, total_steps))
         self.max_token_len = max_token_len
 
@@ -89,12 +88,17 @@ class TorchPolicyWorker:
         the whole micro-batch are ever alive."""
         low_precision = self.compute_dtype != torch.float32
         with torch.autocast(self.model.device.type, dtype=self.compute_dtype, enabled=low_precision):
-            hidden = self.model.base_model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
-                                           position_ids=micro["position_ids"]).last_hidden_state
+            hidden = self.model.base_model(
+                input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], position_ids=micro["position_ids"]
+            ).last_hidden_state
             width = prompt_width(micro)
-            return chunked_token_stats(hidden[:, width - 1: -1], micro["responses"],
-                                       self.model.get_output_embeddings(),
-                                       functools.partial(token_stats, temperature=temperature), self.chunk_tokens)
+            return chunked_token_stats(
+                hidden[:, width - 1 : -1],
+                micro["responses"],
+                self.model.get_output_embeddings(),
+                functools.partial(token_stats, temperature=temperature),
+                self.chunk_tokens,
+            )
 
     @torch.no_grad()
     def compute_log_prob(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> dict[str, torch.Tensor]:
@@ -107,10 +111,14 @@ class TorchPolicyWorker:
             entropy_parts.append((micro[ROWS], entropy))
         mask = batch["response_mask"][:, :width].float()
         shape = batch["responses"].shape
-        return {"log_probs": place_rows(shape, log_prob_parts) * mask, "entropy": place_rows(shape, entropy_parts) * mask}
+        return {
+            "log_probs": place_rows(shape, log_prob_parts) * mask,
+            "entropy": place_rows(shape, entropy_parts) * mask,
+        }
 
-    def update(self, mini_batches: list[MiniBatch], settings: LossSettings,
-               correction: CorrectionSettings | None = None) -> dict[str, list[float]]:
+    def update(
+        self, mini_batches: list[MiniBatch], settings: LossSettings, correction: CorrectionSettings | None = None
+    ) -> dict[str, list[float]]:
         require_trainable(self.trainable, "update")
         self.model.train()
         metrics: dict[str, list[float]] = {}
@@ -119,8 +127,9 @@ class TorchPolicyWorker:
             step_metrics: dict[str, list[float]] = {}
             for micro in micro_batches(mini.data, self.max_token_len):
                 log_probs, entropy = self._forward(micro, settings.temperature)
-                loss, micro_metrics = actor_loss(log_probs, entropy, micro, settings, mini.global_token_count,
-                                                 mini.global_seq_count, correction)
+                loss, micro_metrics = actor_loss(
+                    log_probs, entropy, micro, settings, mini.global_token_count, mini.global_seq_count, correction
+                )
                 loss.backward()
                 for key, value in micro_metrics.items():
                     step_metrics.setdefault(key, []).append(value)
@@ -133,7 +142,7 @@ class TorchPolicyWorker:
                 value = float(np.sum(values)) if key in SUMMED_METRICS else float(np.mean(values))
                 metrics.setdefault(key, []).append(value)
             metrics.setdefault("actor/grad_norm", []).append(float(grad_norm))
-            metrics.setdefault("actor/lr", []).append(self.scheduler.get_last_lr()[0])
+            metrics.setdefault("actor/lr", []).append(float(self.scheduler.get_last_lr()[0]))
         return metrics
 
     def _all_reduce_gradients(self) -> None:
@@ -155,8 +164,11 @@ class TorchPolicyWorker:
 
     def state(self) -> dict:
         """Optimizer, scheduler and RNG state of this rank (weights are saved separately)."""
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+        }
 
     def save(self, path: str, asynchronous: bool = False) -> None:
         """Rank 0 writes the HF weights and the (replicated) optimizer state; others write RNG only.

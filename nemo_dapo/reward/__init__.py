@@ -1,4 +1,4 @@
-"""Rewards for math RL (SPEC 5, 10).
+"""Rewards for math RL (docs/algorithm.md §5, §10).
 
 - :mod:`~nemo_dapo.reward.math_dapo`: exact-match scorer DAPO trained with.
 - :mod:`~nemo_dapo.reward.math_verify_scorer`: symbolic-equivalence scorer in worker

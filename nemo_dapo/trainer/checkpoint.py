@@ -14,8 +14,8 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -48,8 +48,11 @@ def _fsync_tree(root: Path) -> None:
 
 
 def write_manifest(folder: Path) -> None:
-    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    files = {
+        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
     (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
 
 
@@ -123,15 +126,19 @@ class CheckpointManager:
         """Remove a partly written checkpoint and say what is left to resume from."""
         shutil.rmtree(staging, ignore_errors=True)
         latest = self.root / "latest"
-        previous = (f"the previous checkpoint {self.root / latest.read_text().strip()} is intact and still `latest`"
-                    if latest.is_file() else "there is no earlier checkpoint")
+        previous = (
+            f"the previous checkpoint {self.root / latest.read_text().strip()} is intact and still `latest`"
+            if latest.is_file()
+            else "there is no earlier checkpoint"
+        )
         raise CheckpointWriteError(
             f"checkpoint of step {staging.name.removeprefix(STAGING_PREFIX)} could not be written to {staging}: "
             f"{error}; the partial folder was removed and {previous}. Free space (or fix the file system), then "
-            f"run again with checkpoint.resume=auto") from error
+            f"run again with checkpoint.resume=auto"
+        ) from error
 
     def _prune(self) -> None:
-        for _, path in self.step_folders()[self.keep_last:]:
+        for _, path in self.step_folders()[self.keep_last :]:
             shutil.rmtree(path, ignore_errors=True)
         for path in self.root.glob(f"{STAGING_PREFIX}*"):
             shutil.rmtree(path, ignore_errors=True)

@@ -10,8 +10,9 @@ is an error; a dead store raises promptly instead of hanging.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -44,8 +45,13 @@ class KVStore:
     def ping(self) -> bool:
         return True
 
-    def kv_batch_put(self, keys: Sequence[str], fields: dict[str, Sequence], tags: Sequence[dict] | None = None,
-                     partition: str = "default") -> int:
+    def kv_batch_put(
+        self,
+        keys: Sequence[str],
+        fields: dict[str, Sequence],
+        tags: Sequence[dict] | None = None,
+        partition: str = "default",
+    ) -> int:
         """Write ``fields[name][i]`` under ``keys[i]``; existing keys gain/overwrite those fields."""
         tags = list(tags) if tags is not None else [{} for _ in keys]
         sizes = {name: len(values) for name, values in fields.items()} | {"tags": len(tags)}
@@ -56,8 +62,10 @@ class KVStore:
             for value in values:
                 dtype = _dtype_of(value)
                 if known.setdefault(name, dtype) != dtype:
-                    raise DataPlaneError(f"kv_batch_put: field {name!r} in partition {partition!r} holds "
-                                         f"{known[name]}, refusing {dtype} (no silent casts)")
+                    raise DataPlaneError(
+                        f"kv_batch_put: field {name!r} in partition {partition!r} holds "
+                        f"{known[name]}, refusing {dtype} (no silent casts)"
+                    )
         partition_tags = self._tags.setdefault(partition, {})
         for i, key in enumerate(keys):
             rows.setdefault(key, {}).update({name: values[i] for name, values in fields.items()})

@@ -1,4 +1,4 @@
-"""The synchronous DAPO trainer (SPEC 8): generate -> reward -> filter -> old_log_prob -> ref
+"""The synchronous DAPO trainer (docs/algorithm.md §8): generate -> reward -> filter -> old_log_prob -> ref
 -> advantages -> update_actor -> weight sync, with validation and checkpoints.
 
 The trainer talks to a policy group and a rollout group through their interfaces only; it
@@ -11,7 +11,9 @@ import json
 import logging
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,17 +25,30 @@ from nemo_dapo.algo.kl import build_kl_controller
 from nemo_dapo.algo.metrics import throughput_metrics, timing_metrics
 from nemo_dapo.algo.sampling import GroupAccumulator
 from nemo_dapo.config import Config, correction_settings, to_yaml
-from nemo_dapo.config.validate import cluster_gpus
+from nemo_dapo.config.topology import cluster_gpus, prompts_per_round, total_training_steps
 from nemo_dapo.data import ResumableBatchSampler
 from nemo_dapo.policy.base import LossSettings
 from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.trainer.batching import build_rollout_batch
 from nemo_dapo.trainer.checkpoint import CheckpointManager
 from nemo_dapo.trainer.preemption import Preempted, PreemptionSignals, record_preemption
-from nemo_dapo.trainer.stages import (add_advantages, add_overlong_filter, add_rewards, add_rollout_correction,
-                                      batch_metrics, score_batch)
+from nemo_dapo.trainer.stages import (
+    add_advantages,
+    add_overlong_filter,
+    add_rewards,
+    add_rollout_correction,
+    batch_metrics,
+    score_batch,
+)
 from nemo_dapo.trainer.tracking import StageTimer, Tracker
 from nemo_dapo.trainer.validation import accuracy_metrics, mean_val_accuracy
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from nemo_dapo.cluster.groups import PolicyGroup, RolloutGroup
+    from nemo_dapo.data.dataset import RLDataset
+    from nemo_dapo.reward.manager import RewardManager
 
 log = logging.getLogger(__name__)
 WEIGHT_BUCKET_BYTES = 512 << 20
@@ -42,16 +57,34 @@ WEIGHT_BUCKET_BYTES = 512 << 20
 def loss_settings(cfg: Config, correction: CorrectionSettings) -> LossSettings:
     actor = cfg.actor
     return LossSettings(
-        clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c,
-        loss_agg_mode=actor.loss_agg_mode, policy_loss=actor.policy_loss,
+        clip_ratio_low=actor.clip_ratio_low,
+        clip_ratio_high=actor.clip_ratio_high,
+        clip_ratio_c=actor.clip_ratio_c,
+        loss_agg_mode=actor.loss_agg_mode,
+        policy_loss=actor.policy_loss,
         norm_constant=actor.loss_scale_factor or float(cfg.data.max_response_length),
-        entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
-        kl_loss_type=actor.kl_loss_type, loss_type=correction.loss_type, bypass_mode=correction.bypass_mode,
-        temperature=cfg.rollout.temperature)
+        entropy_coeff=actor.entropy_coeff,
+        use_kl_loss=actor.use_kl_loss,
+        kl_loss_coef=actor.kl_loss_coef,
+        kl_loss_type=actor.kl_loss_type,
+        loss_type=correction.loss_type,
+        bypass_mode=correction.bypass_mode,
+        temperature=cfg.rollout.temperature,
+    )
 
 
 class DAPOTrainer:
-    def __init__(self, cfg: Config, policy, rollout, tokenizer, train_data, val_data, reward, ref_policy=None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        policy: PolicyGroup,
+        rollout: RolloutGroup,
+        tokenizer: PreTrainedTokenizerBase,
+        train_data: RLDataset,
+        val_data: RLDataset | None,
+        reward: RewardManager,
+        ref_policy: PolicyGroup | None = None,
+    ) -> None:
         self.cfg, self.policy, self.rollout, self.ref_policy = cfg, policy, rollout, ref_policy
         self.tokenizer, self.train_data, self.val_data, self.reward = tokenizer, train_data, val_data, reward
         self.output_dir = Path(cfg.trainer.output_dir)
@@ -59,12 +92,17 @@ class DAPOTrainer:
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", cfg.checkpoint.keep_last)
         self.pending_checkpoint: Path | None = None  # staged, its sharded state still being written
         filtering = cfg.algorithm.filter_groups
-        prompts_per_round = cfg.data.effective_gen_batch_size if filtering.enable else cfg.data.train_batch_size
-        self.sampler = ResumableBatchSampler(len(train_data), prompts_per_round, seed=cfg.data.seed,
-                                             shuffle=cfg.data.shuffle)
-        self._sampler_iter = None
-        self.accumulator = (GroupAccumulator(cfg.data.train_batch_size, filtering.max_num_gen_batches,
-                                             filtering.carry_over, filtering.metric) if filtering.enable else None)
+        self.sampler = ResumableBatchSampler(
+            len(train_data), prompts_per_round(cfg), seed=cfg.data.seed, shuffle=cfg.data.shuffle
+        )
+        self._sampler_iter: Iterator[list[int]] | None = None
+        self.accumulator = (
+            GroupAccumulator(
+                cfg.data.train_batch_size, filtering.max_num_gen_batches, filtering.carry_over, filtering.metric
+            )
+            if filtering.enable
+            else None
+        )
         self.correction = correction_settings(cfg.algorithm.rollout_correction)
         self.loss_settings = loss_settings(cfg, self.correction)
         kl = cfg.algorithm.kl_ctrl
@@ -73,7 +111,7 @@ class DAPOTrainer:
         self.weight_version = 0
         self.generated_samples = 0
         self.initial_val: dict[str, float] = {}
-        self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(self.sampler)
+        self.total_steps = total_training_steps(cfg, len(train_data))
 
     # ----------------------------------------------------------------- generation
     def _next_prompt_indices(self) -> list[int]:
@@ -87,8 +125,9 @@ class DAPOTrainer:
 
     def _sampling(self) -> SamplingSettings:
         r = self.cfg.rollout
-        return SamplingSettings(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                max_tokens=self.cfg.data.max_response_length)
+        return SamplingSettings(
+            n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=self.cfg.data.max_response_length
+        )
 
     def _next_round(self, timer: StageTimer, round_index: int) -> RolloutBatch:
         """One generation round, scored (the async trainer takes it from the data plane instead)."""
@@ -97,11 +136,19 @@ class DAPOTrainer:
         with timer("gen"):
             generations = self.rollout.generate([it["prompt_ids"] for it in items], self._sampling())
         self.generated_samples += len(items) * self.cfg.rollout.n
-        fields = {"ground_truth": [it["ground_truth"] for it in items],
-                  "data_source": [it["data_source"] for it in items], "prompt_index": [it["index"] for it in items]}
-        batch = build_rollout_batch([it["prompt_ids"] for it in items], generations, fields,
-                                    f"s{self.global_step}r{round_index}", self.tokenizer.pad_token_id,
-                                    self.weight_version)
+        fields = {
+            "ground_truth": [it["ground_truth"] for it in items],
+            "data_source": [it["data_source"] for it in items],
+            "prompt_index": [it["index"] for it in items],
+        }
+        batch = build_rollout_batch(
+            [it["prompt_ids"] for it in items],
+            generations,
+            fields,
+            f"s{self.global_step}r{round_index}",
+            self.tokenizer.pad_token_id,
+            self.weight_version,
+        )
         with timer("reward"):
             score_batch(batch, self.reward, self.tokenizer)
         return batch
@@ -123,7 +170,7 @@ class DAPOTrainer:
 
     # ----------------------------------------------------------------- one step
     def train_step(self) -> dict[str, float]:
-        """One step of SPEC 8's synchronous order, then the weight sync.
+        """One step of docs/algorithm.md §8's synchronous order, then the weight sync.
 
         Engines colocated with the training ranks sleep from the end of generation to the sync;
         their weights wake first, the KV cache after the new weights are in (no-ops otherwise).
@@ -150,8 +197,9 @@ class DAPOTrainer:
             with timer("old_log_prob"):
                 out = self.policy.compute_log_prob(batch, self.cfg.rollout.temperature)
             batch.add("old_log_probs", out["log_probs"])
-            metrics["actor/entropy_old"] = float((out["entropy"] * batch["response_mask"]).sum()
-                                                 / batch["response_mask"].sum().clamp(min=1))
+            metrics["actor/entropy_old"] = float(
+                (out["entropy"] * batch["response_mask"]).sum() / batch["response_mask"].sum().clamp(min=1)
+            )
         if self.ref_policy is not None:
             with timer("ref"):
                 ref = self.ref_policy.compute_log_prob(batch, self.cfg.rollout.temperature)
@@ -163,8 +211,15 @@ class DAPOTrainer:
                 metrics.update(add_rollout_correction(batch, self.correction))
             add_advantages(batch, self.cfg)
         with timer("update_actor"):
-            metrics.update(self.policy.update(batch, self.loss_settings, self.cfg.actor.ppo_mini_batch_size,
-                                              self.cfg.actor.ppo_epochs, self.correction if bypass else None))
+            metrics.update(
+                self.policy.update(
+                    batch,
+                    self.loss_settings,
+                    self.cfg.actor.ppo_mini_batch_size,
+                    self.cfg.actor.ppo_epochs,
+                    self.correction if bypass else None,
+                )
+            )
         metrics.update(batch_metrics(batch, self.cfg))
         return metrics
 
@@ -195,25 +250,41 @@ class DAPOTrainer:
             return {}
         val = self.cfg.rollout.val
         items = [self.val_data[i] for i in range(len(self.val_data))]
-        sampling = SamplingSettings(n=val.n, temperature=val.temperature if val.do_sample else 0.0,
-                                    top_p=val.top_p if val.do_sample else 1.0,
-                                    max_tokens=self.cfg.data.max_response_length)
+        sampling = SamplingSettings(
+            n=val.n,
+            temperature=val.temperature if val.do_sample else 0.0,
+            top_p=val.top_p if val.do_sample else 1.0,
+            max_tokens=self.cfg.data.max_response_length,
+        )
         generations = self.rollout.generate([it["prompt_ids"] for it in items], sampling)
-        fields = {"ground_truth": [it["ground_truth"] for it in items],
-                  "data_source": [it["data_source"] for it in items], "prompt_index": [it["index"] for it in items]}
-        batch = build_rollout_batch([it["prompt_ids"] for it in items], generations, fields, "val",
-                                    self.tokenizer.pad_token_id, self.weight_version)
+        fields = {
+            "ground_truth": [it["ground_truth"] for it in items],
+            "data_source": [it["data_source"] for it in items],
+            "prompt_index": [it["index"] for it in items],
+        }
+        batch = build_rollout_batch(
+            [it["prompt_ids"] for it in items],
+            generations,
+            fields,
+            "val",
+            self.tokenizer.pad_token_id,
+            self.weight_version,
+        )
         score_batch(batch, self.reward, self.tokenizer)
         return accuracy_metrics(batch["acc"], batch["data_source"], batch["uid"], val.n)
 
     # ----------------------------------------------------------------- checkpoints
     def trainer_state(self) -> dict:
-        return {"global_step": self.global_step, "weight_version": self.weight_version,
-                "generated_samples": self.generated_samples,
-                "sampler": self.sampler.state_dict(),
-                "accumulator": self.accumulator.state_dict() if self.accumulator else None,
-                "kl_coef": self.kl_controller.value, "initial_val": self.initial_val,
-                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}
+        return {
+            "global_step": self.global_step,
+            "weight_version": self.weight_version,
+            "generated_samples": self.generated_samples,
+            "sampler": self.sampler.state_dict(),
+            "accumulator": self.accumulator.state_dict() if self.accumulator else None,
+            "kl_coef": self.kl_controller.value,
+            "initial_val": self.initial_val,
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+        }
 
     def save_checkpoint(self) -> None:
         """Checkpoint this step; with ``checkpoint.async_save`` the policy's sharded state is written
@@ -283,10 +354,13 @@ class DAPOTrainer:
             if self._due(self.cfg.trainer.save_freq) or done:
                 self.save_checkpoint()
             bar.update(1)
-            bar.set_postfix(score=f"{metrics.get('critic/score/mean', 0):.3f}", acc=f"{metrics.get('critic/acc/mean', 0):.3f}",
-                            val=f"{mean_val_accuracy(last_val) or 0:.3f}")
+            bar.set_postfix(
+                score=f"{metrics.get('critic/score/mean', 0):.3f}",
+                acc=f"{metrics.get('critic/acc/mean', 0):.3f}",
+                val=f"{mean_val_accuracy(last_val) or 0:.3f}",
+            )
             if preemption.requested and not done:
-                self._stop_preempted(preemption.received, bar)
+                self._stop_preempted(preemption.received or "a stop signal", bar)
         bar.close()
         self.finish_checkpoint()
         self.tracker.close()
@@ -310,9 +384,14 @@ class DAPOTrainer:
         return budget is not None and self.generated_samples >= budget
 
     def _write_summary(self, last_val: dict[str, float], wall_s: float) -> dict:
-        summary = {"initial_val_acc": mean_val_accuracy(self.initial_val),
-                   "final_val_acc": mean_val_accuracy(last_val),
-                   "steps": self.global_step, "generated_samples": self.generated_samples, "wall_s": wall_s,
-                   "initial_val": self.initial_val, "final_val": last_val}
+        summary = {
+            "initial_val_acc": mean_val_accuracy(self.initial_val),
+            "final_val_acc": mean_val_accuracy(last_val),
+            "steps": self.global_step,
+            "generated_samples": self.generated_samples,
+            "wall_s": wall_s,
+            "initial_val": self.initial_val,
+            "final_val": last_val,
+        }
         (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary

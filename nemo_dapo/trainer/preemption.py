@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +28,10 @@ class Preempted(Exception):
     """Training stopped on a signal after a checkpoint of ``step``: resume with ``checkpoint.resume=auto``."""
 
     def __init__(self, step: int, signal_name: str) -> None:
-        super().__init__(f"stopped by {signal_name} after step {step} (checkpoint saved); "
-                         "rerun with checkpoint.resume=auto to continue")
+        super().__init__(
+            f"stopped by {signal_name} after step {step} (checkpoint saved); "
+            "rerun with checkpoint.resume=auto to continue"
+        )
         self.step = step
         self.signal_name = signal_name
 
@@ -43,7 +46,7 @@ class PreemptionSignals:
     def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
         self.signals = signals
         self.received: str | None = None
-        self._previous: dict[signal.Signals, object] = {}
+        self._previous: dict[signal.Signals, Any] = {}  # the handlers to put back
 
     @property
     def requested(self) -> bool:
@@ -51,8 +54,9 @@ class PreemptionSignals:
 
     def __enter__(self) -> PreemptionSignals:
         if threading.current_thread() is not threading.main_thread():
-            log.warning("not in the main thread: %s will not checkpoint before stopping",
-                        "/".join(s.name for s in self.signals))
+            log.warning(
+                "not in the main thread: %s will not checkpoint before stopping", "/".join(s.name for s in self.signals)
+            )
             return self
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -72,5 +76,6 @@ def record_preemption(output_dir: Path, step: int, signal_name: str) -> None:
     entry = {"step": step, "signal": signal_name, "time": time.time(), "checkpoint": f"checkpoints/global_step_{step}"}
     with open(Path(output_dir) / PREEMPTIONS_LOG, "a", encoding="utf-8") as handle:
         handle.write(json.dumps(entry) + "\n")
-    log.warning("preempted by %s: checkpoint of step %d saved, exiting with code %d", signal_name, step,
-                PREEMPTED_EXIT_CODE)
+    log.warning(
+        "preempted by %s: checkpoint of step %d saved, exiting with code %d", signal_name, step, PREEMPTED_EXIT_CODE
+    )

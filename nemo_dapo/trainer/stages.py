@@ -13,20 +13,21 @@ from nemo_dapo.algo.correction import CorrectionSettings, apply_rollout_correcti
 from nemo_dapo.algo.kl import apply_kl_in_reward
 from nemo_dapo.algo.metrics import data_metrics
 from nemo_dapo.config.schema import Config
+from nemo_dapo.policy.inputs import loss_mask
 from nemo_dapo.reward.manager import RewardManager
-from nemo_dapo.trainer.batching import loss_mask
 
 
 def score_batch(batch: RolloutBatch, reward: RewardManager, tokenizer) -> None:
     """Decode, score, shape; adds ``token_level_scores`` and per-sample ``acc``/``score``/overlong fields."""
     mask = batch["response_mask"]
     lengths = mask.sum(dim=1)
-    texts = tokenizer.batch_decode([row[: int(n)].tolist() for row, n in zip(batch["responses"], lengths)],
-                                   skip_special_tokens=True)
+    texts = tokenizer.batch_decode(
+        [row[: int(n)].tolist() for row, n in zip(batch["responses"], lengths)], skip_special_tokens=True
+    )
     result = reward.score(texts, batch["ground_truth"], batch["data_source"], lengths)
     batch.add("token_level_scores", result.token_level_rewards(mask))
     for name in ("acc", "score", "overlong_reward", "overlong"):
-        batch.add(name, result.extras[name].tolist())
+        batch.add(name, torch.as_tensor(result.extras[name]).tolist())
     batch.add("pred", result.extras["pred"])
 
 
@@ -35,8 +36,14 @@ def add_rewards(batch: RolloutBatch, cfg: Config, kl_controller) -> dict[str, fl
     if not cfg.algorithm.use_kl_in_reward:
         batch.add("token_level_rewards", batch["token_level_scores"])
         return {}
-    rewards, metrics = apply_kl_in_reward(batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_probs"],
-                                          batch["response_mask"].float(), kl_controller, cfg.algorithm.kl_penalty)
+    rewards, metrics = apply_kl_in_reward(
+        batch["token_level_scores"],
+        batch["old_log_probs"],
+        batch["ref_log_probs"],
+        batch["response_mask"].float(),
+        kl_controller,
+        cfg.algorithm.kl_penalty,
+    )
     batch.add("token_level_rewards", rewards)
     return metrics
 
@@ -58,8 +65,9 @@ def add_rollout_correction(batch: RolloutBatch, settings: CorrectionSettings) ->
 
     Without any correction configured this still measures the train/rollout mismatch.
     """
-    weights, kept, metrics = apply_rollout_correction(batch["old_log_probs"], batch["rollout_log_probs"],
-                                                      loss_mask(batch).float(), settings)
+    weights, kept, metrics = apply_rollout_correction(
+        batch["old_log_probs"], batch["rollout_log_probs"], loss_mask(batch).float(), settings
+    )
     if weights is not None:
         batch.add("is_weights", weights)
     if settings.rollout_rs:  # narrows the overlong filter's mask when both are on
@@ -69,20 +77,28 @@ def add_rollout_correction(batch: RolloutBatch, settings: CorrectionSettings) ->
 
 def add_advantages(batch: RolloutBatch, cfg: Config) -> None:
     estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
-    advantages, returns = estimator(token_level_rewards=batch["token_level_rewards"],
-                                    response_mask=batch["response_mask"].float(), group_ids=batch["uid"],
-                                    norm_adv_by_std=cfg.algorithm.norm_adv_by_std)
+    advantages, returns = estimator(
+        token_level_rewards=batch["token_level_rewards"],
+        response_mask=batch["response_mask"].float(),
+        group_ids=batch["uid"],
+        norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
+    )
     batch.add("advantages", advantages)
     batch.add("returns", returns)
 
 
 def batch_metrics(batch: RolloutBatch, cfg: Config) -> dict[str, float]:
-    """SPEC 9 data metrics plus accuracy and overlong shaping activity."""
+    """docs/algorithm.md §9 data metrics plus accuracy and overlong shaping activity."""
     metrics = data_metrics(
-        scores=batch["token_level_scores"].sum(dim=1), rewards=batch["token_level_rewards"].sum(dim=1),
-        advantages=batch["advantages"], response_mask=batch["response_mask"],
-        prompt_lengths=batch["prompt_mask"].sum(dim=1), max_response_length=cfg.data.max_response_length,
-        max_prompt_length=cfg.data.max_prompt_length, aborted=batch["aborted"])
+        scores=batch["token_level_scores"].sum(dim=1),
+        rewards=batch["token_level_rewards"].sum(dim=1),
+        advantages=batch["advantages"],
+        response_mask=batch["response_mask"],
+        prompt_lengths=batch["prompt_mask"].sum(dim=1),
+        max_response_length=cfg.data.max_response_length,
+        max_prompt_length=cfg.data.max_prompt_length,
+        aborted=batch["aborted"],
+    )
     metrics["critic/acc/mean"] = float(torch.tensor(batch["acc"], dtype=torch.float32).mean())
     metrics["overlong/fraction"] = float(torch.tensor(batch["overlong"], dtype=torch.float32).mean())
     penalties = torch.tensor(batch["overlong_reward"], dtype=torch.float32)

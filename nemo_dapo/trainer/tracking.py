@@ -35,8 +35,13 @@ class Tracker:
         self._jsonl.write(json.dumps({"step": step, "time": time.time(), **finite}) + "\n")
         self._jsonl.flush()
         if self.console:
-            shown = {k: v for k, v in finite.items() if k.startswith(("critic/score/mean", "val-core", "dapo/num_gen",
-                                                                      "perf/time_per_step", "actor/pg_loss"))}
+            shown = {
+                k: v
+                for k, v in finite.items()
+                if k.startswith(
+                    ("critic/score/mean", "val-core", "dapo/num_gen", "perf/time_per_step", "actor/pg_loss")
+                )
+            }
             log.info("step %d: %s", step, " ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items())))
 
     def close(self) -> None:

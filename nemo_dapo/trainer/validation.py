@@ -1,9 +1,9 @@
-"""Validation / evaluation: acc/mean@n and pass@k per data source (SPEC 12 reports acc/mean@32)."""
+"""Validation / evaluation: acc/mean@n and pass@k per data source (docs/algorithm.md §12 reports acc/mean@32)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from math import comb
-from typing import Sequence
 
 import numpy as np
 
@@ -17,8 +17,9 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
     return 1.0 - comb(num_samples - num_correct, k) / comb(num_samples, k)
 
 
-def accuracy_metrics(accs: Sequence[bool], data_sources: Sequence[str], uids: Sequence, n: int,
-                     prefix: str = "val-core") -> dict[str, float]:
+def accuracy_metrics(
+    accs: Sequence[bool], data_sources: Sequence[str], uids: Sequence, n: int, prefix: str = "val-core"
+) -> dict[str, float]:
     """``<prefix>/<source>/acc/mean@n`` and ``val-aux/<source>/pass@k`` for k = 1, 2, 4, ... <= n."""
     metrics: dict[str, float] = {}
     by_source: dict[str, list[list[bool]]] = {}

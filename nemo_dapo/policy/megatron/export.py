@@ -14,15 +14,17 @@ from collections.abc import Iterator
 
 import torch
 
-from nemo_dapo.policy import megatron_convert as convert
-from nemo_dapo.policy import megatron_model as mm
+from nemo_dapo.policy.megatron import convert as convert
+from nemo_dapo.policy.megatron import model as mm
 
 
 def is_exporter() -> bool:
     from megatron.core import parallel_state
 
-    return (parallel_state.get_tensor_model_parallel_rank() == 0
-            and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0)
+    return (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    )
 
 
 def _global_name(name: str, layer_offset: int) -> str:

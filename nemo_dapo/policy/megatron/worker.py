@@ -6,13 +6,13 @@ schedules and data-parallel ranks, never averaged), AdamW with the same warm-up,
 gradient clipping. Every rank of a data-parallel replica (its TP x PP x CP ranks) must be given
 the same rows; ``dp_rank`` / ``dp_size`` say how the driver should shard.
 
-Without a GPU it runs on the CPU (gloo, local layer spec, :mod:`megatron_cpu_compat`). With one,
+Without a GPU it runs on the CPU (gloo, local layer spec, :mod:`~nemo_dapo.policy.megatron.cpu_compat`). With one,
 batches move to this rank's GPU, process groups use NCCL, the CPU shims stay off, and
 ``transformer_impl`` picks the local or the TransformerEngine layer spec (``fp8`` and sequence
 parallelism need the latter; its attention takes the padding mask as ``padding_causal``). The GPU
 path is exercised only by ``bench/gpu_megatron_smoke.py``. With ``sequence_packing`` micro-batches
 are packs (:mod:`packing`) in THD form; the local spec attends with torch SDPA
-(:mod:`megatron_attention`), row by row inside a pack.
+(:mod:`~nemo_dapo.policy.megatron.attention`), row by row inside a pack.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import random
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -29,18 +29,24 @@ import torch.distributed as dist
 from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.algo.logprob import chunk_tokens_for
 from nemo_dapo.config.schema import OptimConfig
-from nemo_dapo.policy import megatron_model as mm
 from nemo_dapo.policy.actor_loss import SUMMED_METRICS, actor_loss
-from nemo_dapo.policy.base import LossSettings, MiniBatch, require_trainable
-from nemo_dapo.policy.megatron_convert import ModelShape
-from nemo_dapo.policy.megatron_cpu_compat import enable_cpu_compat
-from nemo_dapo.policy.megatron_export import iter_hf_weights
-from nemo_dapo.policy.megatron_router_loss import load_balancing_metric, per_routed_token
-from nemo_dapo.policy.megatron_vocab import DeferredOutputLayer
+from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, require_trainable
+from nemo_dapo.policy.lr_schedule import lr_lambda
+from nemo_dapo.policy.megatron import model as mm
+from nemo_dapo.policy.megatron.convert import ModelShape
+from nemo_dapo.policy.megatron.cpu_compat import enable_cpu_compat
+from nemo_dapo.policy.megatron.export import iter_hf_weights
+from nemo_dapo.policy.megatron.router_loss import load_balancing_metric, per_routed_token
+from nemo_dapo.policy.megatron.vocab import DeferredOutputLayer
 from nemo_dapo.policy.microbatch import ROWS, micro_batches, place_rows, prompt_width, uniform_micro_batches
-from nemo_dapo.policy.packing import (PACKED_IDS, context_parallel_share, packed_micro_batches, response_positions,
-                                      scatter_rows, uniform_packs)
-from nemo_dapo.policy.torch_worker import DTYPES, lr_lambda
+from nemo_dapo.policy.packing import (
+    PACKED_IDS,
+    context_parallel_share,
+    packed_micro_batches,
+    response_positions,
+    scatter_rows,
+    uniform_packs,
+)
 from nemo_dapo.policy.weights import Bucket, bucketize
 from nemo_dapo.threads import use_cpu_threads
 
@@ -78,34 +84,68 @@ def finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs) -> No
 
 
 class MegatronPolicyWorker:
-    def __init__(self, rank: int, world_size: int, rendezvous: str, model_path: str, optim: dict,
-                 dtype: str = "float32", total_steps: int = 1000, max_token_len: int = 16384, seed: int = 1,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, expert_parallel_size: int = 1,
-                 virtual_pipeline_parallel_size: int | None = None, context_parallel_size: int = 1,
-                 num_threads: int | None = None, workers_per_node: int | None = None,
-                 transformer_impl: str = "local", fp8: str | None = None, fp8_recipe: str = "delayed",
-                 sequence_parallel: bool = False,
-                 recompute_granularity: str | None = None, use_distributed_optimizer: bool = True,
-                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                 ddp_bucket_size: int | None = None, moe_aux_loss_coeff: float = 0.0,
-                 sequence_packing: bool = False, logits_chunk_tokens: int | None = None,
-                 trainable: bool = True) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        rendezvous: str,
+        model_path: str,
+        optim: dict,
+        dtype: str = "float32",
+        total_steps: int = 1000,
+        max_token_len: int = 16384,
+        seed: int = 1,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
+        virtual_pipeline_parallel_size: int | None = None,
+        context_parallel_size: int = 1,
+        num_threads: int | None = None,
+        workers_per_node: int | None = None,
+        transformer_impl: str = "local",
+        fp8: str | None = None,
+        fp8_recipe: str = "delayed",
+        sequence_parallel: bool = False,
+        recompute_granularity: str | None = None,
+        use_distributed_optimizer: bool = True,
+        overlap_grad_reduce: bool = False,
+        overlap_param_gather: bool = False,
+        ddp_bucket_size: int | None = None,
+        moe_aux_loss_coeff: float = 0.0,
+        sequence_packing: bool = False,
+        logits_chunk_tokens: int | None = None,
+        trainable: bool = True,
+    ) -> None:
         from transformers import AutoConfig
 
         use_cpu_threads(num_threads, workers_per_node or world_size, f"Megatron policy worker {rank}")
-        self.options = mm.TrainingOptions(transformer_impl, fp8, fp8_recipe, sequence_parallel, recompute_granularity,
-                                          moe_aux_loss_coeff, sequence_packing)
+        self.options = mm.TrainingOptions(
+            transformer_impl,
+            fp8,
+            fp8_recipe,
+            sequence_parallel,
+            recompute_granularity,
+            moe_aux_loss_coeff,
+            sequence_packing,
+        )
         self.options.check(tensor_parallel_size, context_parallel_size)
-        self.sync = mm.GradientSync(use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather,
-                                    ddp_bucket_size)
+        self.sync = mm.GradientSync(
+            use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather, ddp_bucket_size
+        )
         self.sync.check()
         enable_cpu_compat()  # no-op when a GPU is present
         self.rank, self.world_size = rank, world_size
-        self.parallel = mm.Parallelism(tensor_parallel_size, pipeline_parallel_size, expert_parallel_size,
-                                       virtual_pipeline_parallel_size, context_parallel_size)
+        self.parallel = mm.Parallelism(
+            tensor_parallel_size,
+            pipeline_parallel_size,
+            expert_parallel_size,
+            virtual_pipeline_parallel_size,
+            context_parallel_size,
+        )
         mm.init_distributed(rank, world_size, rendezvous, self.parallel, seed)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
         torch.manual_seed(seed + rank)
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.shape = ModelShape.from_hf_config(self.hf_config)
@@ -135,10 +175,12 @@ class MegatronPolicyWorker:
         models = []
         for vp_stage in range(self.parallel.chunks_per_rank):
             # only this chunk's share of the checkpoint is read and converted
-            full = mm.full_megatron_state(mm.read_hf_weights(model_path, mm.chunk_needs(self.shape, vp_stage)),
-                                          self.shape, self.parallel.tensor)
-            model = mm.build_gpt_model(self.hf_config, self.config, self.options.transformer_impl,
-                                       vp_stage if self.parallel.virtual else None)
+            full = mm.full_megatron_state(
+                mm.read_hf_weights(model_path, mm.chunk_needs(self.shape, vp_stage)), self.shape, self.parallel.tensor
+            )
+            model = mm.build_gpt_model(
+                self.hf_config, self.config, self.options.transformer_impl, vp_stage if self.parallel.virtual else None
+            )
             # as Megatron's get_model + Float16Module: every parameter on this rank's device, in the
             # training dtype (the torch-norm fallback of the local spec is built on the CPU in fp32)
             model.to(device=self.device, dtype=self.config.params_dtype)
@@ -154,8 +196,10 @@ class MegatronPolicyWorker:
         from megatron.core.distributed import DistributedDataParallel
 
         ddp_config = self.sync.ddp_config()
-        return [DistributedDataParallel(self.config, ddp_config, model, disable_bucketing=vp_stage > 0)
-                for vp_stage, model in enumerate(self.models)]
+        return [
+            DistributedDataParallel(self.config, ddp_config, model, disable_bucketing=vp_stage > 0)
+            for vp_stage, model in enumerate(self.models)
+        ]
 
     def _install_overlap_hooks(self) -> None:
         """The schedule's hooks for overlapped gradient reduction (as Megatron's training loop): no
@@ -183,10 +227,18 @@ class MegatronPolicyWorker:
 
         cfg = self.optim_cfg
         config = OptimizerConfig(
-            optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.betas[0],
-            adam_beta2=cfg.betas[1], adam_eps=cfg.eps, clip_grad=cfg.clip_grad,
+            optimizer="adam",
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.betas[0],
+            adam_beta2=cfg.betas[1],
+            adam_eps=cfg.eps,
+            clip_grad=cfg.clip_grad,
             use_distributed_optimizer=self.sync.use_distributed_optimizer,
-            params_dtype=self.config.params_dtype, bf16=self.config.bf16, fp16=self.config.fp16)
+            params_dtype=self.config.params_dtype,
+            bf16=self.config.bf16,
+            fp16=self.config.fp16,
+        )
         # config_overrides={}: weight decay on every parameter, as torch.optim.AdamW in the torch worker
         return get_megatron_optimizer(config, self.chunks, config_overrides={})
 
@@ -210,26 +262,32 @@ class MegatronPolicyWorker:
     def _stats(self, hidden: torch.Tensor, labels: torch.Tensor, temperature: float, entropy_grad: bool):
         """Log-probs and entropy of ``labels`` from this rank's vocabulary columns, computed from the
         final hidden states in chunks (:class:`DeferredOutputLayer`)."""
-        return self.output.response_stats(hidden, labels, temperature, self.shape.vocab_size, entropy_grad,
-                                          self.chunk_tokens)
+        assert self.output is not None, "only the last pipeline stage computes log-probs"
+        return self.output.response_stats(
+            hidden, labels, temperature, self.shape.vocab_size, entropy_grad, self.chunk_tokens
+        )
 
-    def _response_stats(self, micro: dict[str, torch.Tensor], hidden: torch.Tensor, temperature: float,
-                        entropy_grad: bool = True):
+    def _response_stats(
+        self, micro: dict[str, torch.Tensor], hidden: torch.Tensor, temperature: float, entropy_grad: bool = True
+    ):
         """Log-probs and entropy of the response tokens (``hidden``: the model's output, [b, s, h])."""
         if PACKED_IDS in micro:
             return self._packed_response_stats(micro, hidden, temperature, entropy_grad)
         width, length = prompt_width(micro), micro["responses"].shape[1]
-        return self._stats(hidden[:, width - 1: width - 1 + length], micro["responses"], temperature, entropy_grad)
+        return self._stats(hidden[:, width - 1 : width - 1 + length], micro["responses"], temperature, entropy_grad)
 
-    def _packed_response_stats(self, micro: dict[str, torch.Tensor], hidden: torch.Tensor, temperature: float,
-                               entropy_grad: bool):
+    def _packed_response_stats(
+        self, micro: dict[str, torch.Tensor], hidden: torch.Tensor, temperature: float, entropy_grad: bool
+    ):
         """The same from a pack, put back in [rows, response] form. With context parallelism each
         rank scores the response tokens it holds and the rows are summed over the CP group
         (backward: each rank's share of the gradient reaches its own tokens only)."""
         positions, labels, real = response_positions(micro)
         if "cp_local" not in micro:
-            return tuple(scatter_rows(values, real)
-                         for values in self._stats(hidden[0, positions], labels, temperature, entropy_grad))
+            return tuple(
+                scatter_rows(values, real)
+                for values in self._stats(hidden[0, positions], labels, temperature, entropy_grad)
+            )
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
@@ -237,8 +295,12 @@ class MegatronPolicyWorker:
         held = local >= 0
         stats = self._stats(hidden[0, local[held]], labels[held], temperature, entropy_grad)
         group = parallel_state.get_context_parallel_group()
-        return tuple(reduce_from_tensor_model_parallel_region(
-            scatter_rows(values.new_zeros(held.shape).masked_scatter(held, values), real), group) for values in stats)
+        return tuple(
+            reduce_from_tensor_model_parallel_region(
+                scatter_rows(values.new_zeros(held.shape).masked_scatter(held, values), real), group
+            )
+            for values in stats
+        )
 
     def _set_mode(self, train: bool) -> None:
         for chunk in self.chunks:
@@ -259,7 +321,9 @@ class MegatronPolicyWorker:
         (each rank takes two chunks of it) and the pack one of CP x the width multiple; each pack
         says which of its tokens this rank holds."""
         cp = self.parallel.context
-        segment, multiple = (1, self.width_multiple) if cp == 1 else (2 * cp, math.lcm(2 * cp, cp * self.width_multiple))
+        segment, multiple = (
+            (1, self.width_multiple) if cp == 1 else (2 * cp, math.lcm(2 * cp, cp * self.width_multiple))
+        )
         if self.parallel.virtual:
             packs = uniform_packs(batch, self.max_token_len, multiple, self.parallel.pipeline, segment)
         else:
@@ -283,7 +347,8 @@ class MegatronPolicyWorker:
         if "cp_index" in micro:
             return 1, len(micro["cp_index"])
         if PACKED_IDS in micro:
-            return tuple(micro[PACKED_IDS].shape)
+            rows, width = micro[PACKED_IDS].shape
+            return rows, width
         return micro["input_ids"].shape[0], -(-micro["input_ids"].shape[1] // self.width_multiple) * self.width_multiple
 
     def _model_inputs(self, micro: dict[str, torch.Tensor]) -> dict:
@@ -292,8 +357,11 @@ class MegatronPolicyWorker:
         if PACKED_IDS not in micro:
             tokens, positions, mask = pad_width(micro, self.width_multiple)
             te = self.options.transformer_impl == "transformer_engine"
-            return {"input_ids": tokens, "position_ids": positions,
-                    "attention_mask": padding_mask(mask) if te else attention_mask_4d(mask)}
+            return {
+                "input_ids": tokens,
+                "position_ids": positions,
+                "attention_mask": padding_mask(mask) if te else attention_mask_4d(mask),
+            }
         from megatron.core.packed_seq_params import PackedSeqParams
 
         # read once per micro-batch on the host: the local spec's attention and Megatron's unfused
@@ -306,10 +374,18 @@ class MegatronPolicyWorker:
         tokens, positions = micro[PACKED_IDS], micro["packed_positions"]
         if "cp_index" in micro:  # this rank's share of the pack; the boundaries stay those of the whole pack
             tokens, positions = tokens[:, micro["cp_index"]], positions[:, micro["cp_index"]]
-        return {"input_ids": tokens, "position_ids": positions, "attention_mask": None,
-                "packed_seq_params": PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens,
-                                                     cu_seqlens_kv=cu_seqlens, max_seqlen_q=longest,
-                                                     max_seqlen_kv=longest)}
+        return {
+            "input_ids": tokens,
+            "position_ids": positions,
+            "attention_mask": None,
+            "packed_seq_params": PackedSeqParams(
+                qkv_format="thd",
+                cu_seqlens_q=cu_seqlens,
+                cu_seqlens_kv=cu_seqlens,
+                max_seqlen_q=longest,
+                max_seqlen_kv=longest,
+            ),
+        }
 
     def _run_schedule(self, micros: list[dict[str, torch.Tensor]], loss_fn, forward_only: bool) -> None:
         """Megatron's forward(-backward) schedule (pipelined when PP > 1) over the micro-batches."""
@@ -323,9 +399,14 @@ class MegatronPolicyWorker:
         # interleaved: every chunk reads each micro-batch (the loss needs it on the last chunk)
         data = [iter(micros) for _ in self.chunks] if self.parallel.virtual else iter(micros)
         get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=data, model=self.chunks,
-            num_microbatches=len(micros), seq_length=max(width for _, width in shapes), micro_batch_size=shapes[0][0],
-            forward_only=forward_only)
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=self.chunks,
+            num_microbatches=len(micros),
+            seq_length=max(width for _, width in shapes),
+            micro_batch_size=shapes[0][0],
+            forward_only=forward_only,
+        )
 
     @torch.no_grad()
     def compute_log_prob(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> dict[str, torch.Tensor]:
@@ -360,8 +441,9 @@ class MegatronPolicyWorker:
 
     # ---- update ----------------------------------------------------------------------------
 
-    def update(self, mini_batches: list[MiniBatch], settings: LossSettings,
-               correction: CorrectionSettings | None = None) -> dict[str, list[float]]:
+    def update(
+        self, mini_batches: list[MiniBatch], settings: LossSettings, correction: CorrectionSettings | None = None
+    ) -> dict[str, list[float]]:
         require_trainable(self.trainable, "update")
         self._set_mode(train=True)
         metrics: dict[str, list[float]] = {}
@@ -372,19 +454,23 @@ class MegatronPolicyWorker:
                 metrics.setdefault(key, []).append(value)
         return metrics
 
-    def _train_step(self, mini: MiniBatch, settings: LossSettings,
-                    correction: CorrectionSettings | None) -> dict[str, list[float]]:
+    def _train_step(
+        self, mini: MiniBatch, settings: LossSettings, correction: CorrectionSettings | None
+    ) -> dict[str, list[float]]:
         """One optimizer step: gradients of every micro-batch summed, clipped, AdamW at this step's lr."""
+        assert self.optimizer is not None, "update() checked trainable"
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         step_metrics: dict[str, list[float]] = {}
 
         def loss_fn(micro, hidden):
-            log_probs, entropy = self._response_stats(micro, hidden, settings.temperature,
-                                                      entropy_grad=settings.entropy_coeff != 0)
-            loss, micro_metrics = actor_loss(log_probs, entropy, micro, settings, mini.global_token_count,
-                                             mini.global_seq_count, correction)
+            log_probs, entropy = self._response_stats(
+                micro, hidden, settings.temperature, entropy_grad=settings.entropy_coeff != 0
+            )
+            loss, micro_metrics = actor_loss(
+                log_probs, entropy, micro, settings, mini.global_token_count, mini.global_seq_count, correction
+            )
             for key, value in micro_metrics.items():
                 step_metrics.setdefault(key, []).append(value)
             return loss, micro["response_mask"].sum().int(), {}
@@ -409,8 +495,11 @@ class MegatronPolicyWorker:
         if self.parallel.pipeline == 1:
             return step_metrics
         shared = [step_metrics]
-        dist.broadcast_object_list(shared, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                                   group=parallel_state.get_pipeline_model_parallel_group())
+        dist.broadcast_object_list(
+            shared,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
         return shared[0]
 
     # ---- weights and checkpoints -----------------------------------------------------------
@@ -423,13 +512,13 @@ class MegatronPolicyWorker:
         """This rank's share of the HF-named tensors in buckets of at most ``bucket_bytes``; collective.
 
         One rank per pipeline stage yields its stage's layers, gathered over TP one layer at a time
-        (:mod:`megatron_export`); every other rank takes part in the gathers and yields nothing.
+        (:mod:`~nemo_dapo.policy.megatron.export`); every other rank takes part in the gathers and yields nothing.
         """
         self.gather_params()
         yield from bucketize(iter_hf_weights(self.models, self.shape), bucket_bytes)
 
     def save(self, path: str, asynchronous: bool = False) -> None:
-        from nemo_dapo.policy.megatron_checkpoint import save_checkpoint
+        from nemo_dapo.policy.megatron.checkpoint import save_checkpoint
 
         require_trainable(self.trainable, "save")
         save_checkpoint(self, path, asynchronous)
@@ -442,12 +531,12 @@ class MegatronPolicyWorker:
         return AsyncCallsQueue()
 
     def finish_save(self, blocking: bool = True) -> bool:
-        from nemo_dapo.policy.megatron_checkpoint import finish_async_saves
+        from nemo_dapo.policy.megatron.checkpoint import finish_async_saves
 
         return finish_async_saves(self, blocking)
 
     def load(self, path: str) -> None:
-        from nemo_dapo.policy.megatron_checkpoint import load_checkpoint
+        from nemo_dapo.policy.megatron.checkpoint import load_checkpoint
 
         require_trainable(self.trainable, "load")
         load_checkpoint(self, path)

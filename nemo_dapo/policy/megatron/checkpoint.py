@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nemo_dapo.policy.megatron_cpu_compat import (
+from nemo_dapo.policy.megatron.cpu_compat import (
     init_fallback_adam_state,
     skip_step_when_restoring_adam_state,
     unshare_adam_steps,
@@ -36,8 +36,9 @@ def _sharded_state(worker, is_loading: bool) -> dict:
     chunk_states = {f"model{i}": model.sharded_state_dict() for i, model in enumerate(worker.models)}
     model_state = chunk_states["model0"] if len(chunk_states) == 1 else chunk_states
     init_fallback_adam_state(worker.optimizer)  # a load template, or a save before the first step
-    optimizer_state = worker.optimizer.sharded_state_dict(model_state, is_loading=is_loading,
-                                                          metadata=OPTIMIZER_METADATA)
+    optimizer_state = worker.optimizer.sharded_state_dict(
+        model_state, is_loading=is_loading, metadata=OPTIMIZER_METADATA
+    )
     return {"model": model_state, "optimizer": optimizer_state, "steps_done": worker.steps_done}
 
 
@@ -50,8 +51,9 @@ def save_checkpoint(worker, path: str, asynchronous: bool = False) -> None:
         os.makedirs(weights_dir, exist_ok=True)
     dist.barrier()
     worker.gather_params()
-    request = dist_checkpointing.save(_sharded_state(worker, is_loading=False), weights_dir,
-                                      async_sharded_save=asynchronous)
+    request = dist_checkpointing.save(
+        _sharded_state(worker, is_loading=False), weights_dir, async_sharded_save=asynchronous
+    )
     if asynchronous:
         worker.async_saves.schedule_async_request(request)
     torch.save(worker.rng_state(), os.path.join(path, f"rng_rank{worker.rank}.pt"))
@@ -68,22 +70,30 @@ def _save_hf_weights(worker, folder: str) -> None:
     from safetensors.torch import save_file
 
     # clone: a tied lm_head shares the embedding's storage, which safetensors refuses
-    weights = {name: tensor.detach().contiguous().clone()
-               for bucket in worker.export_weights(1 << 62) for name, tensor in bucket}
+    weights = {
+        name: tensor.detach().contiguous().clone()
+        for bucket in worker.export_weights(1 << 62)
+        for name, tensor in bucket
+    }
     names_per_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(names_per_rank, {name: t.numel() * t.element_size() for name, t in weights.items()})
     exporters = [rank for rank, names in enumerate(names_per_rank) if names]
     shards = [names_per_rank[rank] for rank in exporters]
-    files = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     os.makedirs(folder, exist_ok=True)
     if weights:
         save_file(weights, os.path.join(folder, files[exporters.index(worker.rank)]))
     if worker.rank == 0:
         worker.hf_config.save_pretrained(folder)
         if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(sum(s.values()) for s in shards)},
-                     "weight_map": {name: file for file, names in zip(files, shards) for name in names}}
+            index = {
+                "metadata": {"total_size": sum(sum(s.values()) for s in shards)},
+                "weight_map": {name: file for file, names in zip(files, shards) for name in names},
+            }
             with open(os.path.join(folder, "model.safetensors.index.json"), "w", encoding="utf-8") as handle:
                 json.dump(index, handle, indent=2)
 

@@ -10,6 +10,7 @@ all-reduced over the TP group. Equal to :mod:`nemo_dapo.algo.logprob` on the gat
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,8 +18,9 @@ import torch.distributed as dist
 from nemo_dapo.algo.logprob import chunked_token_stats
 
 
-def vocab_parallel_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float, vocab_size: int,
-                         entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_stats(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, vocab_size: int, entropy_grad: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``log softmax(logits / T)[labels]`` and the entropy of ``softmax(logits / T)``, per position.
 
     ``logits``: this rank's ``[..., V_padded / TP]`` columns; columns at or past ``vocab_size``
@@ -48,7 +50,6 @@ def vocab_parallel_stats(logits: torch.Tensor, labels: torch.Tensor, temperature
     return log_probs, entropy
 
 
-
 class DeferredOutputLayer:
     """Makes GPTModel's ``output_layer`` hand back its input, so that the model returns its final
     hidden states instead of logits; :meth:`response_stats` then applies the real layer chunk by
@@ -64,7 +65,7 @@ class DeferredOutputLayer:
     """
 
     def __init__(self, layer: torch.nn.Module) -> None:
-        self.layer = layer
+        self.layer: Any = layer  # megatron's ColumnParallelLinear (its sequence_parallel flag is toggled)
         self.sequence_parallel = bool(getattr(layer, "sequence_parallel", False))
         self._weight: torch.Tensor | None = None
         layer.forward = self._hand_back_hidden
@@ -85,9 +86,17 @@ class DeferredOutputLayer:
         finally:
             self.layer.sequence_parallel = self.sequence_parallel
 
-    def response_stats(self, hidden: torch.Tensor, labels: torch.Tensor, temperature: float, vocab_size: int,
-                       entropy_grad: bool, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def response_stats(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        temperature: float,
+        vocab_size: int,
+        entropy_grad: bool,
+        chunk_tokens: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`vocab_parallel_stats` of ``logits(hidden)``, ``chunk_tokens`` positions at a time."""
-        stats = functools.partial(vocab_parallel_stats, temperature=temperature, vocab_size=vocab_size,
-                                  entropy_grad=entropy_grad)
+        stats = functools.partial(
+            vocab_parallel_stats, temperature=temperature, vocab_size=vocab_size, entropy_grad=entropy_grad
+        )
         return chunked_token_stats(hidden, labels, self.logits, stats, chunk_tokens)

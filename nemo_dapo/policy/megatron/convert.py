@@ -41,14 +41,21 @@ class ModelShape:
     moe_ffn_size: int = 0  # each expert's SwiGLU width
 
     @classmethod
-    def from_hf_config(cls, config) -> "ModelShape":
+    def from_hf_config(cls, config) -> ModelShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         experts = routed_experts(config)
-        return cls(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, head_dim,
-                   config.vocab_size, bool(getattr(config, "tie_word_embeddings", False)),
-                   qk_layernorm=config.model_type in QK_NORM_MODELS, num_experts=experts,
-                   moe_topk=config.num_experts_per_tok if experts else 0,
-                   moe_ffn_size=config.moe_intermediate_size if experts else 0)
+        return cls(
+            config.num_hidden_layers,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            head_dim,
+            config.vocab_size,
+            bool(getattr(config, "tie_word_embeddings", False)),
+            qk_layernorm=config.model_type in QK_NORM_MODELS,
+            num_experts=experts,
+            moe_topk=config.num_experts_per_tok if experts else 0,
+            moe_ffn_size=config.moe_intermediate_size if experts else 0,
+        )
 
 
 def routed_experts(config) -> int:
@@ -61,13 +68,16 @@ def routed_experts(config) -> int:
     if not experts:
         return 0
     if config.model_type not in MOE_MODELS:
-        raise ValueError(f"model_type={config.model_type!r}: mixture-of-experts models are supported for "
-                         f"{MOE_MODELS} only")
+        raise ValueError(
+            f"model_type={config.model_type!r}: mixture-of-experts models are supported for {MOE_MODELS} only"
+        )
     dense_layers = list(getattr(config, "mlp_only_layers", None) or [])
     if getattr(config, "decoder_sparse_step", 1) != 1 or dense_layers:
-        raise ValueError(f"decoder_sparse_step={config.decoder_sparse_step}, mlp_only_layers={dense_layers}: "
-                         "dense MLP layers between MoE layers are not supported (every layer must be sparse: "
-                         "decoder_sparse_step=1, mlp_only_layers=[])")
+        raise ValueError(
+            f"decoder_sparse_step={config.decoder_sparse_step}, mlp_only_layers={dense_layers}: "
+            "dense MLP layers between MoE layers are not supported (every layer must be sparse: "
+            "decoder_sparse_step=1, mlp_only_layers=[])"
+        )
     return int(experts)
 
 
@@ -123,16 +133,20 @@ def _hf_swiglu_to_megatron(layer: dict[str, torch.Tensor], hf: str, megatron: st
 
 def _megatron_swiglu_to_hf(layer: dict[str, torch.Tensor], hf: str, megatron: str) -> dict[str, torch.Tensor]:
     gate, up = layer[f"{megatron}linear_fc1.weight"].chunk(2)
-    return {f"{hf}gate_proj.weight": gate.contiguous(), f"{hf}up_proj.weight": up.contiguous(),
-            f"{hf}down_proj.weight": layer[f"{megatron}linear_fc2.weight"]}
+    return {
+        f"{hf}gate_proj.weight": gate.contiguous(),
+        f"{hf}up_proj.weight": up.contiguous(),
+        f"{hf}down_proj.weight": layer[f"{megatron}linear_fc2.weight"],
+    }
 
 
 def _hf_layer_to_megatron(layer: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
     out = {LAYER_RENAMES[k]: v for k, v in layer.items() if k in LAYER_RENAMES}
     attn = "self_attn.{}_proj.{}"
-    out["self_attention.linear_qkv.weight"] = fuse_qkv(*(layer[attn.format(p, "weight")] for p in "qkv"), shape)
-    if attn.format("q", "bias") in layer:
-        out["self_attention.linear_qkv.bias"] = fuse_qkv(*(layer[attn.format(p, "bias")] for p in "qkv"), shape)
+    for kind in ("weight", "bias"):
+        if attn.format("q", kind) in layer:
+            q, k, v = (layer[attn.format(p, kind)] for p in "qkv")
+            out[f"self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, shape)
     for hf, megatron in swiglu_prefixes(shape):
         # an EP rank reads only its own experts (a missing one is caught when the model is loaded)
         if not shape.num_experts or f"{hf}down_proj.weight" in layer:
@@ -202,8 +216,9 @@ def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
     return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
 
 
-def hf_name_needed(name: str, shape: ModelShape, layers: range, first: bool, last: bool, ep_rank: int,
-                   ep_size: int) -> bool:
+def hf_name_needed(
+    name: str, shape: ModelShape, layers: range, first: bool, last: bool, ep_rank: int, ep_size: int
+) -> bool:
     """Whether a model chunk holding ``layers`` (first / last of the pipeline) on EP rank
     ``ep_rank`` needs the HF tensor ``name``: its layers (of those, only its own experts), the
     embedding on the first chunk (and on the last when tied), the final norm and head on the last."""
@@ -218,7 +233,9 @@ def hf_name_needed(name: str, shape: ModelShape, layers: range, first: bool, las
     return target is not None and last
 
 
-def stage_state(full: dict[str, torch.Tensor], shape: ModelShape, pp_rank: int, pp_size: int) -> dict[str, torch.Tensor]:
+def stage_state(
+    full: dict[str, torch.Tensor], shape: ModelShape, pp_rank: int, pp_size: int
+) -> dict[str, torch.Tensor]:
     """The parameters of one pipeline stage, with its layers renumbered from 0.
 
     The first stage holds the embedding, the last the final norm and the output layer (a copy
@@ -269,8 +286,9 @@ def global_expert_name(name: str, ep_rank: int, experts_per_rank: int) -> str:
     return f"{match.group(1)}{ep_rank * experts_per_rank + int(match.group(2))}{match.group(3)}"
 
 
-def slice_experts(state: dict[str, torch.Tensor], shape: ModelShape, ep_rank: int,
-                  ep_size: int) -> dict[str, torch.Tensor]:
+def slice_experts(
+    state: dict[str, torch.Tensor], shape: ModelShape, ep_rank: int, ep_size: int
+) -> dict[str, torch.Tensor]:
     """EP rank ``ep_rank``'s parameters: its experts renumbered from 0, every other parameter as is."""
     per_rank = shape.num_experts // ep_size
     out = {}
@@ -293,8 +311,12 @@ def unslice_experts(slices: list[dict[str, torch.Tensor]], shape: ModelShape) ->
 
 
 ROW_PARALLEL = ("self_attention.linear_proj.weight", ".linear_fc2.weight")  # dense MLP and experts
-COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-                   "embedding.word_embeddings.weight", "output_layer.weight")
+COLUMN_PARALLEL = (
+    "self_attention.linear_qkv.weight",
+    "self_attention.linear_qkv.bias",
+    "embedding.word_embeddings.weight",
+    "output_layer.weight",
+)
 
 
 def shard(name: str, tensor: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:

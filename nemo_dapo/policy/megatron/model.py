@@ -2,7 +2,7 @@
 
 Process groups: gloo over a FileStore (no listener) when there is no GPU, NCCL otherwise.
 Weights enter as HF tensors (converted, pipeline-sliced, expert-sliced and TP-sharded per rank
-by :mod:`nemo_dapo.policy.megatron_convert`) and leave the same way: :func:`gather_param`
+by :mod:`nemo_dapo.policy.megatron.convert`) and leave the same way: :func:`gather_param`
 gathers one parameter over TP (experts over expert TP and EP) for the streaming exporter.
 """
 
@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from nemo_dapo.policy import megatron_convert as convert
-from nemo_dapo.policy.megatron_cpu_compat import define_router_gemm_without_te
+from nemo_dapo.policy.megatron import convert as convert
+from nemo_dapo.policy.megatron.cpu_compat import define_router_gemm_without_te
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,12 @@ def init_distributed(rank: int, world_size: int, rendezvous: str, parallel: Para
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
-            virtual_pipeline_model_parallel_size=parallel.virtual, expert_model_parallel_size=parallel.expert,
-            context_parallel_size=parallel.context)
+            tensor_model_parallel_size=parallel.tensor,
+            pipeline_model_parallel_size=parallel.pipeline,
+            virtual_pipeline_model_parallel_size=parallel.virtual,
+            expert_model_parallel_size=parallel.expert,
+            context_parallel_size=parallel.context,
+        )
     model_parallel_cuda_manual_seed(seed)
 
 
@@ -101,18 +105,25 @@ class TrainingOptions:
         if self.fp8 and self.transformer_impl != "transformer_engine":
             raise ValueError("fp8 training needs transformer_impl='transformer_engine'")
         if self.sequence_parallel and (self.transformer_impl != "transformer_engine" or tensor_parallel == 1):
-            raise ValueError("sequence_parallel needs transformer_impl='transformer_engine' and "
-                             "tensor_model_parallel_size > 1")
+            raise ValueError(
+                "sequence_parallel needs transformer_impl='transformer_engine' and tensor_model_parallel_size > 1"
+            )
         if self.moe_aux_loss_coeff < 0:
             raise ValueError(f"moe_aux_loss_coeff must be >= 0, not {self.moe_aux_loss_coeff}")
 
     def transformer_fields(self) -> dict:
         """The TransformerConfig fields these options set."""
-        recompute = {"full": {"recompute_granularity": "full", "recompute_method": "uniform",
-                              "recompute_num_layers": 1},
-                     "selective": {"recompute_granularity": "selective"}}.get(self.recompute_granularity, {})
-        return {"fp8": self.fp8, "fp8_recipe": self.fp8_recipe, "sequence_parallel": self.sequence_parallel,
-                **recompute}
+        choices: dict[str, dict[str, Any]] = {
+            "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+            "selective": {"recompute_granularity": "selective"},
+        }
+        recompute = choices.get(self.recompute_granularity or "", {})
+        return {
+            "fp8": self.fp8,
+            "fp8_recipe": self.fp8_recipe,
+            "sequence_parallel": self.sequence_parallel,
+            **recompute,
+        }
 
 
 @dataclass(frozen=True)
@@ -128,8 +139,10 @@ class GradientSync:
 
     def check(self) -> None:
         if self.overlap_param_gather and not self.use_distributed_optimizer:
-            raise ValueError("overlap_param_gather needs use_distributed_optimizer=true (only the distributed "
-                             "optimizer gathers parameters)")
+            raise ValueError(
+                "overlap_param_gather needs use_distributed_optimizer=true (only the distributed "
+                "optimizer gathers parameters)"
+            )
         if self.bucket_size is not None and self.bucket_size <= 0:
             raise ValueError(f"ddp_bucket_size must be a positive number of parameters, not {self.bucket_size}")
 
@@ -137,9 +150,12 @@ class GradientSync:
         from megatron.core.distributed import DistributedDataParallelConfig
 
         return DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=self.use_distributed_optimizer,
-            overlap_grad_reduce=self.overlap_grad_reduce, overlap_param_gather=self.overlap_param_gather,
-            bucket_size=self.bucket_size)
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=self.use_distributed_optimizer,
+            overlap_grad_reduce=self.overlap_grad_reduce,
+            overlap_param_gather=self.overlap_param_gather,
+            bucket_size=self.bucket_size,
+        )
 
 
 def check_expert_layout(shape: convert.ModelShape, parallel: Parallelism, sequence_parallel: bool) -> None:
@@ -154,9 +170,11 @@ def check_expert_layout(shape: convert.ModelShape, parallel: Parallelism, sequen
     if shape.num_experts % parallel.expert:
         raise ValueError(f"{key}: must divide the model's {shape.num_experts} experts")
     if shape.num_experts and parallel.tensor > 1 and not sequence_parallel:
-        raise ValueError(f"actor.megatron.tensor_model_parallel_size={parallel.tensor}: Megatron trains MoE layers "
-                         "with TP > 1 only with actor.megatron.sequence_parallel=true (TransformerEngine, GPU); "
-                         "on the CPU shard the experts with expert_model_parallel_size and keep TP = 1")
+        raise ValueError(
+            f"actor.megatron.tensor_model_parallel_size={parallel.tensor}: Megatron trains MoE layers "
+            "with TP > 1 only with actor.megatron.sequence_parallel=true (TransformerEngine, GPU); "
+            "on the CPU shard the experts with expert_model_parallel_size and keep TP = 1"
+        )
 
 
 def moe_settings(hf_config, shape: convert.ModelShape, aux_loss_coeff: float = 0.0) -> dict:
@@ -170,16 +188,24 @@ def moe_settings(hf_config, shape: convert.ModelShape, aux_loss_coeff: float = 0
     """
     if not shape.num_experts:
         if aux_loss_coeff:
-            raise ValueError(f"actor.megatron.moe_aux_loss_coeff={aux_loss_coeff}: the model has no experts; set it to 0")
+            raise ValueError(
+                f"actor.megatron.moe_aux_loss_coeff={aux_loss_coeff}: the model has no experts; set it to 0"
+            )
         return {}
-    return dict(num_moe_experts=shape.num_experts, moe_router_topk=shape.moe_topk,
-                moe_ffn_hidden_size=shape.moe_ffn_size, moe_router_pre_softmax=not hf_config.norm_topk_prob,
-                moe_router_load_balancing_type="aux_loss" if aux_loss_coeff else "none",
-                moe_aux_loss_coeff=aux_loss_coeff, moe_grouped_gemm=False)
+    return dict(
+        num_moe_experts=shape.num_experts,
+        moe_router_topk=shape.moe_topk,
+        moe_ffn_hidden_size=shape.moe_ffn_size,
+        moe_router_pre_softmax=not hf_config.norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff else "none",
+        moe_aux_loss_coeff=aux_loss_coeff,
+        moe_grouped_gemm=False,
+    )
 
 
-def transformer_config(hf_config, parallel: Parallelism, dtype: torch.dtype,
-                       options: TrainingOptions = TrainingOptions()):
+def transformer_config(
+    hf_config, parallel: Parallelism, dtype: torch.dtype, options: TrainingOptions = TrainingOptions()
+):
     """The TransformerConfig equivalent of a Qwen2 / Qwen3 / Llama / Qwen3-MoE HF config (no fusions).
 
     ``options`` add FP8, sequence parallelism and recompute (:class:`TrainingOptions`). Experts are
@@ -192,16 +218,31 @@ def transformer_config(hf_config, parallel: Parallelism, dtype: torch.dtype,
     on_cpu = not torch.cuda.is_available()
     qkv_bias = hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
     return TransformerConfig(
-        **moe_settings(hf_config, shape, options.moe_aux_loss_coeff), qk_layernorm=shape.qk_layernorm,
-        num_layers=shape.num_layers, hidden_size=hf_config.hidden_size, num_attention_heads=shape.num_heads,
-        num_query_groups=shape.num_kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=hf_config.intermediate_size,
-        normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=qkv_bias,
-        hidden_dropout=0.0, attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
-        tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
-        virtual_pipeline_model_parallel_size=parallel.virtual, context_parallel_size=parallel.context,
-        expert_model_parallel_size=parallel.expert, params_dtype=dtype, pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        **moe_settings(hf_config, shape, options.moe_aux_loss_coeff),
+        qk_layernorm=shape.qk_layernorm,
+        num_layers=shape.num_layers,
+        hidden_size=hf_config.hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=hf_config.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        virtual_pipeline_model_parallel_size=parallel.virtual,
+        context_parallel_size=parallel.context,
+        expert_model_parallel_size=parallel.expert,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
         # the actor loss is already normalised by the mini-batch-wide token count: gradients are summed
         calculate_per_token_loss=True,
         # micro-batches are trimmed to their own width; the interleaved schedule needs one shape
@@ -211,9 +252,15 @@ def transformer_config(hf_config, parallel: Parallelism, dtype: torch.dtype,
         # gradients of the same shape; the unbatched ops order them by rank parity
         batch_p2p_comm=not parallel.virtual,
         moe_token_dispatcher_type="alltoall",  # the only dispatcher that accepts variable sequence lengths
-        use_cpu_initialization=on_cpu, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
-        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        **options.transformer_fields())
+        use_cpu_initialization=on_cpu,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        **options.transformer_fields(),
+    )
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
@@ -222,10 +269,11 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
 
 def layer_spec(transformer_impl: str, shape: convert.ModelShape):
     """Megatron's GPT layer spec; MoE layers get the sequential expert MLP (no grouped GEMM). The
-    local spec's core attention is torch SDPA (:mod:`megatron_attention`): fused kernels, packed rows."""
+    local spec's core attention is torch SDPA (:mod:`~nemo_dapo.policy.megatron.attention`): fused
+    kernels, packed rows."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    from nemo_dapo.policy.megatron_attention import SdpaAttention
+    from nemo_dapo.policy.megatron.attention import SdpaAttention
 
     options = {"num_experts": shape.num_experts or None, "qk_layernorm": shape.qk_layernorm}
     if transformer_impl == "transformer_engine":
@@ -246,7 +294,7 @@ def with_padding_mask(spec):
 
 def build_gpt_model(hf_config, config, transformer_impl: str = "local", vp_stage: int | None = None):
     """GPTModel for this rank's pipeline stage (its ``vp_stage``-th chunk with virtual stages);
-    logits left split over TP (``parallel_output=True``: :mod:`megatron_vocab` never gathers them)."""
+    logits left split over TP (``parallel_output=True``: :mod:`~nemo_dapo.policy.megatron.vocab` never gathers them)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -255,13 +303,18 @@ def build_gpt_model(hf_config, config, transformer_impl: str = "local", vp_stage
         define_router_gemm_without_te()
     place = {"ignore_virtual": vp_stage is None, "vp_stage": vp_stage}
     return GPTModel(
-        config, layer_spec(transformer_impl, shape),
+        config,
+        layer_spec(transformer_impl, shape),
         vocab_size=padded_vocab_size(shape.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(**place),
         post_process=parallel_state.is_pipeline_last_stage(**place),
-        share_embeddings_and_output_weights=shape.tied_embeddings, position_embedding_type="rope",
-        rotary_base=rope_theta(hf_config), parallel_output=True, vp_stage=vp_stage)
+        share_embeddings_and_output_weights=shape.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_base=rope_theta(hf_config),
+        parallel_output=True,
+        vp_stage=vp_stage,
+    )
 
 
 def read_hf_weights(model_path: str, wanted: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
@@ -290,32 +343,39 @@ def chunk_needs(shape: convert.ModelShape, vp_stage: int = 0) -> Callable[[str],
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def full_megatron_state(hf: dict[str, torch.Tensor], shape: convert.ModelShape, tp_size: int) -> dict[str, torch.Tensor]:
+def full_megatron_state(
+    hf: dict[str, torch.Tensor], shape: convert.ModelShape, tp_size: int
+) -> dict[str, torch.Tensor]:
     """GPTModel parameters (vocabulary padded to divide over TP) of the given HF tensors: the whole
     model's, or the share :func:`chunk_needs` selects."""
     padded = padded_vocab_size(shape.vocab_size, tp_size)
-    return {k: convert.pad_vocab(v, padded) if k in VOCAB_ROWS else v
-            for k, v in convert.hf_to_megatron(hf, shape).items()}
+    return {
+        k: convert.pad_vocab(v, padded) if k in VOCAB_ROWS else v for k, v in convert.hf_to_megatron(hf, shape).items()
+    }
 
 
-def local_weights(full: dict[str, torch.Tensor], shape: convert.ModelShape, tp_size: int,
-                  vp_stage: int = 0) -> dict[str, torch.Tensor]:
+def local_weights(
+    full: dict[str, torch.Tensor], shape: convert.ModelShape, tp_size: int, vp_stage: int = 0
+) -> dict[str, torch.Tensor]:
     """One chunk's (stage-sliced, EP-sliced, TP- or expert-TP-sharded) parameters from
     :func:`full_megatron_state`; a pipeline rank holds one chunk, or ``virtual`` interleaved ones."""
     from megatron.core import parallel_state as ps
 
     stage = convert.stage_state(full, shape, chunk_index(vp_stage), num_chunks())
     if shape.num_experts:
-        stage = convert.slice_experts(stage, shape, ps.get_expert_model_parallel_rank(),
-                                      ps.get_expert_model_parallel_world_size())
+        stage = convert.slice_experts(
+            stage, shape, ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+        )
     dense = (ps.get_tensor_model_parallel_rank(), tp_size)
     expert = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
     return {k: convert.shard(k, v, *(expert if convert.is_expert(k) else dense)) for k, v in stage.items()}
 
 
 # The TransformerEngine spec fuses each pre-norm into the linear layer after it.
-TE_FUSED_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-                  "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+TE_FUSED_NORMS = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
 
 
 def _rename_layer_suffixes(state: dict[str, torch.Tensor], renames: dict[str, str]) -> dict[str, torch.Tensor]:
@@ -353,8 +413,9 @@ def load_local_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor])
     missing = set(params) - set(weights)
     unexpected = set(weights) - set(params)
     if missing or unexpected:
-        raise RuntimeError(f"weights do not match the Megatron model: missing {sorted(missing)}, "
-                           f"unexpected {sorted(unexpected)}")
+        raise RuntimeError(
+            f"weights do not match the Megatron model: missing {sorted(missing)}, unexpected {sorted(unexpected)}"
+        )
     with torch.no_grad():
         for name, param in params.items():
             param.copy_(weights[name])
@@ -384,8 +445,10 @@ def gather_param(name: str, param: torch.Tensor, shape: convert.ModelShape) -> d
     ep_size = ps.get_expert_model_parallel_world_size()
     full = convert.unshard(name, _all_gather(param, *etp))
     copies = _all_gather(full, ps.get_expert_model_parallel_group(), ep_size)
-    return {convert.global_expert_name(name, ep_rank, shape.num_experts // ep_size): expert.to("cpu", copy=True)
-            for ep_rank, expert in enumerate(copies)}
+    return {
+        convert.global_expert_name(name, ep_rank, shape.num_experts // ep_size): expert.to("cpu", copy=True)
+        for ep_rank, expert in enumerate(copies)
+    }
 
 
 def takes_part_in_gather(name: str) -> bool:

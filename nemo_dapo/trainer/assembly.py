@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 from nemo_dapo.config import Config
 from nemo_dapo.config.schema import MegatronConfig
-from nemo_dapo.config.validate import (combination_notes, is_colocated, needs_reference, policy_groups,
-                                       raise_problems, separate_groups_problems)
+from nemo_dapo.config.topology import is_colocated, needs_reference, policy_groups, total_optimizer_steps
+from nemo_dapo.config.validate import combination_notes, raise_problems, separate_groups_problems
 from nemo_dapo.model.builtin import resolve_builtin
 
 if TYPE_CHECKING:
@@ -25,23 +25,33 @@ def resolve_paths(cfg: Config) -> Config:
     """Replace the built-in model / data names (``tiny``, ``smollm2-135m-instruct``, ...) by real paths
     (building them once)."""
     model_path, train_files, val_files = resolve_builtin(cfg.model.path, cfg.data.train_files, cfg.data.val_files)
-    return replace(cfg, model=replace(cfg.model, path=model_path),
-                   data=replace(cfg.data, train_files=train_files, val_files=val_files))
+    return replace(
+        cfg,
+        model=replace(cfg.model, path=model_path),
+        data=replace(cfg.data, train_files=train_files, val_files=val_files),
+    )
 
 
 def megatron_worker_kwargs(layout: MegatronConfig) -> dict:
     """``actor.megatron`` as MegatronPolicyWorker arguments."""
-    return {"tensor_parallel_size": layout.tensor_model_parallel_size,
-            "pipeline_parallel_size": layout.pipeline_model_parallel_size,
-            "context_parallel_size": layout.context_parallel_size,
-            "virtual_pipeline_parallel_size": layout.virtual_pipeline_model_parallel_size,
-            "expert_parallel_size": layout.expert_model_parallel_size, "transformer_impl": layout.transformer_impl,
-            "fp8": layout.fp8, "fp8_recipe": layout.fp8_recipe, "sequence_parallel": layout.sequence_parallel,
-            "recompute_granularity": layout.recompute_granularity,
-            "use_distributed_optimizer": layout.use_distributed_optimizer,
-            "overlap_grad_reduce": layout.overlap_grad_reduce, "overlap_param_gather": layout.overlap_param_gather,
-            "ddp_bucket_size": layout.ddp_bucket_size, "moe_aux_loss_coeff": layout.moe_aux_loss_coeff,
-            "sequence_packing": layout.sequence_packing}
+    return {
+        "tensor_parallel_size": layout.tensor_model_parallel_size,
+        "pipeline_parallel_size": layout.pipeline_model_parallel_size,
+        "context_parallel_size": layout.context_parallel_size,
+        "virtual_pipeline_parallel_size": layout.virtual_pipeline_model_parallel_size,
+        "expert_parallel_size": layout.expert_model_parallel_size,
+        "transformer_impl": layout.transformer_impl,
+        "fp8": layout.fp8,
+        "fp8_recipe": layout.fp8_recipe,
+        "sequence_parallel": layout.sequence_parallel,
+        "recompute_granularity": layout.recompute_granularity,
+        "use_distributed_optimizer": layout.use_distributed_optimizer,
+        "overlap_grad_reduce": layout.overlap_grad_reduce,
+        "overlap_param_gather": layout.overlap_param_gather,
+        "ddp_bucket_size": layout.ddp_bucket_size,
+        "moe_aux_loss_coeff": layout.moe_aux_loss_coeff,
+        "sequence_packing": layout.sequence_packing,
+    }
 
 
 def workers_per_node(cfg: Config, num_workers: int, gpus_per_worker: int = 1) -> int:
@@ -52,26 +62,47 @@ def workers_per_node(cfg: Config, num_workers: int, gpus_per_worker: int = 1) ->
     return max(1, min(num_workers, cfg.trainer.n_gpus_per_node // gpus_per_worker))
 
 
-def _policy_group(cfg: Config, name: str, total_optimizer_steps: int, shared: SharedGPUs | None,
-                  trainable: bool = True) -> PolicyGroup:
+def _policy_group(
+    cfg: Config, name: str, total_optimizer_steps: int, shared: SharedGPUs | None, trainable: bool = True
+) -> PolicyGroup:
     from nemo_dapo.cluster.groups import PolicyGroup
     from nemo_dapo.cluster.worker_group import WorkerGroup
 
-    kwargs = {"model_path": cfg.model.path, "optim": asdict(cfg.actor.optim), "dtype": cfg.model.dtype,
-              "total_steps": total_optimizer_steps, "max_token_len": cfg.actor.max_token_len_per_micro_batch,
-              "logits_chunk_tokens": cfg.actor.logits_chunk_tokens,
-              "seed": cfg.trainer.seed, "trainable": trainable, "num_threads": cfg.trainer.cpu_threads_per_worker,
-              "workers_per_node": workers_per_node(cfg, cfg.actor.num_workers)}
+    kwargs = {
+        "model_path": cfg.model.path,
+        "optim": asdict(cfg.actor.optim),
+        "dtype": cfg.model.dtype,
+        "total_steps": total_optimizer_steps,
+        "max_token_len": cfg.actor.max_token_len_per_micro_batch,
+        "logits_chunk_tokens": cfg.actor.logits_chunk_tokens,
+        "seed": cfg.trainer.seed,
+        "trainable": trainable,
+        "num_threads": cfg.trainer.cpu_threads_per_worker,
+        "workers_per_node": workers_per_node(cfg, cfg.actor.num_workers),
+    }
+    worker_cls: type
     if cfg.actor.backend == "megatron":
-        from nemo_dapo.policy.megatron_worker import MegatronPolicyWorker as worker_cls
+        from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
+        worker_cls = MegatronPolicyWorker
         kwargs.update(megatron_worker_kwargs(cfg.actor.megatron))
     else:
-        from nemo_dapo.policy.torch_worker import TorchPolicyWorker as worker_cls
+        from nemo_dapo.policy.torch_worker import TorchPolicyWorker
+
+        worker_cls = TorchPolicyWorker
     gpus = 1 if cfg.trainer.n_gpus_per_node > 0 else 0
     slots = shared.training_slots(cfg.actor.num_workers) if shared else None
-    return PolicyGroup(WorkerGroup(worker_cls, cfg.actor.num_workers, name=name, num_gpus_per_worker=gpus,
-                                   worker_kwargs=kwargs, slots=slots, call_timeout_s=cfg.trainer.remote_timeout_s))
+    return PolicyGroup(
+        WorkerGroup(
+            worker_cls,
+            cfg.actor.num_workers,
+            name=name,
+            num_gpus_per_worker=gpus,
+            worker_kwargs=kwargs,
+            slots=slots,
+            call_timeout_s=cfg.trainer.remote_timeout_s,
+        )
+    )
 
 
 def _rollout_group(cfg: Config, shared: SharedGPUs | None) -> RolloutGroup:
@@ -81,18 +112,31 @@ def _rollout_group(cfg: Config, shared: SharedGPUs | None) -> RolloutGroup:
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
     tp = cfg.rollout.tensor_parallel_size
-    kwargs = {"model_path": cfg.model.path, "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
-              "dtype": cfg.model.dtype, "seed": cfg.trainer.seed,
-              "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization, "tensor_parallel_size": tp,
-              "enable_sleep_mode": shared is not None,
-              "distributed_executor_backend": SharedGPUs.engine_executor(tp) if shared else None,
-              "num_threads": cfg.trainer.cpu_threads_per_worker,
-              "workers_per_node": workers_per_node(cfg, cfg.rollout.num_workers, gpus_per_worker=tp)}
+    kwargs = {
+        "model_path": cfg.model.path,
+        "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
+        "dtype": cfg.model.dtype,
+        "seed": cfg.trainer.seed,
+        "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
+        "tensor_parallel_size": tp,
+        "enable_sleep_mode": shared is not None,
+        "distributed_executor_backend": SharedGPUs.engine_executor(tp) if shared else None,
+        "num_threads": cfg.trainer.cpu_threads_per_worker,
+        "workers_per_node": workers_per_node(cfg, cfg.rollout.num_workers, gpus_per_worker=tp),
+    }
     gpus = tp if cfg.trainer.n_gpus_per_node > 0 else 0
     slots = shared.engine_slots(cfg.rollout.num_workers, tp) if shared else None
-    return RolloutGroup(WorkerGroup(VLLMRolloutWorker, cfg.rollout.num_workers, name="rollout",
-                                    num_gpus_per_worker=gpus, worker_kwargs=kwargs, slots=slots,
-                                    call_timeout_s=cfg.trainer.remote_timeout_s))
+    return RolloutGroup(
+        WorkerGroup(
+            VLLMRolloutWorker,
+            cfg.rollout.num_workers,
+            name="rollout",
+            num_gpus_per_worker=gpus,
+            worker_kwargs=kwargs,
+            slots=slots,
+            call_timeout_s=cfg.trainer.remote_timeout_s,
+        )
+    )
 
 
 @dataclass
@@ -121,9 +165,9 @@ def start_workers(cfg: Config, total_optimizer_steps: int) -> Workers:
     each group takes its share of each (the policy first, so the engines size their KV cache
     with the training state already resident).
     """
-    from nemo_dapo.cluster.placement import SharedGPUs
     import psutil
 
+    from nemo_dapo.cluster.placement import SharedGPUs
     from nemo_dapo.launch.plan import cpu_memory_problems, startup_shape_problems
 
     host_gib = psutil.virtual_memory().total / 2**30
@@ -148,29 +192,40 @@ def run_training(cfg: Config) -> dict:
     for note in combination_notes(cfg):
         log.info(note)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    data_kwargs = {"max_prompt_length": cfg.data.max_prompt_length, "truncation": cfg.data.truncation,
-                   "filter_overlong_prompts": cfg.data.filter_overlong_prompts}
-    train_data = RLDataset(cfg.data.train_files, tokenizer, **data_kwargs)
-    val_data = RLDataset(cfg.data.val_files, tokenizer, **data_kwargs) if cfg.data.val_files else None
+
+    def dataset(files: list[str]) -> RLDataset:
+        return RLDataset(
+            files,
+            tokenizer,
+            max_prompt_length=cfg.data.max_prompt_length,
+            truncation=cfg.data.truncation,
+            filter_overlong_prompts=cfg.data.filter_overlong_prompts,
+        )
+
+    train_data = dataset(cfg.data.train_files)
+    val_data = dataset(cfg.data.val_files) if cfg.data.val_files else None
     buffer = cfg.reward.overlong_buffer
-    reward = RewardManager(cfg.reward.scorer, max_response_length=cfg.data.max_response_length,
-                           overlong_enable=buffer.enable, buffer_len=buffer.len, penalty_factor=buffer.penalty_factor,
-                           num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+    reward = RewardManager(
+        cfg.reward.scorer,
+        max_response_length=cfg.data.max_response_length,
+        overlong_enable=buffer.enable,
+        buffer_len=buffer.len,
+        penalty_factor=buffer.penalty_factor,
+        num_workers=cfg.reward.num_workers,
+        timeout_s=cfg.reward.timeout_s,
+    )
     processes = cfg.actor.num_workers * policy_groups(cfg) + cfg.rollout.num_workers
     init_ray(num_cpus=max(os.cpu_count() or 1, processes))
     try:
-        steps_per_epoch = len(train_data) // (cfg.data.effective_gen_batch_size if cfg.algorithm.filter_groups.enable
-                                              else cfg.data.train_batch_size)
-        total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * max(steps_per_epoch, 1)
-        optimizer_steps = total_steps * cfg.actor.ppo_epochs * (cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size)
-        workers = start_workers(cfg, optimizer_steps)
+        workers = start_workers(cfg, total_optimizer_steps(cfg, len(train_data)))
         policy, ref, rollout = workers.policy, workers.ref, workers.rollout
         if cfg.trainer.mode == "async":
             from nemo_dapo.trainer.async_fit import AsyncDAPOTrainer
             from nemo_dapo.trainer.data_plane import DataPlane
 
-            trainer = AsyncDAPOTrainer(cfg, policy, rollout, tokenizer, train_data, val_data, reward, ref_policy=ref,
-                                       plane=DataPlane())
+            trainer: DAPOTrainer = AsyncDAPOTrainer(
+                cfg, policy, rollout, tokenizer, train_data, val_data, reward, ref_policy=ref, plane=DataPlane()
+            )
         else:
             trainer = DAPOTrainer(cfg, policy, rollout, tokenizer, train_data, val_data, reward, ref_policy=ref)
         summary = trainer.fit()
@@ -193,7 +248,8 @@ def export_hf(checkpoint: str | Path, tokenizer_source: str | Path, output_dir: 
     shutil.rmtree(output_dir, ignore_errors=True)
     shutil.copytree(checkpoint / "policy" / "model", output_dir)
     for source in Path(tokenizer_source).iterdir():
-        if source.is_file() and (source.name.startswith("tokenizer") or source.name in ("chat_template.jinja",
-                                                                                         "special_tokens_map.json")):
+        if source.is_file() and (
+            source.name.startswith("tokenizer") or source.name in ("chat_template.jinja", "special_tokens_map.json")
+        ):
             shutil.copy2(source, output_dir / source.name)
     return output_dir

@@ -1,0 +1,55 @@
+"""Quantities derived from a config, computed in one place: the job's shape and the run's length.
+
+Validation, the capacity planner, the run assembly and the trainer all read these, so two
+places can never disagree on how many GPUs a job has or how many steps a run takes.
+"""
+
+from __future__ import annotations
+
+from nemo_dapo.config.schema import Config
+
+
+def training_world_size(cfg: Config) -> int:
+    """Training ranks the launcher starts: ``actor.num_workers`` (one GPU each on a GPU cluster)."""
+    return cfg.actor.num_workers
+
+
+def cluster_gpus(cfg: Config) -> int:
+    """GPUs of the job: trainer.nnodes x trainer.n_gpus_per_node (0 in CPU mode)."""
+    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+
+
+def needs_reference(cfg: Config) -> bool:
+    """DAPO has no KL term and then builds no reference model."""
+    return cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
+
+
+def policy_groups(cfg: Config) -> int:
+    """Worker groups of ``actor.num_workers`` ranks: the actor, and the reference model if needed."""
+    return 2 if needs_reference(cfg) else 1
+
+
+def engine_gpus(cfg: Config) -> int:
+    """GPUs the vLLM engines take: rollout.num_workers x rollout.tensor_parallel_size."""
+    return cfg.rollout.num_workers * cfg.rollout.tensor_parallel_size
+
+
+def is_colocated(cfg: Config) -> bool:
+    """Training ranks and engines share the GPUs. CPU workers reserve no device, so there it means nothing."""
+    return cfg.trainer.colocate and cfg.trainer.n_gpus_per_node > 0
+
+
+def prompts_per_round(cfg: Config) -> int:
+    """Prompts one generation round draws: gen_batch_size under dynamic sampling, else train_batch_size."""
+    return cfg.data.effective_gen_batch_size if cfg.algorithm.filter_groups.enable else cfg.data.train_batch_size
+
+
+def total_training_steps(cfg: Config, dataset_size: int) -> int:
+    """trainer.total_training_steps, or total_epochs x rounds per epoch (at least one step)."""
+    return cfg.trainer.total_training_steps or cfg.trainer.total_epochs * max(dataset_size // prompts_per_round(cfg), 1)
+
+
+def total_optimizer_steps(cfg: Config, dataset_size: int) -> int:
+    """Optimizer steps of the whole run (what a learning-rate schedule spans)."""
+    mini_batches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
+    return total_training_steps(cfg, dataset_size) * cfg.actor.ppo_epochs * mini_batches

@@ -1,0 +1,64 @@
+"""What a policy worker is fed: a RolloutBatch cut into per-rank tensors and mini-batches.
+
+The driver-side groups (``cluster/groups.py``) call these; the workers read the fields named
+here. Mini-batches are whole prompt groups whose token and sequence counts are the
+mini-batch's, so any split over ranks and micro-batches gives the same loss.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_dapo.algo.batch import RolloutBatch, group_rows
+from nemo_dapo.policy.base import MiniBatch
+
+# Response-aligned [B, R] fields a policy worker may need for its loss.
+WORKER_FIELDS = ("responses", "advantages", "old_log_probs", "ref_log_probs", "rollout_log_probs", "is_weights")
+
+
+def loss_mask(batch: RolloutBatch) -> torch.Tensor:
+    """The tokens the loss sees: ``loss_mask`` once a filter set one (overlong filtering, rejection
+    sampling), else every response token."""
+    return batch["loss_mask"] if "loss_mask" in batch else batch["response_mask"]
+
+
+def worker_inputs(batch: RolloutBatch) -> dict[str, torch.Tensor]:
+    """The tensors a policy worker reads: full sequences plus response-aligned fields.
+
+    ``response_mask`` sent to the worker is the loss mask (after the filters, if any);
+    ``attention_mask`` keeps every generated token so the forward pass sees the real context.
+    """
+    attention = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1)
+    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    data = {
+        "input_ids": torch.cat([batch["prompts"], batch["responses"]], dim=1),
+        "attention_mask": attention,
+        "position_ids": position_ids,
+        "response_mask": loss_mask(batch),
+    }
+    data.update({name: batch[name] for name in WORKER_FIELDS if name in batch})
+    return data
+
+
+def shard(data: dict[str, torch.Tensor], world_size: int) -> list[dict[str, torch.Tensor]]:
+    """Contiguous, near-equal row shards, one per data-parallel rank."""
+    rows = next(iter(data.values())).shape[0]
+    bounds = [rows * r // world_size for r in range(world_size + 1)]
+    return [{k: v[bounds[r] : bounds[r + 1]] for k, v in data.items()} for r in range(world_size)]
+
+
+def mini_batches_per_rank(
+    batch: RolloutBatch, prompts_per_mini_batch: int, world_size: int, ppo_epochs: int
+) -> list[list[MiniBatch]]:
+    """Each mini-batch = whole prompt groups; counts are mini-batch-wide so any split is exact."""
+    data = worker_inputs(batch)
+    groups = list(group_rows(batch["uid"]).values())
+    per_rank: list[list[MiniBatch]] = [[] for _ in range(world_size)]
+    for start in range(0, len(groups), prompts_per_mini_batch):
+        rows = torch.tensor([r for g in groups[start : start + prompts_per_mini_batch] for r in g])
+        part = {k: v[rows] for k, v in data.items()}
+        mask = part["response_mask"]
+        tokens, seqs = float(mask.sum()), float((mask.sum(dim=1) > 0).sum())
+        for rank, rank_part in enumerate(shard(part, world_size)):
+            per_rank[rank].append(MiniBatch(rank_part, tokens, seqs))
+    return [mbs * ppo_epochs for mbs in per_rank]
