@@ -160,10 +160,12 @@ def main() -> None:
             for seed in range(1, args.seeds + 1)
         ]
         print(f"{name}: {mean_std([r['final_val_acc'] for r in results[name]])}", flush=True)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "ablation.json").write_text(
-        json.dumps({"config": args.config, "budget": args.budget, "seeds": args.seeds, "results": results}, indent=1)
-    )
+        # after every row, so a long sweep that stops early keeps what it measured
+        (root / "ablation.json").write_text(
+            json.dumps(
+                {"config": args.config, "budget": args.budget, "seeds": args.seeds, "results": results}, indent=1
+            )
+        )
     plot(results, root / "ablation.png")
     print(table(results))
 
