@@ -15,7 +15,7 @@ from dataclasses import asdict
 
 import torch
 
-from nemo_dapo.algo.metrics import reduce_metrics
+from nemo_dapo.algo.metric_names import combine_steps
 from nemo_dapo.policy.inputs import mini_batches_per_rank, worker_inputs
 from nemo_dapo.rollout.base import Generation, SamplingSettings
 
@@ -35,7 +35,7 @@ class InProcessPolicy:
 
     def update(self, batch, settings, prompts_per_mini_batch: int, ppo_epochs: int, correction=None) -> dict:
         minis = mini_batches_per_rank(batch, prompts_per_mini_batch, 1, ppo_epochs)[0]
-        return reduce_metrics(self.worker.update(minis, settings, correction))
+        return combine_steps(self.worker.update(minis, settings, correction))
 
     def export_weights(self, bucket_bytes: int) -> Iterator:
         return iter(())  # generation uses the trained model itself

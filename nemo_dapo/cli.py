@@ -91,6 +91,13 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_metrics(args: argparse.Namespace) -> int:
+    from nemo_dapo.algo.metric_names import catalog_markdown
+
+    print(catalog_markdown(), end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nemo-dapo", description="DAPO reinforcement learning for LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.clip_ratio_high=0.3")
     config.set_defaults(fn=_cmd_config)
     sub.add_parser("presets", help="list the presets in conf/").set_defaults(fn=_cmd_presets)
+    sub.add_parser("metrics", help="every logged metric: how its parts combine and what it means").set_defaults(
+        fn=_cmd_metrics
+    )
     for module in PLUGIN_COMMANDS:
         import_module(module).add_parser(sub)
     return parser

@@ -10,6 +10,7 @@ import json
 import logging
 from pathlib import Path
 
+from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.cluster.ray_env import apply_loopback_env
 
 log = logging.getLogger(__name__)
@@ -80,4 +81,4 @@ def evaluate(
     )
     with RewardManager("math_dapo", max_response_length=response_budget) as reward:
         score_batch(batch, reward, tokenizer)
-    return accuracy_metrics(batch["acc"], batch["data_source"], batch["uid"], n, prefix="eval")
+    return accuracy_metrics(batch["acc"], batch["data_source"], batch["uid"], n, mn.EVAL_ACC)

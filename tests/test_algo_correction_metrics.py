@@ -15,7 +15,8 @@ from nemo_dapo.algo.correction import (
     rejection_mask,
     rollout_log_ratio,
 )
-from nemo_dapo.algo.metrics import data_metrics, reduce_metrics, staleness_metrics, throughput_metrics, timing_metrics
+from nemo_dapo.algo.metric_names import combine_steps
+from nemo_dapo.algo.metrics import data_metrics, staleness_metrics, throughput_metrics, timing_metrics
 
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
 LOG_R = torch.tensor([[0.1, -0.2, 1.0], [0.5, 0.3, 9.0]])  # 9.0 sits under the mask
@@ -137,5 +138,25 @@ def test_timing_throughput_staleness():
 
 
 def test_reduce_metrics_mean_max_min():
-    r = reduce_metrics({"actor/pg_loss": [1, 3], "x/max": [1, 5], "x/min": [2, -1], "empty": []})
+    r = combine_steps({"actor/pg_loss": [1, 3], "x/max": [1, 5], "x/min": [2, -1], "empty": []})
     assert r == {"actor/pg_loss": 2.0, "x/max": 5.0, "x/min": -1.0}
+
+
+def test_parts_of_a_shared_value_sum_and_extremes_stay_extremes():
+    from nemo_dapo.algo.metric_names import combine_parts
+
+    assert combine_parts("actor/pg_loss", [0.25, 0.5]) == 0.75  # each micro-batch holds its share
+    assert combine_parts("actor/pg_clipfrac", [0.2, 0.4]) == pytest.approx(0.3)
+    assert combine_parts("rollout_corr/is_weight_max", [1.5, 2.0]) == 2.0
+    steps = combine_steps({"actor/pg_loss": [1.0, 3.0], "critic/score/min": [0.0, -1.0], "staleness/lag/max": [1, 2]})
+    assert steps == {"actor/pg_loss": 2.0, "critic/score/min": -1.0, "staleness/lag/max": 2.0}
+
+
+def test_monitoring_md_lists_the_metric_catalog():
+    from pathlib import Path
+
+    from nemo_dapo.algo.metric_names import catalog_markdown
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "monitoring.md").read_text()
+    table = page.split("<!-- metrics:begin -->\n", 1)[1].split("<!-- metrics:end -->", 1)[0]
+    assert table == catalog_markdown(), "docs/monitoring.md is stale: paste the output of `nemo-dapo metrics`"

@@ -74,6 +74,9 @@ def test_dapo_run_learns_and_writes_everything(workdir):
     ):
         assert tag in tags, tag
     assert len(events.Scalars("critic/score/mean")) == 40
+    from nemo_dapo.algo.metric_names import find
+
+    assert [tag for tag in sorted(tags) if find(tag) is None] == []  # the catalog names every logged metric
     assert max(e.value for e in events.Scalars("rollout_corr/logprob_abs_diff_max")) < 1e-3  # vLLM == policy
     assert (out / "hf_export" / "model.safetensors").is_file() and (out / "hf_export" / "tokenizer.json").is_file()
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["global_step_20", "global_step_40"]

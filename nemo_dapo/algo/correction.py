@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.loss import masked_mean, masked_sum
 
 LOG_RATIO_CLAMP = 20.0
@@ -85,10 +86,10 @@ def is_weights(
         weights = weights / masked_mean(weights, mask).clamp(min=1e-8)
     weights = (weights * mask).detach()
     metrics = {
-        "rollout_corr/is_weight_mean": masked_mean(weights, mask).item(),
-        "rollout_corr/is_weight_max": _masked_extreme(weights, mask, torch.max),
-        "rollout_corr/is_weight_min": _masked_extreme(weights, mask, torch.min),
-        "rollout_corr/is_truncated_fraction": masked_mean((raw > threshold).float(), mask).item(),
+        mn.IS_WEIGHT["mean"].name: masked_mean(weights, mask).item(),
+        mn.IS_WEIGHT["max"].name: _masked_extreme(weights, mask, torch.max),
+        mn.IS_WEIGHT["min"].name: _masked_extreme(weights, mask, torch.min),
+        mn.IS_TRUNCATED.name: masked_mean((raw > threshold).float(), mask).item(),
     }
     return weights, metrics
 
@@ -150,10 +151,10 @@ def rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor, modes) -> tuple[
     metrics: dict[str, float] = {}
     for level, stat, low, high in modes:
         accepted = _accepted(log_ratio, mask, level, stat, low, high)
-        metrics[f"rollout_corr/rs_{level}_{stat}_rejected_fraction"] = masked_mean((~accepted).float(), mask).item()
+        metrics[mn.RS_MODE_REJECTED.of(mode=f"{level}_{stat}")] = masked_mean((~accepted).float(), mask).item()
         keep &= accepted
     if modes:
-        metrics["rollout_corr/rejected_fraction"] = masked_mean((~keep).float(), mask).item()
+        metrics[mn.RS_REJECTED.name] = masked_mean((~keep).float(), mask).item()
     return keep.to(mask.dtype), metrics
 
 
@@ -180,10 +181,10 @@ def mismatch_metrics(
     gap = (old_log_prob - rollout_log_prob).abs()
     log_ratio = rollout_log_ratio(old_log_prob, rollout_log_prob, mask)
     return {
-        "rollout_corr/logprob_abs_diff_mean": masked_mean(gap, mask).item(),
-        "rollout_corr/logprob_abs_diff_max": _masked_extreme(gap, mask, torch.max),
-        "rollout_corr/kl_k1": masked_mean(-log_ratio, mask).item(),
-        "rollout_corr/kl_k3": masked_mean(_token_statistic(log_ratio, "k3"), mask).item(),
+        mn.LOGPROB_DIFF_MEAN.name: masked_mean(gap, mask).item(),
+        mn.LOGPROB_DIFF_MAX.name: _masked_extreme(gap, mask, torch.max),
+        mn.ROLLOUT_KL_K1.name: masked_mean(-log_ratio, mask).item(),
+        mn.ROLLOUT_KL_K3.name: masked_mean(_token_statistic(log_ratio, "k3"), mask).item(),
     }
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nemo_dapo.algo import metric_names as mn
+
 LOG_RATIO_CLAMP = 20.0
 K3_CLAMP = 10.0
 
@@ -113,6 +115,6 @@ def apply_kl_in_reward(
     rewards = token_level_scores - controller.value * kld
     tokens = response_mask.sum(dim=-1).clamp(min=1)
     current_kl = ((kld.sum(dim=-1) / tokens).mean()).item()
-    metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": controller.value}
+    metrics = {mn.REWARD_KL_PENALTY.name: current_kl, mn.REWARD_KL_PENALTY_COEFF.name: controller.value}
     controller.update(current_kl, n_steps=token_level_scores.shape[0])
     return rewards, metrics

@@ -11,6 +11,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import RolloutBatch, group_rows
 
 
@@ -140,13 +141,13 @@ class GroupAccumulator:
 
     def metrics(self) -> dict[str, float]:
         metrics = {
-            "dapo/num_gen_batches": float(self.num_gen_batches),
-            "dapo/kept_group_fraction": self.groups_kept / max(self.groups_seen, 1),
-            "dapo/carried_in_groups": float(self.carried_in_groups),
-            "dapo/surplus_groups": float(self.surplus_groups),
+            mn.NUM_GEN_BATCHES.name: float(self.num_gen_batches),
+            mn.KEPT_GROUP_FRACTION.name: self.groups_kept / max(self.groups_seen, 1),
+            mn.CARRIED_IN_GROUPS.name: float(self.carried_in_groups),
+            mn.SURPLUS_GROUPS.name: float(self.surplus_groups),
         }
         for i, fraction in enumerate(self.round_kept_fractions):
-            metrics[f"dapo/round_{i}_kept_fraction"] = fraction
+            metrics[mn.ROUND_KEPT_FRACTION.of(round=i)] = fraction
         return metrics
 
     def state_dict(self) -> dict:

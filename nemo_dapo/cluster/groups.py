@@ -10,11 +10,10 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.algo.correction import CorrectionSettings
-from nemo_dapo.algo.metrics import reduce_metrics
 from nemo_dapo.cluster.worker_group import WorkerGroup
-from nemo_dapo.policy.actor_loss import SUMMED_METRICS
 from nemo_dapo.policy.base import LossSettings
 from nemo_dapo.policy.inputs import mini_batches_per_rank, shard, worker_inputs
 from nemo_dapo.rollout.base import Generation, SamplingSettings
@@ -63,15 +62,15 @@ class PolicyGroup:
         results = self.workers.call_each(
             "update", [(mbs, settings, correction) for mbs in self._per_worker(per_replica)]
         )
-        merged: dict[str, list[float]] = {}
+        # per optimizer step, the replicas' parts combine into one value (a SUM metric: each holds
+        # its share of the mini-batch's), then the steps into the logged one
+        per_replica: dict[str, list[list[float]]] = {}
         for rank_metrics in (results[i] for i in self._leaders):
             for key, values in rank_metrics.items():
-                merged.setdefault(key, []).extend(values)
-        reduced = reduce_metrics(merged)
-        for key in SUMMED_METRICS:  # each replica holds its share of one mini-batch value
-            if key in reduced:
-                reduced[key] *= self.dp_size
-        return reduced
+                per_replica.setdefault(key, []).append(values)
+        return mn.combine_steps(
+            {key: [mn.combine_parts(key, parts) for parts in zip(*replicas)] for key, replicas in per_replica.items()}
+        )
 
     def export_weights(self, bucket_bytes: int) -> Iterator:
         """Object refs of the weight buckets in HF order, streamed while the ranks gather them.

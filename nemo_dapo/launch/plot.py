@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
 
+from nemo_dapo.algo import metric_names as mn
+
 Series = dict[str, list[tuple[int, float]]]
 
 
@@ -26,25 +28,25 @@ class Figure:
 
 
 CURVES = (
-    Figure("reward.png", "Reward (training batch)", "score", ("critic/score/mean", "critic/rewards/mean")),
+    Figure("reward.png", "Reward (training batch)", "score", (mn.SCORE["mean"].name, mn.REWARDS["mean"].name)),
     Figure(
         "accuracy.png",
         "Accuracy: training batch and validation",
         "accuracy",
-        ("critic/acc/mean", "val-core/*", "eval/*"),
+        (mn.ACC.name, "val-core/*", "eval/*"),
     ),
     Figure(
         "response_length.png",
         "Response length (tokens)",
         "tokens",
-        ("response_length/mean", "response_length/max", "response_length/min"),
+        tuple(m.name for m in mn.RESPONSE_LENGTH.values()),
     ),
-    Figure("entropy.png", "Policy entropy", "nats per token", ("actor/entropy",)),
+    Figure("entropy.png", "Policy entropy", "nats per token", (mn.ENTROPY.name,)),
     Figure(
-        "clip_fraction.png", "Clipped token fractions", "fraction", ("actor/pg_clipfrac", "actor/pg_clipfrac_lower")
+        "clip_fraction.png", "Clipped token fractions", "fraction", (mn.PG_CLIPFRAC.name, mn.PG_CLIPFRAC_LOWER.name)
     ),
 )
-TIMING_PREFIX = "timing_s/"
+TIMING_PREFIX = mn.TIMING_S.name.split("{")[0]
 
 
 def read_metrics(path: Path) -> tuple[Series, int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.correction import CorrectionSettings, apply_rollout_correction
 from nemo_dapo.algo.kl import kl_penalty
 from nemo_dapo.algo.loss import aggregate_loss, masked_mean, reinforce_loss
@@ -71,13 +72,11 @@ def actor_loss(
             kl_penalty(log_probs, micro["ref_log_probs"], settings.kl_loss_type), mask, settings.loss_agg_mode, **agg
         )
         loss = loss + settings.kl_loss_coef * kl
-        metrics["actor/kl_loss"] = kl.item()
+        metrics[mn.KL_LOSS.name] = kl.item()
+    # a policy loss names its metrics briefly (pg_clipfrac): they are logged under actor/
     metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})
-    # pg_loss and entropy are this micro-batch's share of the mini-batch value: summed, not averaged
-    metrics["actor/pg_loss"] = pg_loss.item()
-    metrics["actor/entropy"] = entropy_value.item()
-    metrics["actor/entropy_token_mean"] = masked_mean(entropy.detach(), mask).item()
+    # pg_loss and entropy are this micro-batch's share of the mini-batch value (Reduce.SUM)
+    metrics[mn.PG_LOSS.name] = pg_loss.item()
+    metrics[mn.ENTROPY.name] = entropy_value.item()
+    metrics[mn.ENTROPY_TOKEN_MEAN.name] = masked_mean(entropy.detach(), mask).item()
     return loss, metrics
-
-
-SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")

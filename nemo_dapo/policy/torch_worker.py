@@ -16,10 +16,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.algo.logprob import chunk_tokens_for, chunked_token_stats, token_stats
 from nemo_dapo.config.schema import OptimConfig
-from nemo_dapo.policy.actor_loss import SUMMED_METRICS, actor_loss
+from nemo_dapo.policy.actor_loss import actor_loss
 from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, require_trainable
 from nemo_dapo.policy.lr_schedule import lr_lambda
 from nemo_dapo.policy.microbatch import ROWS, micro_batches, place_rows, prompt_width
@@ -139,10 +140,9 @@ class TorchPolicyWorker:
                 self.optimizer.step()
             self.scheduler.step()
             for key, values in step_metrics.items():
-                value = float(np.sum(values)) if key in SUMMED_METRICS else float(np.mean(values))
-                metrics.setdefault(key, []).append(value)
-            metrics.setdefault("actor/grad_norm", []).append(float(grad_norm))
-            metrics.setdefault("actor/lr", []).append(float(self.scheduler.get_last_lr()[0]))
+                metrics.setdefault(key, []).append(mn.combine_parts(key, values))
+            metrics.setdefault(mn.GRAD_NORM.name, []).append(float(grad_norm))
+            metrics.setdefault(mn.LR.name, []).append(float(self.scheduler.get_last_lr()[0]))
         return metrics
 
     def _all_reduce_gradients(self) -> None:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import time
 
+from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import RolloutBatch
-from nemo_dapo.algo.metrics import reduce_metrics, staleness_metrics
+from nemo_dapo.algo.metrics import staleness_metrics
 from nemo_dapo.trainer.batching import build_rollout_batch
 from nemo_dapo.trainer.data_plane import DataPlane
 from nemo_dapo.trainer.fit import DAPOTrainer
@@ -97,9 +98,9 @@ class AsyncDAPOTrainer(DAPOTrainer):
             consumed += round_consumed
         with timer("sync_weights"):
             self.sync_weights()
-        metrics = reduce_metrics({k: [m[k] for m in collected if k in m] for k in collected[-1]})
+        metrics = mn.combine_steps({k: [m[k] for m in collected if k in m] for k in collected[-1]})
         metrics.update(
-            {"staleness/dropped_stale": float(self.dropped_stale), "recovery/reissued_prompts": float(self.reissued)}
+            {mn.DROPPED_STALE.name: float(self.dropped_stale), mn.REISSUED_PROMPTS.name: float(self.reissued)}
         )
         batch = RolloutBatch.concat(batches)
         self._finish_step_metrics(batch, metrics, timer, step_start)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.algo.kl import build_kl_controller
@@ -185,7 +186,7 @@ class DAPOTrainer:
             self.sync_weights()
             self.rollout.wake_up(["kv_cache"])
         self._finish_step_metrics(batch, metrics, timer, step_start)
-        metrics["rollout/generated_samples"] = float(self.generated_samples)  # cumulative: the budget's axis
+        metrics[mn.GENERATED_SAMPLES.name] = float(self.generated_samples)  # cumulative: the budget's axis
         self._record_prompts(consumed, batch)
         return metrics
 
@@ -197,7 +198,7 @@ class DAPOTrainer:
             with timer("old_log_prob"):
                 out = self.policy.compute_log_prob(batch, self.cfg.rollout.temperature)
             batch.add("old_log_probs", out["log_probs"])
-            metrics["actor/entropy_old"] = float(
+            metrics[mn.ENTROPY_OLD.name] = float(
                 (out["entropy"] * batch["response_mask"]).sum() / batch["response_mask"].sum().clamp(min=1)
             )
         if self.ref_policy is not None:
@@ -271,7 +272,7 @@ class DAPOTrainer:
             self.weight_version,
         )
         score_batch(batch, self.reward, self.tokenizer)
-        return accuracy_metrics(batch["acc"], batch["data_source"], batch["uid"], val.n)
+        return accuracy_metrics(batch["acc"], batch["data_source"], batch["uid"], val.n, mn.VAL_ACC)
 
     # ----------------------------------------------------------------- checkpoints
     def trainer_state(self) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.advantage import get_advantage_estimator
 from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.algo.correction import CorrectionSettings, apply_rollout_correction
@@ -57,7 +58,7 @@ def add_overlong_filter(batch: RolloutBatch, cfg: Config) -> dict[str, float]:
         return {}
     truncated = torch.tensor([reason == "length" for reason in batch["finish_reason"]])
     batch.add("loss_mask", batch["response_mask"] * (~truncated).to(batch["response_mask"].dtype)[:, None])
-    return {"overlong/filtered_fraction": float(truncated.float().mean())}
+    return {mn.OVERLONG_FILTERED.name: float(truncated.float().mean())}
 
 
 def add_rollout_correction(batch: RolloutBatch, settings: CorrectionSettings) -> dict[str, float]:
@@ -99,9 +100,9 @@ def batch_metrics(batch: RolloutBatch, cfg: Config) -> dict[str, float]:
         max_prompt_length=cfg.data.max_prompt_length,
         aborted=batch["aborted"],
     )
-    metrics["critic/acc/mean"] = float(torch.tensor(batch["acc"], dtype=torch.float32).mean())
-    metrics["overlong/fraction"] = float(torch.tensor(batch["overlong"], dtype=torch.float32).mean())
+    metrics[mn.ACC.name] = float(torch.tensor(batch["acc"], dtype=torch.float32).mean())
+    metrics[mn.OVERLONG_FRACTION.name] = float(torch.tensor(batch["overlong"], dtype=torch.float32).mean())
     penalties = torch.tensor(batch["overlong_reward"], dtype=torch.float32)
-    metrics["overlong/reward_mean"] = float(penalties.mean())
-    metrics["overlong/penalised_fraction"] = float((penalties < 0).float().mean())
+    metrics[mn.OVERLONG_REWARD_MEAN.name] = float(penalties.mean())
+    metrics[mn.OVERLONG_PENALISED.name] = float((penalties < 0).float().mean())
     return metrics

@@ -9,6 +9,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from nemo_dapo.algo import metric_names as mn
+
 log = logging.getLogger("nemo_dapo")
 
 
@@ -39,7 +41,13 @@ class Tracker:
                 k: v
                 for k, v in finite.items()
                 if k.startswith(
-                    ("critic/score/mean", "val-core", "dapo/num_gen", "perf/time_per_step", "actor/pg_loss")
+                    (
+                        mn.SCORE["mean"].name,
+                        "val-core/",
+                        mn.NUM_GEN_BATCHES.name,
+                        mn.TIME_PER_STEP.name,
+                        mn.PG_LOSS.name,
+                    )
                 )
             }
             log.info("step %d: %s", step, " ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items())))

@@ -7,6 +7,7 @@ from math import comb
 
 import numpy as np
 
+from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import group_rows
 
 
@@ -18,23 +19,24 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
 
 
 def accuracy_metrics(
-    accs: Sequence[bool], data_sources: Sequence[str], uids: Sequence, n: int, prefix: str = "val-core"
+    accs: Sequence[bool], data_sources: Sequence[str], uids: Sequence, n: int, family: mn.Metric = mn.VAL_ACC
 ) -> dict[str, float]:
-    """``<prefix>/<source>/acc/mean@n`` and ``val-aux/<source>/pass@k`` for k = 1, 2, 4, ... <= n."""
+    """``val-core/<source>/acc/mean@n`` (or ``eval/...``: ``family``) and ``val-aux/<source>/pass@k``
+    for k = 1, 2, 4, ... <= n."""
     metrics: dict[str, float] = {}
     by_source: dict[str, list[list[bool]]] = {}
     for rows in group_rows(uids).values():
         by_source.setdefault(data_sources[rows[0]], []).append([bool(accs[r]) for r in rows])
     for source, groups in sorted(by_source.items()):
-        metrics[f"{prefix}/{source}/acc/mean@{n}"] = float(np.mean([np.mean(g) for g in groups]))
+        metrics[family.of(source=source, n=n)] = float(np.mean([np.mean(g) for g in groups]))
         k = 1
         while k <= n:
-            metrics[f"val-aux/{source}/pass@{k}"] = float(np.mean([pass_at_k(len(g), sum(g), k) for g in groups]))
+            metrics[mn.VAL_PASS.of(source=source, k=k)] = float(np.mean([pass_at_k(len(g), sum(g), k) for g in groups]))
             k *= 2
     return metrics
 
 
 def mean_val_accuracy(metrics: dict[str, float]) -> float | None:
     """The mean of the ``val-core/<source>/acc/mean@k`` entries of one validation, None without any."""
-    accs = [v for k, v in metrics.items() if k.startswith("val-core/") and "/acc/mean@" in k]
+    accs = [v for k, v in metrics.items() if mn.VAL_ACC.pattern.match(k)]
     return float(np.mean(accs)) if accs else None

@@ -14,6 +14,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from nemo_dapo.algo import metric_names as mn
+
 TRACKED = "load_balancing_loss"  # megatron-core's tracker name for the switch aux loss
 
 
@@ -46,4 +48,4 @@ def load_balancing_metric(config, micro_batches: int) -> dict[str, list[float]]:
     moe_utils.reduce_aux_losses_tracker_across_ranks([TRACKED])
     total = moe_utils.get_moe_layer_wise_logging_tracker()[TRACKED]["values"].sum().item()
     moe_utils.clear_aux_losses_tracker()  # zeroes the values in place
-    return {"actor/moe_load_balancing_loss": [total / (micro_batches * config.num_layers)]}
+    return {mn.MOE_LOAD_BALANCING_LOSS.name: [total / (micro_batches * config.num_layers)]}

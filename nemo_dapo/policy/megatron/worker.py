@@ -26,10 +26,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.algo.logprob import chunk_tokens_for
 from nemo_dapo.config.schema import OptimConfig
-from nemo_dapo.policy.actor_loss import SUMMED_METRICS, actor_loss
+from nemo_dapo.policy.actor_loss import actor_loss
 from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, require_trainable
 from nemo_dapo.policy.lr_schedule import lr_lambda
 from nemo_dapo.policy.megatron import model as mm
@@ -450,8 +451,7 @@ class MegatronPolicyWorker:
         for mini in mini_batches:
             step_metrics = self._train_step(mini, settings, correction)
             for key, values in step_metrics.items():
-                value = float(np.sum(values)) if key in SUMMED_METRICS else float(np.mean(values))
-                metrics.setdefault(key, []).append(value)
+                metrics.setdefault(key, []).append(mn.combine_parts(key, values))
         return metrics
 
     def _train_step(
@@ -484,8 +484,8 @@ class MegatronPolicyWorker:
         _, grad_norm, _ = self.optimizer.step()
         self.steps_done += 1
         step_metrics = {**self._share_metrics(step_metrics), **load_balancing_metric(self.config, len(micros))}
-        step_metrics["actor/grad_norm"] = [float(grad_norm)]
-        step_metrics["actor/lr"] = [self.optim_cfg.lr * self.lr_factor(self.steps_done)]
+        step_metrics[mn.GRAD_NORM.name] = [float(grad_norm)]
+        step_metrics[mn.LR.name] = [self.optim_cfg.lr * self.lr_factor(self.steps_done)]
         return step_metrics
 
     def _share_metrics(self, step_metrics: dict[str, list[float]]) -> dict[str, list[float]]:
