@@ -83,6 +83,7 @@ def run_megatron_rank(
 
     torch.set_num_threads(1)
     options = {"max_token_len": 40, **options}
+    loss = LossSettings(**options.pop("loss", {}))  # the policy loss and its aggregation
     worker = MegatronPolicyWorker(
         rank,
         world_size,
@@ -103,7 +104,7 @@ def run_megatron_rank(
     loaded = exported(worker, 1 << 12)  # small buckets: many, streamed one layer at a time
     full = {**share, "old_log_probs": before["log_probs"]}
     metrics = worker.update(
-        [MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))], LossSettings()
+        [MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))], loss
     )
     optimizer_numel = sum(p.numel() for group in worker.optimizer.param_groups for p in group["params"])
     after = worker.compute_log_prob(share)  # the updated weights, as the next step reads them
@@ -126,7 +127,7 @@ def exported(worker, bucket_bytes: int = 1 << 30) -> dict:
     return {name: tensor for bucket in worker.export_weights(bucket_bytes) for name, tensor in bucket}
 
 
-def torch_reference(model_dir) -> dict:
+def torch_reference(model_dir, loss: dict | None = None) -> dict:
     from nemo_dapo.policy.base import LossSettings, MiniBatch
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
 
@@ -134,8 +135,9 @@ def torch_reference(model_dir) -> dict:
     batch = make_batch()
     before = worker.compute_log_prob(batch)
     full = add_training_fields(batch, before["log_probs"])
+    settings = LossSettings(**(loss or {}))
     metrics = worker.update(
-        [MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))], LossSettings()
+        [MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))], settings
     )
     return {"before": before, "metrics": metrics, "weights": exported(worker)}
 
@@ -334,6 +336,16 @@ def test_tp1_matches_torch_worker(single_rank, reference):
 
 def test_tp2_matches_torch_worker(tmp_path, tiny_model_dir, reference):
     assert_matches_torch(megatron_result(tmp_path, tiny_model_dir, tp=2), reference)
+
+
+@pytest.mark.parametrize(
+    "loss", [{"policy_loss": "gspo", "loss_agg_mode": "seq-mean-token-mean"}, {"policy_loss": "cispo"}], ids=str
+)
+def test_other_policy_losses_on_megatron_tp2_match_the_torch_worker(tmp_path, tiny_model_dir, loss):
+    """The registry's losses run through the shared actor loss on both backends, exact at TP=2."""
+    assert_matches_torch(
+        megatron_result(tmp_path, tiny_model_dir, tp=2, loss=loss), torch_reference(tiny_model_dir, loss)
+    )
 
 
 def test_pp2_matches_torch_worker_and_single_rank(tmp_path, tiny_model_dir, reference, single_rank):
