@@ -64,12 +64,12 @@ class PolicyGroup:
         )
         # per optimizer step, the replicas' parts combine into one value (a SUM metric: each holds
         # its share of the mini-batch's), then the steps into the logged one
-        per_replica: dict[str, list[list[float]]] = {}
+        parts: dict[str, list[list[float]]] = {}
         for rank_metrics in (results[i] for i in self._leaders):
             for key, values in rank_metrics.items():
-                per_replica.setdefault(key, []).append(values)
+                parts.setdefault(key, []).append(values)
         return mn.combine_steps(
-            {key: [mn.combine_parts(key, parts) for parts in zip(*replicas)] for key, replicas in per_replica.items()}
+            {key: [mn.combine_parts(key, step) for step in zip(*replicas)] for key, replicas in parts.items()}
         )
 
     def export_weights(self, bucket_bytes: int) -> Iterator:
