@@ -199,9 +199,9 @@ def check_packing_matches_padding(worker, batch: dict[str, torch.Tensor], train_
 
     log_probs = []
     for packing in (False, True):
-        worker.options = replace(worker.options, sequence_packing=packing)
+        worker.layout = replace(worker.layout, sequence_packing=packing)
         log_probs.append(worker.compute_log_prob(batch)["log_probs"])
-    worker.options = replace(worker.options, sequence_packing=train_packed)
+    worker.layout = replace(worker.layout, sequence_packing=train_packed)
     mask = batch["response_mask"].bool()
     gap = float((log_probs[0] - log_probs[1])[mask].abs().mean())
     print(f"packing: mean |log-prob gap| packed vs padded {gap:.2e} over {int(mask.sum())} response tokens", flush=True)
@@ -253,9 +253,7 @@ def main() -> None:
     print(f"device: {device_name}; torch {torch.__version__}; transformer_engine importable: {have_te}")
     print(f"layer spec: {impl}; precision: {'fp8 hybrid / delayed scaling' if fp8 else 'bf16'}", flush=True)
 
-    from dataclasses import asdict
-
-    from nemo_dapo.config.schema import OptimConfig
+    from nemo_dapo.config.schema import MegatronConfig, OptimConfig
     from nemo_dapo.policy.base import LossSettings
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
@@ -275,14 +273,16 @@ def main() -> None:
         1,
         os.path.join(work, "rendezvous"),
         model_dir,
-        asdict(OptimConfig(lr=1e-6, warmup_steps=0)),
+        OptimConfig(lr=1e-6, warmup_steps=0),
+        MegatronConfig(
+            transformer_impl=impl,
+            fp8=fp8,
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+            sequence_packing=args.packing,
+        ),
         dtype="bfloat16",
         max_token_len=args.max_token_len,
-        transformer_impl=impl,
-        fp8=fp8,
-        overlap_grad_reduce=True,
-        overlap_param_gather=True,
-        sequence_packing=args.packing,
     )
     print(
         f"worker built in {time.perf_counter() - t0:.1f}s; device {worker.device}; "

@@ -54,11 +54,9 @@ def dapo_like_batch(rows: int, max_response: int, vocab: int, seed: int) -> dict
 
 
 def run_variant(variant: str, model_dir: str, args, out: str) -> None:
-    from dataclasses import asdict
-
     from logprob_memory import saved_bytes
 
-    from nemo_dapo.config.schema import OptimConfig
+    from nemo_dapo.config.schema import MegatronConfig, OptimConfig
     from nemo_dapo.policy.base import LossSettings, MiniBatch
     from nemo_dapo.policy.megatron import attention as megatron_attention
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
@@ -73,9 +71,9 @@ def run_variant(variant: str, model_dir: str, args, out: str) -> None:
         1,
         os.path.join(out, f"rdv_{variant}"),
         model_dir,
-        asdict(OptimConfig()),
+        OptimConfig(),
+        MegatronConfig(sequence_packing=variant.endswith("packed")),
         max_token_len=1 << 20,
-        sequence_packing=variant.endswith("packed"),
     )
     batch = dapo_like_batch(args.rows, args.max_response, 400, seed=0)
     micro = worker._micro_batches(batch)[0]

@@ -16,7 +16,6 @@ import json
 import shutil
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from step_breakdown import TreeMemory
@@ -24,7 +23,7 @@ from step_breakdown import TreeMemory
 from nemo_dapo.cluster.groups import PolicyGroup, RolloutGroup
 from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
 from nemo_dapo.cluster.worker_group import WorkerGroup
-from nemo_dapo.config.schema import OptimConfig
+from nemo_dapo.config.schema import MegatronConfig, OptimConfig
 from nemo_dapo.model.tiny import ensure_tiny_model
 
 
@@ -84,8 +83,8 @@ def main() -> None:
                 name="policy",
                 worker_kwargs={
                     "model_path": str(folder),
-                    "optim": asdict(OptimConfig()),
-                    "tensor_parallel_size": args.tp,
+                    "optim": OptimConfig(),
+                    "layout": MegatronConfig(tensor_model_parallel_size=args.tp),
                     "num_threads": 1,
                 },
             )

@@ -16,7 +16,6 @@ import os
 import resource
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch.multiprocessing as mp
@@ -24,7 +23,7 @@ from weight_sync import build_model
 
 
 def build_rank(rank: int, world_size: int, folder: str, out: str, pp: int, tp: int) -> None:
-    from nemo_dapo.config.schema import OptimConfig
+    from nemo_dapo.config.schema import MegatronConfig, OptimConfig
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
     start = time.perf_counter()
@@ -33,9 +32,8 @@ def build_rank(rank: int, world_size: int, folder: str, out: str, pp: int, tp: i
         world_size,
         os.path.join(out, "rdv"),
         folder,
-        asdict(OptimConfig()),
-        pipeline_parallel_size=pp,
-        tensor_parallel_size=tp,
+        OptimConfig(),
+        MegatronConfig(pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp),
         num_threads=1,
     )
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

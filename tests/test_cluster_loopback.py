@@ -2,7 +2,6 @@
 
 import ipaddress
 import os
-from dataclasses import asdict
 
 import psutil
 import pytest
@@ -55,7 +54,7 @@ def policy_group(model_dir, dp):
             name=f"actor_dp{dp}",
             worker_kwargs={
                 "model_path": str(model_dir),
-                "optim": asdict(OptimConfig(lr=1e-2, warmup_steps=0, clip_grad=1e9)),
+                "optim": OptimConfig(lr=1e-2, warmup_steps=0, clip_grad=1e9),
                 "max_token_len": 64,
             },
         )

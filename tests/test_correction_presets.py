@@ -1,7 +1,5 @@
 """Every rollout-correction preset runs a real training step (Ray + vLLM + torch worker) and logs its metrics."""
 
-from dataclasses import asdict
-
 import pytest
 import torch
 
@@ -36,7 +34,7 @@ def components(tiny_model_dir, tiny_tokenizer):
             TorchPolicyWorker,
             1,
             name="actor",
-            worker_kwargs={"model_path": cfg.model.path, "optim": asdict(cfg.actor.optim)},
+            worker_kwargs={"model_path": cfg.model.path, "optim": cfg.actor.optim},
         )
     )
     rollout = RolloutGroup(

@@ -156,16 +156,19 @@ def test_megatron_on_cpu_counts_processes():
 
 
 def test_every_megatron_field_reaches_the_worker():
-    """The layout and precision of the preset are what the worker is built with (nothing dropped)."""
+    """The worker is built from ``actor.megatron`` itself, and every field of it is read by the
+    Megatron backend (a field nobody reads would be a setting silently dropped)."""
     import inspect
     from dataclasses import fields
+    from pathlib import Path
 
+    from nemo_dapo.config.schema import MegatronConfig
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
-    from nemo_dapo.trainer.assembly import megatron_worker_kwargs
 
-    mg = load_config("dapo_qwen2.5_32b").actor.megatron
-    kwargs = megatron_worker_kwargs(mg)
-    assert set(kwargs) <= set(inspect.signature(MegatronPolicyWorker).parameters)
-    settings = {f.name: getattr(mg, f.name) for f in fields(mg)}
-    assert sorted(kwargs.values(), key=repr) == sorted(settings.values(), key=repr)
-    assert kwargs["transformer_impl"] == "transformer_engine" and kwargs["recompute_granularity"] == "full"
+    assert "layout" in inspect.signature(MegatronPolicyWorker).parameters
+    backend = Path(inspect.getfile(MegatronPolicyWorker)).parent
+    source = "".join(path.read_text() for path in backend.glob("*.py"))
+    unread = [f.name for f in fields(MegatronConfig) if f"layout.{f.name}" not in source]
+    assert not unread, f"actor.megatron fields the Megatron backend never reads: {unread}"
+    assembly = backend.parents[1] / "trainer" / "assembly.py"
+    assert 'kwargs["layout"] = cfg.actor.megatron' in assembly.read_text()

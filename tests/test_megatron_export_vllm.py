@@ -1,7 +1,6 @@
 """Weights exported by the Megatron worker drive vLLM to the same greedy output as the HF model."""
 
 import importlib.util
-from dataclasses import asdict
 
 import pytest
 import torch
@@ -49,7 +48,7 @@ def greedy_after_export(rank: int, world_size: int, model_dir: str, out_file: st
             for ids in prompts
         ]
 
-    worker = MegatronPolicyWorker(0, 1, out_file + ".store", model_dir, asdict(OptimConfig()))
+    worker = MegatronPolicyWorker(0, 1, out_file + ".store", model_dir, OptimConfig())
     exported = list(worker.export_weights(bucket_bytes=1 << 16))
     checkpoint = read_hf_weights(model_dir)  # the checkpoint's names (per-expert for MoE)
     if hf.config.tie_word_embeddings:

@@ -179,7 +179,7 @@ def test_start_up_knows_the_experts_of_a_local_model(overrides, message, moe_dir
 
 def megatron_run(tmp_path, model_dir, ep: int = 1, world_size: int = 1) -> dict:
     """The dense tests' run (log-probs, exports before and after one update), at EP = ``ep``."""
-    return megatron_result(tmp_path, model_dir, world_size=world_size, expert_parallel_size=ep)
+    return megatron_result(tmp_path, model_dir, world_size=world_size, expert_model_parallel_size=ep)
 
 
 def per_expert_names(weights: dict) -> dict:
@@ -238,7 +238,7 @@ def test_ep2_update_matches_ep1(ep2, ep1):
 
 def test_packed_ep2_matches_ep1(tmp_path, moe_dir, ep1, moe_reference):
     """Packed rows (THD, q/k norms, RoPE per row) through the all-to-all dispatcher at EP=2."""
-    packed = megatron_result(tmp_path, moe_dir, world_size=2, expert_parallel_size=2, sequence_packing=True)
+    packed = megatron_result(tmp_path, moe_dir, world_size=2, expert_model_parallel_size=2, sequence_packing=True)
     assert_same_update(packed, ep1)
     assert_matches_torch(packed, moe_reference)
 
@@ -257,7 +257,7 @@ def test_load_balancing_loss_is_normalised_per_routed_token_of_the_mini_batch(tm
     for name in ("one", "two", "off"):
         (tmp_path / name).mkdir()
     single = megatron_result(tmp_path / "one", moe_dir, **aux)
-    split = megatron_result(tmp_path / "two", moe_dir, world_size=2, expert_parallel_size=2, **aux)
+    split = megatron_result(tmp_path / "two", moe_dir, world_size=2, expert_model_parallel_size=2, **aux)
     assert_same_update(split, single)
     without = megatron_result(tmp_path / "off", moe_dir, padded=False)
     router = [name for name in single["weights"] if name.endswith("mlp.gate.weight")]

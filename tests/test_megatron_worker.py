@@ -6,7 +6,6 @@ the CPU compatibility patches never touch the pytest process.
 
 import importlib.util
 import os
-from dataclasses import asdict
 
 import pytest
 import torch
@@ -25,10 +24,24 @@ LR = 1e-2
 WARMUP = 2  # first step runs at lr / 2
 
 
-def optim_settings() -> dict:
+def optim_settings():
     from nemo_dapo.config.schema import OptimConfig
 
-    return asdict(OptimConfig(lr=LR, warmup_steps=WARMUP))
+    return OptimConfig(lr=LR, warmup_steps=WARMUP)
+
+
+def megatron_worker(rank: int, world_size: int, rendezvous: str, model_dir: str, **options):
+    """A MegatronPolicyWorker as the trainer builds it: ``actor.megatron`` fields (by their config
+    names) go into its MegatronConfig, the rest are the worker's own arguments."""
+    from dataclasses import fields
+
+    from nemo_dapo.config.schema import MegatronConfig
+    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
+
+    names = {f.name for f in fields(MegatronConfig)}
+    layout = MegatronConfig(**{k: v for k, v in options.items() if k in names})
+    rest = {k: v for k, v in options.items() if k not in names}
+    return MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, optim_settings(), layout, **rest)
 
 
 def make_batch(
@@ -79,19 +92,17 @@ def run_megatron_rank(
     from every rank, so the result is that of the whole batch.
     """
     from nemo_dapo.policy.base import LossSettings, MiniBatch
-    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
     torch.set_num_threads(1)
     options = {"max_token_len": 40, **options}
     loss = LossSettings(**options.pop("loss", {}))  # the policy loss and its aggregation
-    worker = MegatronPolicyWorker(
+    worker = megatron_worker(
         rank,
         world_size,
         rendezvous,
         model_dir,
-        optim_settings(),
-        tensor_parallel_size=tp,
-        pipeline_parallel_size=pp,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
         **options,
     )
     batch = make_batch(padded=padded)
@@ -235,40 +246,58 @@ def test_transformer_engine_names_round_trip():
     assert mm.to_local_names(te) == local
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusals")
-@pytest.mark.parametrize(
-    "options, tp, message",
-    [
-        ({"transformer_impl": "transformer_engine"}, 1, "needs a GPU"),
-        ({"fp8": "hybrid"}, 1, "fp8 training needs"),
-        ({"transformer_impl": "te"}, 1, "must be one of"),
-        ({"sequence_parallel": True}, 2, "sequence_parallel needs"),
-    ],
-)
-def test_gpu_only_options_are_refused_on_cpu(options, tp, message):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_transformer_engine_is_refused_on_a_rank_without_a_gpu():
+    """The one layer-spec check the config cannot make: is there a GPU on this rank."""
+    from nemo_dapo.config.schema import MegatronConfig
     from nemo_dapo.policy.megatron import model as mm
 
-    with pytest.raises(ValueError, match=message):
-        mm.TrainingOptions(**options).check(tp)
+    with pytest.raises(ValueError, match="transformer_impl=transformer_engine needs a GPU"):
+        mm.require_runtime(MegatronConfig(transformer_impl="transformer_engine"))
+    mm.require_runtime(MegatronConfig())
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["actor.megatron.fp8=hybrid"], r"actor\.megatron\.fp8.*needs transformer_impl=transformer_engine"),
+        (["actor.megatron.transformer_impl=te"], r"actor\.megatron\.transformer_impl.*te"),
+        (
+            ["actor.megatron.sequence_parallel=true", "actor.megatron.tensor_model_parallel_size=2"],
+            r"actor\.megatron\.sequence_parallel.*needs transformer_impl=transformer_engine",
+        ),
+    ],
+)
+def test_gpu_only_layer_options_are_refused_at_start_up(overrides, message):
+    """FP8 and sequence parallelism need TransformerEngine's layers: the config says so before any
+    rank starts (the worker trusts the validated config)."""
+    from nemo_dapo.config import load_config
+    from nemo_dapo.errors import ConfigError
+
+    base = ["actor.backend=megatron", "actor.num_workers=2"]
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny_cpu", base + overrides, placement=False)
 
 
 def test_recompute_fields():
+    from nemo_dapo.config.schema import MegatronConfig
     from nemo_dapo.policy.megatron import model as mm
 
-    assert mm.TrainingOptions(recompute_granularity="full").transformer_fields()["recompute_method"] == "uniform"
-    assert "recompute_granularity" not in mm.TrainingOptions().transformer_fields()
+    assert mm.layer_options(MegatronConfig(recompute_granularity="full"))["recompute_method"] == "uniform"
+    assert "recompute_granularity" not in mm.layer_options(MegatronConfig())
 
 
 def test_widths_are_padded_for_sequence_parallelism_and_fp8():
     """SP splits columns over TP; TransformerEngine's FP8 GEMMs need token counts divisible by 16."""
     from types import SimpleNamespace
 
+    from nemo_dapo.config.schema import MegatronConfig
     from nemo_dapo.policy.megatron import model as mm
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
     def multiple(tp: int, **options) -> int:
-        layout = SimpleNamespace(parallel=mm.Parallelism(tp), options=mm.TrainingOptions(**options))
-        return MegatronPolicyWorker.width_multiple.fget(layout)
+        worker = SimpleNamespace(parallel=mm.Parallelism(tp), layout=MegatronConfig(**options))
+        return MegatronPolicyWorker.width_multiple.fget(worker)
 
     assert multiple(8) == 1 and multiple(8, sequence_parallel=True) == 8
     assert multiple(1, fp8="hybrid") == 16 and multiple(6, sequence_parallel=True, fp8="hybrid") == 48
@@ -277,9 +306,9 @@ def test_widths_are_padded_for_sequence_parallelism_and_fp8():
 def test_right_padding_to_a_multiple_changes_no_log_prob(tmp_path, tiny_model_dir):
     """Sequence parallelism pads each micro-batch to a multiple of TP: masked columns after every
     real token, positions continued, and the response slice unchanged."""
-    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker, attention_mask_4d, pad_width
+    from nemo_dapo.policy.megatron.worker import attention_mask_4d, pad_width
 
-    worker = MegatronPolicyWorker(0, 1, str(tmp_path / "store"), str(tiny_model_dir), optim_settings())
+    worker = megatron_worker(0, 1, str(tmp_path / "store"), str(tiny_model_dir))
     micro = make_batch(rows=3)
     stats = []
     with torch.no_grad():
@@ -384,7 +413,7 @@ def test_virtual_pipeline_stages_match_single_rank(tmp_path, four_layers, four_l
     under Megatron's interleaved schedule (uniform micro-batches, filler rows masked out): the
     same log-probs, loss and update as one rank."""
     virtual = megatron_result(
-        tmp_path, four_layers, pp=2, virtual_pipeline_parallel_size=2, max_token_len=max_token_len
+        tmp_path, four_layers, pp=2, virtual_pipeline_model_parallel_size=2, max_token_len=max_token_len
     )
     assert_same_update(virtual, four_layers_single)
 
@@ -418,7 +447,7 @@ def test_context_parallel_matches_single_rank(tmp_path, tiny_model_dir, referenc
 def test_packed_interleaved_pipeline_matches_single_rank(tmp_path, four_layers, four_layers_single):
     """Interleaved stages with packing: packs of one width, filler packs up to a multiple of PP."""
     virtual = megatron_result(
-        tmp_path, four_layers, pp=2, virtual_pipeline_parallel_size=2, max_token_len=30, sequence_packing=True
+        tmp_path, four_layers, pp=2, virtual_pipeline_model_parallel_size=2, max_token_len=30, sequence_packing=True
     )
     assert_same_update(virtual, four_layers_single)
 
@@ -445,12 +474,9 @@ def test_recompute_and_plain_optimizer_give_the_same_update(tmp_path, tiny_model
 
 def run_frozen_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, out_dir: str) -> None:
     from nemo_dapo.policy.base import LossSettings
-    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
     torch.set_num_threads(1)
-    worker = MegatronPolicyWorker(
-        rank, world_size, rendezvous, model_dir, optim_settings(), max_token_len=40, trainable=False
-    )
+    worker = megatron_worker(rank, world_size, rendezvous, model_dir, max_token_len=40, trainable=False)
     with pytest.raises(RuntimeError, match="trainable=False") as refused:
         worker.update([], LossSettings())
     params = [p for model in worker.models for p in model.parameters()]
@@ -479,15 +505,13 @@ def run_overlap_rank(rank: int, world_size: int, rendezvous: str, model_dir: str
     """Two updates of 2 then 3 micro-batches per rank; the weights read straight after the last
     optimizer step (no forward in between), then the log-probs of the updated model."""
     from nemo_dapo.policy.base import LossSettings, MiniBatch
-    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
     torch.set_num_threads(1)
-    worker = MegatronPolicyWorker(
+    worker = megatron_worker(
         rank,
         world_size,
         rendezvous,
         model_dir,
-        optim_settings(),
         max_token_len=24,
         overlap_grad_reduce=overlap,
         overlap_param_gather=overlap,
@@ -558,10 +582,8 @@ def run_resume_rank(
 ) -> None:
     """Uninterrupted (save after step 1, then step 2) or resumed (load, then step 2) run; an
     asynchronous save is still being written while step 2 changes the weights."""
-    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
-
     torch.set_num_threads(1)
-    worker = MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, optim_settings(), max_token_len=40, **layout)
+    worker = megatron_worker(rank, world_size, rendezvous, model_dir, max_token_len=40, **layout)
     if resume:
         worker.load(checkpoint)
     else:
@@ -598,9 +620,9 @@ def resume_run(tmp_path, model_dir, world_size: int, layout: dict, resume: bool,
 @pytest.mark.parametrize(
     "model, layout, asynchronous",
     [
-        ("tiny_model_dir", {"tensor_parallel_size": 2}, False),
-        ("tiny_model_dir", {"tensor_parallel_size": 2}, True),
-        ("four_layers", {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}, False),
+        ("tiny_model_dir", {"tensor_model_parallel_size": 2}, False),
+        ("tiny_model_dir", {"tensor_model_parallel_size": 2}, True),
+        ("four_layers", {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, False),
         ("tiny_model_dir", {"context_parallel_size": 2, "sequence_packing": True}, False),
     ],
 )
@@ -622,12 +644,8 @@ def test_save_at_two_ranks_load_at_one_continues_like_uninterrupted_run(tmp_path
 
 
 def run_save_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, checkpoint: str) -> None:
-    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
-
     torch.set_num_threads(1)
-    worker = MegatronPolicyWorker(
-        rank, world_size, rendezvous, model_dir, optim_settings(), pipeline_parallel_size=world_size
-    )
+    worker = megatron_worker(rank, world_size, rendezvous, model_dir, pipeline_model_parallel_size=world_size)
     worker.save(checkpoint)
 
 

@@ -1,7 +1,5 @@
 """The torch policy worker and the vLLM engine agree, before and after a live weight update."""
 
-from dataclasses import asdict
-
 import pytest
 import torch
 
@@ -21,7 +19,7 @@ def engines(tiny_model_dir):
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
     engine = VLLMRolloutWorker(0, 1, "", str(tiny_model_dir), max_model_len=128)
-    policy = TorchPolicyWorker(0, 1, "", str(tiny_model_dir), asdict(OptimConfig(lr=1e-2, warmup_steps=0)))
+    policy = TorchPolicyWorker(0, 1, "", str(tiny_model_dir), OptimConfig(lr=1e-2, warmup_steps=0))
     return engine, policy
 
 
@@ -99,12 +97,12 @@ def test_torch_worker_checkpoint_restores_the_weights(family, request, tmp_path)
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
 
     model_dir = str(request.getfixturevalue(family))
-    saved = TorchPolicyWorker(0, 1, "", model_dir, asdict(OptimConfig()))
+    saved = TorchPolicyWorker(0, 1, "", model_dir, OptimConfig())
     with torch.no_grad():
         for param in saved.model.parameters():
             param.add_(torch.randn_like(param) * 0.01)  # not the weights a fresh worker starts from
     saved.save(str(tmp_path / "ckpt"))
-    loaded = TorchPolicyWorker(0, 1, "", model_dir, asdict(OptimConfig()))
+    loaded = TorchPolicyWorker(0, 1, "", model_dir, OptimConfig())
     loaded.load(str(tmp_path / "ckpt"))
     expected = saved.model.state_dict()
     assert all(torch.equal(t, expected[name]) for name, t in loaded.model.state_dict().items())

@@ -79,9 +79,7 @@ def real_batch():
 
 
 def megatron_log_probs(rank: int, world_size: int, rendezvous: str, model_dir: str, out_dir: str) -> None:
-    from dataclasses import asdict
-
-    from nemo_dapo.config.schema import OptimConfig
+    from nemo_dapo.config.schema import MegatronConfig, OptimConfig
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
     worker = MegatronPolicyWorker(
@@ -89,8 +87,8 @@ def megatron_log_probs(rank: int, world_size: int, rendezvous: str, model_dir: s
         world_size,
         rendezvous,
         model_dir,
-        asdict(OptimConfig()),
-        tensor_parallel_size=world_size,
+        OptimConfig(),
+        MegatronConfig(tensor_model_parallel_size=world_size),
         max_token_len=64,
         logits_chunk_tokens=7,
         trainable=False,

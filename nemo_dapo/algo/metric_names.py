@@ -11,6 +11,7 @@ another checks that a real run logs nothing outside it).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -184,7 +185,8 @@ def combine_steps(metric_lists: Mapping[str, Sequence[float]]) -> dict[str, floa
     for name, values in metric_lists.items():
         if len(values) == 0:
             continue
-        extreme = reduction(name) in (Reduce.MAX, Reduce.MIN)
-        values_ = torch.as_tensor([float(v) for v in values], dtype=torch.float64)
-        reduced[name] = combine_parts(name, values) if extreme else values_.mean().item()
+        if reduction(name) in (Reduce.MAX, Reduce.MIN):
+            reduced[name] = combine_parts(name, values)
+        else:
+            reduced[name] = math.fsum(float(v) for v in values) / len(values)
     return reduced

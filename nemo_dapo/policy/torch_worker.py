@@ -42,7 +42,7 @@ class TorchPolicyWorker:
         world_size: int,
         rendezvous: str,
         model_path: str,
-        optim: dict,
+        optim: OptimConfig,
         dtype: str = "float32",
         total_steps: int = 1000,
         max_token_len: int = 16384,
@@ -65,7 +65,7 @@ class TorchPolicyWorker:
         self.model.config.use_cache = False
         self.compute_dtype = DTYPES[dtype]
         self.chunk_tokens = logits_chunk_tokens or chunk_tokens_for(self.model.get_output_embeddings().weight.shape[0])
-        self.optim_cfg = OptimConfig(**optim)
+        self.optim_cfg = optim
         self.trainable = trainable
         self.model.requires_grad_(trainable)  # a reference model (trainable=False) never updates
         self.optimizer = torch.optim.AdamW(

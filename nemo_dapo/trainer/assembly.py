@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nemo_dapo.config import Config
-from nemo_dapo.config.schema import MegatronConfig
 from nemo_dapo.config.topology import is_colocated, needs_reference, policy_groups, total_optimizer_steps
 from nemo_dapo.config.validate import combination_notes, raise_problems, separate_groups_problems
 from nemo_dapo.model.builtin import resolve_builtin
@@ -32,28 +31,6 @@ def resolve_paths(cfg: Config) -> Config:
     )
 
 
-def megatron_worker_kwargs(layout: MegatronConfig) -> dict:
-    """``actor.megatron`` as MegatronPolicyWorker arguments."""
-    return {
-        "tensor_parallel_size": layout.tensor_model_parallel_size,
-        "pipeline_parallel_size": layout.pipeline_model_parallel_size,
-        "context_parallel_size": layout.context_parallel_size,
-        "virtual_pipeline_parallel_size": layout.virtual_pipeline_model_parallel_size,
-        "expert_parallel_size": layout.expert_model_parallel_size,
-        "transformer_impl": layout.transformer_impl,
-        "fp8": layout.fp8,
-        "fp8_recipe": layout.fp8_recipe,
-        "sequence_parallel": layout.sequence_parallel,
-        "recompute_granularity": layout.recompute_granularity,
-        "use_distributed_optimizer": layout.use_distributed_optimizer,
-        "overlap_grad_reduce": layout.overlap_grad_reduce,
-        "overlap_param_gather": layout.overlap_param_gather,
-        "ddp_bucket_size": layout.ddp_bucket_size,
-        "moe_aux_loss_coeff": layout.moe_aux_loss_coeff,
-        "sequence_packing": layout.sequence_packing,
-    }
-
-
 def workers_per_node(cfg: Config, num_workers: int, gpus_per_worker: int = 1) -> int:
     """Workers of one group that compute at the same time on one node: the whole group on a CPU
     machine, one per ``gpus_per_worker`` GPUs of a node on GPU nodes."""
@@ -70,7 +47,7 @@ def _policy_group(
 
     kwargs = {
         "model_path": cfg.model.path,
-        "optim": asdict(cfg.actor.optim),
+        "optim": cfg.actor.optim,
         "dtype": cfg.model.dtype,
         "total_steps": total_optimizer_steps,
         "max_token_len": cfg.actor.max_token_len_per_micro_batch,
@@ -85,7 +62,7 @@ def _policy_group(
         from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
         worker_cls = MegatronPolicyWorker
-        kwargs.update(megatron_worker_kwargs(cfg.actor.megatron))
+        kwargs["layout"] = cfg.actor.megatron
     else:
         from nemo_dapo.policy.torch_worker import TorchPolicyWorker
 

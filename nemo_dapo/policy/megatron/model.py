@@ -8,6 +8,7 @@ gathers one parameter over TP (experts over expert TP and EP) for the streaming 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nemo_dapo.config.schema import MegatronConfig
 from nemo_dapo.policy.megatron import convert as convert
 from nemo_dapo.policy.megatron.cpu_compat import define_router_gemm_without_te
 
@@ -31,6 +33,16 @@ class Parallelism:
     @property
     def chunks_per_rank(self) -> int:
         return self.virtual or 1
+
+    @classmethod
+    def of(cls, layout: MegatronConfig) -> Parallelism:
+        return cls(
+            layout.tensor_model_parallel_size,
+            layout.pipeline_model_parallel_size,
+            layout.expert_model_parallel_size,
+            layout.virtual_pipeline_model_parallel_size,
+            layout.context_parallel_size,
+        )
 
 
 def chunk_index(vp_stage: int) -> int:
@@ -77,85 +89,50 @@ def rope_theta(hf_config) -> float:
     return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
 
-TRANSFORMER_IMPLS = ("local", "transformer_engine")
-
-
-@dataclass(frozen=True)
-class TrainingOptions:
-    """How the layers compute (``actor.megatron`` in the config): layer implementation, FP8,
-    sequence parallelism and activation recompute. Only ``local`` without SP runs on a CPU."""
-
-    transformer_impl: str = "local"
-    fp8: str | None = None  # 'hybrid' | 'e4m3': FP8 GEMMs, weights and optimizer state stay in dtype / fp32
-    fp8_recipe: str = "delayed"
-    sequence_parallel: bool = False
-    recompute_granularity: str | None = None  # 'full' (every layer) | 'selective' (attention core)
-    moe_aux_loss_coeff: float = 0.0  # router load-balancing loss (MoE models); 0 = off
-    sequence_packing: bool = False  # micro-batch rows end to end, attended row by row (THD)
-
-    def check(self, tensor_parallel: int, context_parallel: int = 1) -> None:
-        """TransformerEngine (and so FP8 and SP, whose norms need TE's) needs a GPU and the package;
-        context parallelism splits packed rows."""
-        if context_parallel > 1 and not self.sequence_packing:
-            raise ValueError("context parallelism splits packed rows: it needs sequence_packing=True")
-        if self.transformer_impl not in TRANSFORMER_IMPLS:
-            raise ValueError(f"transformer_impl must be one of {TRANSFORMER_IMPLS}, not {self.transformer_impl!r}")
-        if self.transformer_impl == "transformer_engine" and not torch.cuda.is_available():
-            raise ValueError("transformer_impl='transformer_engine' needs a GPU; use 'local' on the CPU")
-        if self.fp8 and self.transformer_impl != "transformer_engine":
-            raise ValueError("fp8 training needs transformer_impl='transformer_engine'")
-        if self.sequence_parallel and (self.transformer_impl != "transformer_engine" or tensor_parallel == 1):
-            raise ValueError(
-                "sequence_parallel needs transformer_impl='transformer_engine' and tensor_model_parallel_size > 1"
-            )
-        if self.moe_aux_loss_coeff < 0:
-            raise ValueError(f"moe_aux_loss_coeff must be >= 0, not {self.moe_aux_loss_coeff}")
-
-    def transformer_fields(self) -> dict:
-        """The TransformerConfig fields these options set."""
-        choices: dict[str, dict[str, Any]] = {
-            "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
-            "selective": {"recompute_granularity": "selective"},
-        }
-        recompute = choices.get(self.recompute_granularity or "", {})
-        return {
-            "fp8": self.fp8,
-            "fp8_recipe": self.fp8_recipe,
-            "sequence_parallel": self.sequence_parallel,
-            **recompute,
-        }
-
-
-@dataclass(frozen=True)
-class GradientSync:
-    """How gradients and parameters travel over data parallelism (``actor.megatron``): the
-    distributed optimizer, and overlapping its reduce-scatter with the backward and its parameter
-    all-gather with the next forward. Both overlaps also run over gloo on the CPU."""
-
-    use_distributed_optimizer: bool = True
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
-    bucket_size: int | None = None  # parameters per communication bucket; None = Megatron's default
-
-    def check(self) -> None:
-        if self.overlap_param_gather and not self.use_distributed_optimizer:
-            raise ValueError(
-                "overlap_param_gather needs use_distributed_optimizer=true (only the distributed "
-                "optimizer gathers parameters)"
-            )
-        if self.bucket_size is not None and self.bucket_size <= 0:
-            raise ValueError(f"ddp_bucket_size must be a positive number of parameters, not {self.bucket_size}")
-
-    def ddp_config(self):
-        from megatron.core.distributed import DistributedDataParallelConfig
-
-        return DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            use_distributed_optimizer=self.use_distributed_optimizer,
-            overlap_grad_reduce=self.overlap_grad_reduce,
-            overlap_param_gather=self.overlap_param_gather,
-            bucket_size=self.bucket_size,
+def require_runtime(layout: MegatronConfig) -> None:
+    """What the config cannot know (it validated every combination at start-up): TransformerEngine
+    needs a GPU on this rank and the package installed."""
+    if layout.transformer_impl != "transformer_engine":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "actor.megatron.transformer_impl=transformer_engine needs a GPU on every training rank; "
+            "use local on the CPU"
         )
+    if importlib.util.find_spec("transformer_engine") is None:
+        raise ValueError(
+            "actor.megatron.transformer_impl=transformer_engine: the transformer_engine package is not "
+            "installed here (use the GPU container, or transformer_impl=local)"
+        )
+
+
+def layer_options(layout: MegatronConfig) -> dict[str, Any]:
+    """The TransformerConfig fields ``actor.megatron`` sets: FP8, sequence parallelism, recompute."""
+    recompute: dict[str, dict[str, Any]] = {
+        "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        "selective": {"recompute_granularity": "selective"},
+    }
+    return {
+        "fp8": layout.fp8,
+        "fp8_recipe": layout.fp8_recipe,
+        "sequence_parallel": layout.sequence_parallel,
+        **recompute.get(layout.recompute_granularity or "", {}),
+    }
+
+
+def ddp_config(layout: MegatronConfig):
+    """Megatron DDP's settings from ``actor.megatron``: the distributed optimizer and the overlap of
+    its reduce-scatter with the backward and of its all-gather with the next forward (both also run
+    over gloo on the CPU). Gradients are reduced in fp32."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=layout.use_distributed_optimizer,
+        overlap_grad_reduce=layout.overlap_grad_reduce,
+        overlap_param_gather=layout.overlap_param_gather,
+        bucket_size=layout.ddp_bucket_size,
+    )
 
 
 def check_expert_layout(shape: convert.ModelShape, parallel: Parallelism, sequence_parallel: bool) -> None:
@@ -203,22 +180,22 @@ def moe_settings(hf_config, shape: convert.ModelShape, aux_loss_coeff: float = 0
     )
 
 
-def transformer_config(
-    hf_config, parallel: Parallelism, dtype: torch.dtype, options: TrainingOptions = TrainingOptions()
-):
+def transformer_config(hf_config, dtype: torch.dtype, layout: MegatronConfig | None = None):
     """The TransformerConfig equivalent of a Qwen2 / Qwen3 / Llama / Qwen3-MoE HF config (no fusions).
 
-    ``options`` add FP8, sequence parallelism and recompute (:class:`TrainingOptions`). Experts are
-    tensor-parallel over the TP ranks (Megatron's default expert TP size).
+    ``layout`` (``actor.megatron``) gives the parallel sizes, FP8, sequence parallelism, recompute
+    and the router loss. Experts are tensor-parallel over the TP ranks (Megatron's default expert TP).
     """
     from megatron.core.transformer import TransformerConfig
 
+    layout = layout or MegatronConfig()
+    parallel = Parallelism.of(layout)
     shape = convert.ModelShape.from_hf_config(hf_config)
-    check_expert_layout(shape, parallel, options.sequence_parallel)
+    check_expert_layout(shape, parallel, layout.sequence_parallel)
     on_cpu = not torch.cuda.is_available()
     qkv_bias = hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
     return TransformerConfig(
-        **moe_settings(hf_config, shape, options.moe_aux_loss_coeff),
+        **moe_settings(hf_config, shape, layout.moe_aux_loss_coeff),
         qk_layernorm=shape.qk_layernorm,
         num_layers=shape.num_layers,
         hidden_size=hf_config.hidden_size,
@@ -259,7 +236,7 @@ def transformer_config(
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
-        **options.transformer_fields(),
+        **layer_options(layout),
     )
 
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.algo.logprob import chunk_tokens_for
-from nemo_dapo.config.schema import OptimConfig
+from nemo_dapo.config.schema import MegatronConfig, OptimConfig
 from nemo_dapo.policy.actor_loss import actor_loss
 from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, require_trainable
 from nemo_dapo.policy.lr_schedule import lr_lambda
@@ -91,58 +91,27 @@ class MegatronPolicyWorker:
         world_size: int,
         rendezvous: str,
         model_path: str,
-        optim: dict,
+        optim: OptimConfig,
+        layout: MegatronConfig | None = None,
         dtype: str = "float32",
         total_steps: int = 1000,
         max_token_len: int = 16384,
         seed: int = 1,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        expert_parallel_size: int = 1,
-        virtual_pipeline_parallel_size: int | None = None,
-        context_parallel_size: int = 1,
         num_threads: int | None = None,
         workers_per_node: int | None = None,
-        transformer_impl: str = "local",
-        fp8: str | None = None,
-        fp8_recipe: str = "delayed",
-        sequence_parallel: bool = False,
-        recompute_granularity: str | None = None,
-        use_distributed_optimizer: bool = True,
-        overlap_grad_reduce: bool = False,
-        overlap_param_gather: bool = False,
-        ddp_bucket_size: int | None = None,
-        moe_aux_loss_coeff: float = 0.0,
-        sequence_packing: bool = False,
         logits_chunk_tokens: int | None = None,
         trainable: bool = True,
     ) -> None:
+        """``layout`` is ``actor.megatron`` (validated with the whole config at start-up; only what
+        the config cannot know, a GPU and TransformerEngine here, is checked on the rank)."""
         from transformers import AutoConfig
 
         use_cpu_threads(num_threads, workers_per_node or world_size, f"Megatron policy worker {rank}")
-        self.options = mm.TrainingOptions(
-            transformer_impl,
-            fp8,
-            fp8_recipe,
-            sequence_parallel,
-            recompute_granularity,
-            moe_aux_loss_coeff,
-            sequence_packing,
-        )
-        self.options.check(tensor_parallel_size, context_parallel_size)
-        self.sync = mm.GradientSync(
-            use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather, ddp_bucket_size
-        )
-        self.sync.check()
+        self.layout = layout = layout or MegatronConfig()
+        mm.require_runtime(layout)
         enable_cpu_compat()  # no-op when a GPU is present
         self.rank, self.world_size = rank, world_size
-        self.parallel = mm.Parallelism(
-            tensor_parallel_size,
-            pipeline_parallel_size,
-            expert_parallel_size,
-            virtual_pipeline_parallel_size,
-            context_parallel_size,
-        )
+        self.parallel = mm.Parallelism.of(layout)
         mm.init_distributed(rank, world_size, rendezvous, self.parallel, seed)
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -150,12 +119,12 @@ class MegatronPolicyWorker:
         torch.manual_seed(seed + rank)
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.shape = ModelShape.from_hf_config(self.hf_config)
-        self.config = mm.transformer_config(self.hf_config, self.parallel, DTYPES[dtype], self.options)
+        self.config = mm.transformer_config(self.hf_config, DTYPES[dtype], layout)
         self.config.finalize_model_grads_func = finalize_grads_without_token_scaling
-        self.optim_cfg = OptimConfig(**optim)
+        self.optim_cfg = optim
         self.lr_factor = lr_lambda(self.optim_cfg, total_steps)
         self.max_token_len = max_token_len
-        columns = mm.padded_vocab_size(self.shape.vocab_size, tensor_parallel_size) // tensor_parallel_size
+        columns = mm.padded_vocab_size(self.shape.vocab_size, self.parallel.tensor) // self.parallel.tensor
         self.chunk_tokens = logits_chunk_tokens or chunk_tokens_for(columns)
         self.output: DeferredOutputLayer | None = None  # set by _build on the last pipeline stage
         self.steps_done = 0
@@ -180,7 +149,7 @@ class MegatronPolicyWorker:
                 mm.read_hf_weights(model_path, mm.chunk_needs(self.shape, vp_stage)), self.shape, self.parallel.tensor
             )
             model = mm.build_gpt_model(
-                self.hf_config, self.config, self.options.transformer_impl, vp_stage if self.parallel.virtual else None
+                self.hf_config, self.config, self.layout.transformer_impl, vp_stage if self.parallel.virtual else None
             )
             # as Megatron's get_model + Float16Module: every parameter on this rank's device, in the
             # training dtype (the torch-norm fallback of the local spec is built on the CPU in fp32)
@@ -196,7 +165,7 @@ class MegatronPolicyWorker:
         first chunk's gradient reduction is bucketed)."""
         from megatron.core.distributed import DistributedDataParallel
 
-        ddp_config = self.sync.ddp_config()
+        ddp_config = mm.ddp_config(self.layout)
         return [
             DistributedDataParallel(self.config, ddp_config, model, disable_bucketing=vp_stage > 0)
             for vp_stage, model in enumerate(self.models)
@@ -206,7 +175,7 @@ class MegatronPolicyWorker:
         """The schedule's hooks for overlapped gradient reduction (as Megatron's training loop): no
         reduction before the last micro-batch, then each chunk's reduction started as soon as its
         backward ends. Overlapped parameter gathers need none: DDP's forward pre-hooks run them."""
-        if not self.sync.overlap_grad_reduce:
+        if not self.layout.overlap_grad_reduce:
             return
 
         def per_chunk(method: str):
@@ -219,7 +188,7 @@ class MegatronPolicyWorker:
     def gather_params(self) -> None:
         """With overlapped parameter gathers, the other ranks' shards of an update arrive in the next
         forward; readers of the weights outside a forward (export, checkpoint) gather them now."""
-        if self.trainable and self.sync.overlap_param_gather:
+        if self.trainable and self.layout.overlap_param_gather:
             for chunk in self.chunks:
                 chunk.start_param_sync(force_sync=True)
 
@@ -235,7 +204,7 @@ class MegatronPolicyWorker:
             adam_beta2=cfg.betas[1],
             adam_eps=cfg.eps,
             clip_grad=cfg.clip_grad,
-            use_distributed_optimizer=self.sync.use_distributed_optimizer,
+            use_distributed_optimizer=self.layout.use_distributed_optimizer,
             params_dtype=self.config.params_dtype,
             bf16=self.config.bf16,
             fp16=self.config.fp16,
@@ -311,7 +280,7 @@ class MegatronPolicyWorker:
         """Token-budget micro-batches (packed ones with ``sequence_packing``); with interleaved stages,
         a multiple of PP of them, all of one shape (Megatron's interleaved schedule runs them in
         groups of PP and sends fixed shapes)."""
-        if self.options.sequence_packing:
+        if self.layout.sequence_packing:
             return self._packs(batch)
         if self.parallel.virtual:
             return uniform_micro_batches(batch, self.max_token_len, self.parallel.pipeline)
@@ -340,7 +309,7 @@ class MegatronPolicyWorker:
     def width_multiple(self) -> int:
         """Widths are padded to a multiple of TP with sequence parallelism (it splits the columns over
         TP) and of 16 with FP8 (TransformerEngine's FP8 GEMMs need token counts divisible by 16)."""
-        return math.lcm(self.parallel.tensor if self.options.sequence_parallel else 1, 16 if self.options.fp8 else 1)
+        return math.lcm(self.parallel.tensor if self.layout.sequence_parallel else 1, 16 if self.layout.fp8 else 1)
 
     def model_shape(self, micro: dict[str, torch.Tensor]) -> tuple[int, int]:
         """(rows, width) of this micro-batch's model inputs: one row for a pack, else the width
@@ -357,7 +326,7 @@ class MegatronPolicyWorker:
         form, whose row boundaries keep each row's attention (and RoPE positions) to itself."""
         if PACKED_IDS not in micro:
             tokens, positions, mask = pad_width(micro, self.width_multiple)
-            te = self.options.transformer_impl == "transformer_engine"
+            te = self.layout.transformer_impl == "transformer_engine"
             return {
                 "input_ids": tokens,
                 "position_ids": positions,
@@ -370,7 +339,7 @@ class MegatronPolicyWorker:
         # TransformerEngine's kernels take them on the device
         bounds = micro["cu_seqlens"].cpu()
         longest = int((bounds[1:] - bounds[:-1]).max())
-        te = self.options.transformer_impl == "transformer_engine"
+        te = self.layout.transformer_impl == "transformer_engine"
         cu_seqlens = micro["cu_seqlens"] if te else bounds
         tokens, positions = micro[PACKED_IDS], micro["packed_positions"]
         if "cp_index" in micro:  # this rank's share of the pack; the boundaries stay those of the whole pack
