@@ -1,17 +1,20 @@
 # `make train` runs the embedded default (tiny CPU DAPO); `make test` runs the test suite.
 # Both create .venv on first use (python3.11) and refresh it when pyproject.toml changes.
 VENV ?= .venv
-EXTRAS ?= test,rollout,cluster,megatron,launch,gguf
+# tools/cpu-lock.txt pins the environment of these extras; other EXTRAS resolve afresh
+LOCKED_EXTRAS := test,rollout,cluster,megatron,launch,gguf,loggers
+EXTRAS ?= $(LOCKED_EXTRAS)
+LOCK := $(if $(filter $(LOCKED_EXTRAS),$(EXTRAS)),tools/cpu-lock.txt)
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)-$(EXTRAS)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | sha1sum | cut -c1-12)-$(EXTRAS)
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: venv train test selfcheck
+.PHONY: venv train test selfcheck lock
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml tools/bootstrap.sh
-	bash tools/bootstrap.sh $(VENV) $(EXTRAS)
+$(STAMP): pyproject.toml tools/bootstrap.sh $(LOCK)
+	bash tools/bootstrap.sh $(VENV) $(EXTRAS) $(LOCK)
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -20,3 +23,10 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Re-resolve pyproject.toml in a scratch venv and record it in tools/cpu-lock.txt (then run `make test`)
+lock:
+	rm -rf .venv-lock
+	bash tools/bootstrap.sh .venv-lock $(LOCKED_EXTRAS)
+	.venv-lock/bin/python tools/env_lock.py write
+	rm -rf .venv-lock

@@ -1,9 +1,5 @@
 """Ray worker groups on loopback: calls fan out in rank order, DP ranks agree, nothing listens off loopback."""
 
-import ipaddress
-import os
-
-import psutil
 import pytest
 import torch
 
@@ -11,6 +7,7 @@ from nemo_dapo.config.schema import OptimConfig
 from nemo_dapo.policy.base import LossSettings
 from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.trainer.batching import build_rollout_batch
+from tests.listeners import is_loopback, our_listeners
 
 
 @pytest.fixture(scope="module")
@@ -19,27 +16,6 @@ def ray_cluster():
 
     yield init_ray(num_cpus=4)
     shutdown_ray()
-
-
-def descendant_pids() -> set[int]:
-    me = psutil.Process(os.getpid())
-    return {me.pid} | {child.pid for child in me.children(recursive=True)}
-
-
-def is_loopback(ip: str) -> bool:
-    address = ipaddress.ip_address(ip)
-    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 is IPv4 loopback seen from IPv6
-    return (mapped or address).is_loopback
-
-
-def our_listeners() -> list[tuple[str, str]]:
-    """(address, 'pid name:port') of every listening socket of this test process and its descendants."""
-    ours = descendant_pids()
-    return [
-        (conn.laddr.ip, f"pid {conn.pid} ({psutil.Process(conn.pid).name()}) port {conn.laddr.port}")
-        for conn in psutil.net_connections(kind="inet")
-        if conn.status == psutil.CONN_LISTEN and conn.pid in ours
-    ]
 
 
 def policy_group(model_dir, dp):

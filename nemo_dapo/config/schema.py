@@ -432,7 +432,8 @@ class TrainerConfig:
         help="async: the oldest policy lag (versions) a trajectory may have; older ones "
         "are dropped and their prompts reissued.",
     )
-    experiment_name: str = setting("dapo", help="Name in logs and TensorBoard.")
+    project_name: str = setting("nemo-dapo", help="W&B project and MLflow experiment the run logs into.")
+    experiment_name: str = setting("dapo", help="Run name in TensorBoard, W&B and MLflow.")
     output_dir: str = setting("outputs/dapo", help="Checkpoints, logs, TensorBoard events and summary.json.")
     total_epochs: int = setting(1, help="Passes over the training prompts.")
     total_training_steps: Optional[int] = setting(None, help="Training steps; null: total_epochs x steps per epoch.")
@@ -449,7 +450,21 @@ class TrainerConfig:
     val_before_train: bool = setting(True, help="Validate once before the first step (the baseline).")
     seed: int = setting(1, help="Seed of model init, sampling and shuffling.")
     loggers: list[str] = setting(
-        factory=lambda: ["console", "tensorboard"], choices=("console", "tensorboard"), help="Metric sinks."
+        factory=lambda: ["console", "tensorboard"],
+        choices=("console", "tensorboard", "wandb", "mlflow"),
+        help="Metric sinks (metrics.jsonl is always written). wandb and mlflow need the "
+        "'loggers' extra; a resumed run continues their runs.",
+    )
+    wandb_mode: Optional[str] = setting(
+        None,
+        choices=(None, "online", "offline"),
+        help="W&B mode; offline writes to output_dir/wandb with no network (upload later with "
+        "`wandb sync`). null: W&B's own default (WANDB_MODE, else online).",
+    )
+    mlflow_tracking_uri: Optional[str] = setting(
+        None,
+        help="MLflow store (a server URL or sqlite:///file.db). null: MLFLOW_TRACKING_URI, "
+        "else sqlite:///<output_dir>/mlflow.db.",
     )
     nnodes: int = setting(1, help="Nodes of the job.")
     n_gpus_per_node: int = setting(8, help="GPUs per node; 0: CPU mode (workers are plain processes).")

@@ -164,7 +164,9 @@ def run_training(cfg: Config) -> dict:
     from nemo_dapo.data import RLDataset
     from nemo_dapo.reward.manager import RewardManager
     from nemo_dapo.trainer.fit import DAPOTrainer
+    from nemo_dapo.trainer.sinks import missing_packages
 
+    raise_problems(missing_packages(cfg.trainer.loggers))
     cfg = resolve_paths(cfg)
     for note in combination_notes(cfg):
         log.info(note)

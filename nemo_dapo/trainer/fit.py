@@ -12,6 +12,7 @@ import logging
 import random
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,7 @@ from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.trainer.batching import build_rollout_batch
 from nemo_dapo.trainer.checkpoint import CheckpointManager
 from nemo_dapo.trainer.preemption import Preempted, PreemptionSignals, record_preemption
+from nemo_dapo.trainer.sinks import SinkContext
 from nemo_dapo.trainer.stages import (
     add_advantages,
     add_overlong_filter,
@@ -89,7 +91,17 @@ class DAPOTrainer:
         self.cfg, self.policy, self.rollout, self.ref_policy = cfg, policy, rollout, ref_policy
         self.tokenizer, self.train_data, self.val_data, self.reward = tokenizer, train_data, val_data, reward
         self.output_dir = Path(cfg.trainer.output_dir)
-        self.tracker = Tracker(self.output_dir, cfg.trainer.loggers, cfg.trainer.experiment_name)
+        self.tracker = Tracker(
+            cfg.trainer.loggers,
+            SinkContext(
+                self.output_dir,
+                cfg.trainer.project_name,
+                cfg.trainer.experiment_name,
+                asdict(cfg),
+                cfg.trainer.wandb_mode,
+                cfg.trainer.mlflow_tracking_uri,
+            ),
+        )
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", cfg.checkpoint.keep_last)
         self.pending_checkpoint: Path | None = None  # staged, its sharded state still being written
         filtering = cfg.algorithm.filter_groups

@@ -1,60 +1,34 @@
-"""Metric sinks: TensorBoard event files, a JSON-lines log, and the console."""
+"""The metric log of a run (a JSON-lines file and the configured sinks) and per-stage timers."""
 
 from __future__ import annotations
 
 import json
-import logging
 import math
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
-from nemo_dapo.algo import metric_names as mn
-
-log = logging.getLogger("nemo_dapo")
+from nemo_dapo.trainer.sinks import SINKS, SinkContext
 
 
 class Tracker:
-    """Writes every step's metrics to ``<output_dir>/tensorboard`` and ``metrics.jsonl``."""
+    """Writes every step's finite metrics to ``<output_dir>/metrics.jsonl`` and to the sinks
+    named in ``trainer.loggers`` (:mod:`~nemo_dapo.trainer.sinks`)."""
 
-    def __init__(self, output_dir: str | Path, loggers: list[str], experiment_name: str) -> None:
-        self.output_dir = Path(output_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.console = "console" in loggers
-        self.writer = None
-        if "tensorboard" in loggers:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=str(self.output_dir / "tensorboard" / experiment_name))
-        self._jsonl = open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8")
+    def __init__(self, loggers: list[str], context: SinkContext) -> None:
+        context.output_dir.mkdir(parents=True, exist_ok=True)
+        self.sinks = [SINKS[name](context) for name in loggers]
+        self._jsonl = open(context.output_dir / "metrics.jsonl", "a", encoding="utf-8")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         finite = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-        if self.writer is not None:
-            for key, value in finite.items():
-                self.writer.add_scalar(key, value, step)
-            self.writer.flush()
         self._jsonl.write(json.dumps({"step": step, "time": time.time(), **finite}) + "\n")
         self._jsonl.flush()
-        if self.console:
-            shown = {
-                k: v
-                for k, v in finite.items()
-                if k.startswith(
-                    (
-                        mn.SCORE["mean"].name,
-                        "val-core/",
-                        mn.NUM_GEN_BATCHES.name,
-                        mn.TIME_PER_STEP.name,
-                        mn.PG_LOSS.name,
-                    )
-                )
-            }
-            log.info("step %d: %s", step, " ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items())))
+        for sink in self.sinks:
+            sink.log(finite, step)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for sink in self.sinks:
+            sink.close()
         self._jsonl.close()
 
 

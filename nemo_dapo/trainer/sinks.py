@@ -1,0 +1,186 @@
+"""Where a step's metrics go (``trainer.loggers``): TensorBoard, the console, Weights & Biases,
+MLflow. Each sink is built by name from :data:`SINKS`; ``metrics.jsonl`` is always written beside.
+
+A resumed run (same ``trainer.output_dir``) continues the W&B run and the MLflow run it started:
+their ids are kept in ``<output_dir>/logger_runs.json``. W&B and MLflow are the optional
+``loggers`` extra (``pip install 'nemo-dapo[loggers]'``); start-up refuses them when missing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from nemo_dapo.algo import metric_names as mn
+
+log = logging.getLogger("nemo_dapo")
+
+# what the console's one line per step shows (every metric is in TensorBoard and metrics.jsonl)
+CONSOLE_PREFIXES = (mn.SCORE["mean"].name, "val-core/", mn.NUM_GEN_BATCHES.name, mn.TIME_PER_STEP.name, mn.PG_LOSS.name)
+
+
+@dataclass
+class SinkContext:
+    """What a sink needs to open its run."""
+
+    output_dir: Path
+    project_name: str
+    experiment_name: str
+    run_config: dict[str, Any] = field(default_factory=dict)  # the whole config, nested
+    wandb_mode: str | None = None
+    mlflow_tracking_uri: str | None = None
+
+    def remembered_run(self, sink: str) -> str | None:
+        """The id this output folder's earlier run used with ``sink`` (None: a new run)."""
+        path = self.output_dir / "logger_runs.json"
+        return json.loads(path.read_text()).get(sink) if path.is_file() else None
+
+    def remember_run(self, sink: str, run_id: str) -> None:
+        path = self.output_dir / "logger_runs.json"
+        runs = json.loads(path.read_text()) if path.is_file() else {}
+        path.write_text(json.dumps({**runs, sink: run_id}, indent=1) + "\n")
+
+
+class MetricSink(Protocol):
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def flat_settings(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``{"actor": {"clip_ratio_high": 0.28}}`` as ``("actor.clip_ratio_high", 0.28)``: the keys
+    users set on the command line."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from flat_settings(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+class ConsoleSink:
+    def __init__(self, context: SinkContext) -> None:
+        pass
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        shown = {k: v for k, v in metrics.items() if k.startswith(CONSOLE_PREFIXES)}
+        log.info("step %d: %s", step, " ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items())))
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardSink:
+    def __init__(self, context: SinkContext) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(context.output_dir / "tensorboard" / context.experiment_name))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """A W&B run in ``<output_dir>/wandb``, named after the experiment, with the whole config.
+    ``trainer.wandb_mode=offline`` needs no network (``wandb sync`` uploads it later)."""
+
+    def __init__(self, context: SinkContext) -> None:
+        import wandb
+
+        run_id = context.remembered_run("wandb")
+        self.run = wandb.init(
+            project=context.project_name,
+            name=context.experiment_name,
+            dir=str(context.output_dir),
+            config=context.run_config,
+            mode=context.wandb_mode,  # type: ignore[arg-type]  # the schema allows only online | offline | null
+            id=run_id,
+            resume="allow" if run_id else None,
+        )
+        context.remember_run("wandb", self.run.id)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def mlflow_metric_name(name: str) -> str:
+    """MLflow allows letters, digits, ``_ - . / : `` and spaces: ``val-core/x/acc/mean@4`` is
+    logged as ``val-core/x/acc/mean_at_4``."""
+    return re.sub(r"[^/\w.\- :]", "_", name.replace("@", "_at_"))
+
+
+class MlflowSink:
+    """An MLflow run in experiment ``trainer.project_name``, named after the experiment, with
+    every config setting as a parameter. The store is ``trainer.mlflow_tracking_uri``, else
+    ``MLFLOW_TRACKING_URI``, else ``sqlite:///<output_dir>/mlflow.db`` (MLflow's local default)."""
+
+    def __init__(self, context: SinkContext) -> None:
+        import os
+
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        local = f"sqlite:///{(context.output_dir / 'mlflow.db').resolve()}"
+        uri = context.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or local
+        self.client = MlflowClient(tracking_uri=uri)
+        self.run_id = context.remembered_run("mlflow") or self._new_run(context)
+        context.remember_run("mlflow", self.run_id)
+        if not self.client.get_run(self.run_id).data.params:
+            params = [Param(k, str(v)[:6000]) for k, v in flat_settings(context.run_config)]
+            for start in range(0, len(params), 100):  # MLflow takes at most 100 per batch
+                self.client.log_batch(self.run_id, params=params[start : start + 100])
+
+    def _new_run(self, context: SinkContext) -> str:
+        experiment = self.client.get_experiment_by_name(context.project_name)
+        experiment_id = (
+            experiment.experiment_id
+            if experiment
+            else self.client.create_experiment(
+                context.project_name, artifact_location=(context.output_dir / "mlflow-artifacts").resolve().as_uri()
+            )
+        )
+        return self.client.create_run(experiment_id, run_name=context.experiment_name).info.run_id
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        entries = [Metric(mlflow_metric_name(k), v, now, step) for k, v in metrics.items()]
+        for start in range(0, len(entries), 1000):  # MLflow takes at most 1000 per batch
+            self.client.log_batch(self.run_id, metrics=entries[start : start + 1000])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+SINKS: dict[str, Callable[[SinkContext], MetricSink]] = {
+    "console": ConsoleSink,
+    "tensorboard": TensorBoardSink,
+    "wandb": WandbSink,
+    "mlflow": MlflowSink,
+}
+
+
+def missing_packages(loggers: list[str]) -> list[str]:
+    """The optional sinks of ``trainer.loggers`` whose package is not installed here, as problems."""
+    import importlib.util
+
+    return [
+        f"trainer.loggers: {name!r} needs the {name} package: pip install 'nemo-dapo[loggers]' "
+        "(or `make venv EXTRAS=...,loggers`), or drop it from the list"
+        for name in ("wandb", "mlflow")
+        if name in loggers and importlib.util.find_spec(name) is None
+    ]
