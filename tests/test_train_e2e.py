@@ -5,6 +5,7 @@ Every run is a real subprocess (its own Ray, vLLM engine and torch worker), as a
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,11 +43,27 @@ def last_per_step(rows: list[dict]) -> dict[int, dict]:
     return {row["step"]: row for row in rows}
 
 
+# what a user sees by default (trainer.log_level=info): the progress bar, our own log lines, the
+# summary JSON and W&B's notices about its offline run; nothing else
+EXPECTED_OUTPUT = re.compile(r"^(DAPO: |\d{4}-\d\d-\d\d [\d:,]+ nemo_dapo[.\w]*: |wandb:|[{}]$|\"\w+\": |$)")
+TERMINAL_CODES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def assert_clean_output(done: subprocess.CompletedProcess, steps: int) -> None:
+    lines = [part for line in (done.stdout + done.stderr).splitlines() for part in line.split("\r")]
+    shown = [TERMINAL_CODES.sub("", line).strip() for line in lines]
+    unexpected = [line for line in shown if not EXPECTED_OUTPUT.match(line)]
+    assert unexpected == [], "\n".join(unexpected[:20])
+    numbers = [int(m.group(1)) for line in shown if (m := re.search(r" nemo_dapo: step (\d+): ", line))]
+    assert sorted(n for n in numbers if n > 0) == list(range(1, steps + 1))  # step 0: the initial validation
+
+
 def test_dapo_run_learns_and_writes_everything(workdir):
     out = workdir / "run"
     loggers = ["trainer.loggers=[console,tensorboard,wandb,mlflow]", "trainer.wandb_mode=offline"]
     done = train(out, "trainer.total_training_steps=40", "trainer.test_freq=20", "trainer.save_freq=20", *loggers)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert_clean_output(done, steps=40)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 40 and summary["wall_s"] > 0
     assert summary["final_val_acc"] > summary["initial_val_acc"] + 0.05, summary

@@ -44,7 +44,10 @@ def init_ray(num_cpus: int | None = None, namespace: str = "nemo_dapo", num_gpus
 
     if ray.is_initialized():
         return ray
-    env_vars = {k: os.environ[k] for k in LOOPBACK_ENV if k in os.environ}
+    from nemo_dapo.logs import LOG_LEVEL_ENV, QUIET_ENV
+
+    forwarded = [*LOOPBACK_ENV, LOG_LEVEL_ENV, *QUIET_ENV]  # the workers print what the driver was told to
+    env_vars = {k: os.environ[k] for k in forwarded if k in os.environ}
     env_vars["PYTHONPATH"] = os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH", "")]))
     runtime_env = {"env_vars": env_vars}
     if is_attached_to_cluster():

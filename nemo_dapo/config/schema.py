@@ -455,6 +455,12 @@ class TrainerConfig:
         help="Metric sinks (metrics.jsonl is always written). wandb and mlflow need the "
         "'loggers' extra; a resumed run continues their runs.",
     )
+    log_level: str = setting(
+        "info",
+        choices=("info", "debug"),
+        help="info: the progress bar, one line per step, and every warning but the known-harmless "
+        "ones (nemo_dapo/logs.py). debug: everything the libraries print (vLLM, Ray, transformers).",
+    )
     wandb_mode: Optional[str] = setting(
         None,
         choices=(None, "online", "offline"),

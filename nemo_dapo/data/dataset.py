@@ -91,7 +91,8 @@ class RLDataset:
     def _drop_overlong(self, row_ids: list[int], all_prompt_ids: list[list[int]], files: object) -> list[int]:
         """Keep rows whose prompt fits; log the count so silent data loss cannot happen."""
         kept = [row for row in row_ids if len(all_prompt_ids[row]) <= self.max_prompt_length]
-        logger.info(
+        logger.log(
+            logging.INFO if len(kept) < len(row_ids) else logging.DEBUG,
             "Dropped %d of %d prompts longer than max_prompt_length=%d tokens from %s",
             len(row_ids) - len(kept),
             len(row_ids),

@@ -20,6 +20,7 @@ from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.algo.logprob import chunk_tokens_for, chunked_token_stats, token_stats
 from nemo_dapo.config.schema import OptimConfig
+from nemo_dapo.logs import configure_logging
 from nemo_dapo.policy.actor_loss import actor_loss
 from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, require_trainable
 from nemo_dapo.policy.lr_schedule import lr_lambda
@@ -57,6 +58,7 @@ class TorchPolicyWorker:
         reductions are fp32 whatever ``dtype`` is."""
         from transformers import AutoModelForCausalLM
 
+        configure_logging()
         use_cpu_threads(num_threads, workers_per_node or world_size, f"torch policy worker {rank}")
         self.rank, self.world_size = rank, world_size
         init_data_parallel(rank, world_size, rendezvous)

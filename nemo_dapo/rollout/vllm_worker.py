@@ -16,34 +16,12 @@ import os
 from collections.abc import Iterable
 from typing import Any, cast
 
+from nemo_dapo.logs import configure_logging, verbose
 from nemo_dapo.rollout.base import Generation, SamplingSettings
 from nemo_dapo.threads import use_cpu_threads
 
 log = logging.getLogger(__name__)
 CPU_BLOCK_SIZE = 32
-RELOAD_LOGGERS = (
-    "vllm.model_executor.model_loader.reload.layerwise",
-    "vllm.model_executor.model_loader.reload.inplace",
-)
-
-
-class _QuietReload(logging.Filter):
-    """vLLM logs every weight reload twice at INFO and warns "RotaryEmbedding: Failed to load
-    weights" each time: its cos/sin cache is computed, never in a checkpoint. Once per step and
-    engine, that hid the training log; drop those lines and keep every other warning."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING:
-            return False
-        return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
-
-
-def quiet_weight_reloads() -> None:
-    """Install the filter once per logger, however many engines this process builds."""
-    for name in RELOAD_LOGGERS:
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _QuietReload) for f in logger.filters):
-            logger.addFilter(_QuietReload())
 
 
 def repack_cpu_moe_experts(worker) -> int:
@@ -81,13 +59,12 @@ class VLLMRolloutWorker:
         """``enable_sleep_mode``: asked for when the engine shares its GPUs with training ranks;
         ``self.sleep_mode`` says whether this vLLM build honours it (see :meth:`sleep`).
         ``distributed_executor_backend="ray"``: the colocated TP > 1 engine (see below)."""
+        configure_logging()  # before vLLM configures its loggers at import
         use_cpu_threads(num_threads, workers_per_node or world_size, f"vLLM rollout worker {rank}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         from vllm import LLM
         from vllm.platforms import current_platform
-
-        quiet_weight_reloads()
 
         self.rank = rank
         self._version = 0
@@ -120,6 +97,7 @@ class VLLMRolloutWorker:
             enable_prefix_caching=True,
             enable_sleep_mode=self.sleep_mode,
             distributed_executor_backend=distributed_executor_backend,
+            use_tqdm_on_load=verbose(),
         )
 
     def ready(self) -> bool:

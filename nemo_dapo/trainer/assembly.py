@@ -162,10 +162,12 @@ def run_training(cfg: Config) -> dict:
 
     from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
     from nemo_dapo.data import RLDataset
+    from nemo_dapo.logs import configure_logging
     from nemo_dapo.reward.manager import RewardManager
     from nemo_dapo.trainer.fit import DAPOTrainer
     from nemo_dapo.trainer.sinks import missing_packages
 
+    configure_logging(cfg.trainer.log_level)  # before Ray starts: its workers inherit the level
     raise_problems(missing_packages(cfg.trainer.loggers))
     cfg = resolve_paths(cfg)
     for note in combination_notes(cfg):

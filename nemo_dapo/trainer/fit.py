@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import RolloutBatch
@@ -342,7 +343,8 @@ class DAPOTrainer:
 
     # ----------------------------------------------------------------- the loop
     def fit(self) -> dict:
-        with PreemptionSignals() as preemption:
+        # log lines go above the progress bar instead of through it
+        with PreemptionSignals() as preemption, logging_redirect_tqdm():
             return self._fit(preemption)
 
     def _fit(self, preemption: PreemptionSignals) -> dict:

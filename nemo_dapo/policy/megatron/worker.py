@@ -30,6 +30,7 @@ from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.algo.logprob import chunk_tokens_for
 from nemo_dapo.config.schema import MegatronConfig, OptimConfig
+from nemo_dapo.logs import configure_logging
 from nemo_dapo.policy.actor_loss import actor_loss
 from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, require_trainable
 from nemo_dapo.policy.lr_schedule import lr_lambda
@@ -106,6 +107,7 @@ class MegatronPolicyWorker:
         the config cannot know, a GPU and TransformerEngine here, is checked on the rank)."""
         from transformers import AutoConfig
 
+        configure_logging()
         use_cpu_threads(num_threads, workers_per_node or world_size, f"Megatron policy worker {rank}")
         self.layout = layout = layout or MegatronConfig()
         mm.require_runtime(layout)
