@@ -188,6 +188,56 @@ def test_sigkill_resume_same_prompts_then_fallback_and_new_dp_size(workdir):
     assert tail == [7, 8, 9]
 
 
+def kill_engine_while_generating(victim: subprocess.Popen, timeout: float) -> int:
+    """SIGKILL the run's vLLM engine while it runs a generate call (Ray titles an actor process
+    ``ray::Class.method`` while it executes one); returns its pid."""
+    import psutil
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert victim.poll() is None, victim.stderr.read()[-3000:]
+        for process in psutil.Process(victim.pid).children(recursive=True):
+            try:
+                title = " ".join(process.cmdline())
+            except psutil.Error:
+                continue
+            if title.startswith("ray::VLLMRolloutWorker.generate"):
+                process.kill()
+                return process.pid
+        time.sleep(0.02)
+    raise AssertionError("the engine never ran a generate call")
+
+
+def test_a_killed_engine_is_replaced_and_the_run_learns_on(workdir):
+    """SIGKILL of the vLLM engine mid-generation: a new engine takes its slot with the current
+    weights, the round is generated again, every step trains once and the run still learns."""
+    out = workdir / "engine_kill"
+    command = [*CLI, "train", f"trainer.output_dir={out}", "trainer.total_training_steps=20", "trainer.test_freq=0"]
+    victim = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True, env=ENV
+    )
+    try:
+        wait_for(out / "prompts.jsonl", victim, timeout=300)
+        while len(records(out / "prompts.jsonl")) < 3:  # a few steps in: the engine has real weights
+            assert victim.poll() is None, victim.stderr.read()[-3000:]
+            time.sleep(0.1)
+        kill_engine_while_generating(victim, timeout=120)
+        _, stderr = victim.communicate(timeout=600)
+    finally:
+        if victim.poll() is None:
+            os.killpg(victim.pid, signal.SIGKILL)
+    assert victim.returncode == 0, stderr[-3000:]
+    assert "restarting rollout engine 0 (restart 1 of 3)" in stderr
+    restarts = [
+        r["recovery/engine_restarts"] for r in records(out / "metrics.jsonl") if "recovery/engine_restarts" in r
+    ]
+    assert len(restarts) == 20 and restarts[0] == 0 and restarts[-1] == 1
+    steps = [r["step"] for r in records(out / "prompts.jsonl")]
+    assert steps == list(range(1, 21))  # every step trained once
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_val_acc"] > summary["initial_val_acc"], summary
+
+
 def test_eval_on_aime_prints_acc(tiny_model_dir):
     from shared_paths import AIME_2024
 

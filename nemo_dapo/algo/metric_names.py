@@ -125,7 +125,12 @@ ROLLOUT_KL_K3 = metric("rollout_corr/kl_k3", Reduce.MEAN, "k3 estimate of KL(eng
 # ---- asynchronous trainer
 STALENESS_LAG = stats("staleness/lag", "policy versions a trained sample lags behind")
 DROPPED_STALE = metric("staleness/dropped_stale", Reduce.MAX, "groups dropped as too stale (cumulative)")
-REISSUED_PROMPTS = metric("recovery/reissued_prompts", Reduce.MAX, "prompts reissued after the last restore")
+REISSUED_PROMPTS = metric(
+    "recovery/reissued_prompts", Reduce.MAX, "async: prompts reissued after the last restore or a replaced engine"
+)
+ENGINE_RESTARTS = metric(
+    "recovery/engine_restarts", Reduce.MAX, "rollout engines replaced after dying or hanging (cumulative, this run)"
+)
 
 # ---- time and throughput
 TIMING_S = metric("timing_s/{stage}", Reduce.MEAN, "seconds of one stage of the step")

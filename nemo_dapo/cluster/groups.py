@@ -6,18 +6,22 @@ actors on a laptop CPU or 128 GPU processes on a Slurm cluster.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
 from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.algo.correction import CorrectionSettings
-from nemo_dapo.cluster.worker_group import WorkerGroup
+from nemo_dapo.cluster.worker_group import RemoteCallError, WorkerGroup
 from nemo_dapo.policy.base import LossSettings
 from nemo_dapo.policy.inputs import mini_batches_per_rank, shard, worker_inputs
 from nemo_dapo.rollout.base import Generation, SamplingSettings
 
+log = logging.getLogger(__name__)
 # Weight buckets a policy rank may gather ahead of the engines (and each engine's queue depth).
 EXPORT_BUCKETS_AHEAD = 2
 
@@ -99,25 +103,102 @@ class PolicyGroup:
         self.workers.call_all("load", path)
 
 
+@dataclass
+class EngineShare:
+    """One engine's part of a generation request: prompts ``start:stop``, and its pending call."""
+
+    rank: int
+    start: int
+    stop: int
+    ref: Any
+
+
+@dataclass
+class GenerationRequest:
+    prompts: list[list[int]]
+    sampling: SamplingSettings
+    shares: list[EngineShare]
+
+
+WeightSource = Callable[[], tuple[Iterable, int]]
+
+
 class RolloutGroup:
-    def __init__(self, workers: WorkerGroup) -> None:
+    """The vLLM engines addressed as one. An engine that dies or gives no answer within the
+    group's call timeout during generation is replaced on its slot, given the current policy
+    weights, and its prompts are generated again (up to ``max_restarts`` replacements per run);
+    see :meth:`collect`."""
+
+    def __init__(self, workers: WorkerGroup, max_restarts: int = 0) -> None:
         self.workers = workers
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self._cold: set[int] = set()  # replaced engines still holding the base model's weights
+        self._current_weights: WeightSource | None = None
         self._queues: list | None = None
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Generation]:
-        return self.collect(self.submit(prompts, sampling))
+    def set_weight_source(self, current_weights: WeightSource) -> None:
+        """How to get the policy's current weights (bucket refs, version) for a replaced engine."""
+        self._current_weights = current_weights
 
-    def submit(self, prompts: list[list[int]], sampling: SamplingSettings) -> list:
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Generation]:
+        return cast(list[Generation], self.collect(self.submit(prompts, sampling)))
+
+    def submit(self, prompts: list[list[int]], sampling: SamplingSettings) -> GenerationRequest:
         """Start generating without waiting (the async trainer overlaps it with training)."""
         size = self.workers.world_size
         bounds = [len(prompts) * r // size for r in range(size + 1)]
-        return [
-            worker.generate.remote(prompts[bounds[r] : bounds[r + 1]], sampling)
-            for r, worker in enumerate(self.workers.workers)
-        ]
+        request = GenerationRequest(prompts, sampling, [])
+        request.shares = [self._send(request, r, bounds[r], bounds[r + 1]) for r in range(size)]
+        return request
 
-    def collect(self, handles: list) -> list[Generation]:
-        return [generation for part in self.workers.gather(handles, "generate") for generation in part]
+    def _send(self, request: GenerationRequest, rank: int, start: int, stop: int) -> EngineShare:
+        if rank in self._cold:
+            self._warm_up(rank)
+        ref = self.workers.workers[rank].generate.remote(request.prompts[start:stop], request.sampling)
+        return EngineShare(rank, start, stop, ref)
+
+    def collect(self, request: GenerationRequest, regenerate: bool = True) -> list[Generation | None]:
+        """The generations in prompt order. A failed engine is replaced; its prompts are generated
+        again on the new one (``regenerate``), or come back as None for the caller to reissue
+        (the async trainer's data plane)."""
+        results: list[Generation | None] = [None] * len(request.prompts)
+        pending = request.shares
+        while pending:
+            outcomes = self.workers.settle([s.ref for s in pending], "generate", [s.rank for s in pending])
+            failed = []
+            for share, outcome in zip(pending, outcomes):
+                if isinstance(outcome, RemoteCallError):
+                    self._replace(share.rank, outcome)
+                    failed.append(share)
+                else:
+                    results[share.start : share.stop] = outcome
+            pending = [self._send(request, s.rank, s.start, s.stop) for s in failed] if regenerate else []
+        return results
+
+    def _replace(self, rank: int, error: RemoteCallError) -> None:
+        if self.restarts >= self.max_restarts:
+            raise RemoteCallError(
+                f"{error}. Rollout engine {rank} failed while generating, after {self.restarts} engine "
+                f"restart(s) in this run (rollout.max_restarts={self.max_restarts})"
+            ) from error
+        self.restarts += 1
+        log.warning(
+            "%s; restarting rollout engine %d (restart %d of %d)", error, rank, self.restarts, self.max_restarts
+        )
+        self.workers.restart(rank)
+        if self._queues is not None:  # the dead engine may have left buckets in its queue
+            self._queues[rank].shutdown()
+            self._queues[rank] = self._new_queue()
+        self._cold.add(rank)
+
+    def _warm_up(self, rank: int) -> None:
+        """A replaced engine gets the policy's current weights before it generates."""
+        if self._current_weights is None:
+            raise RuntimeError("a replaced rollout engine needs the policy's weights: call set_weight_source first")
+        bucket_refs, version = self._current_weights()
+        self.update_weights(bucket_refs, version, ranks=[rank])
+        self._cold.discard(rank)
 
     def sleep(self) -> None:
         """Engines release their GPU memory to the colocated training ranks (no-op where they can't)."""
@@ -126,25 +207,30 @@ class RolloutGroup:
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.workers.call_all("wake_up", tags)
 
-    def update_weights(self, bucket_refs: Iterable, version: int) -> None:
-        """Stream weight buckets (object refs) into every engine as they come, through a bounded
-        queue per engine: no process holds the whole model on the way."""
-        queues = self._weight_queues()
-        pending = [worker.receive_weights.remote(queue, version) for worker, queue in zip(self.workers.workers, queues)]
+    def update_weights(self, bucket_refs: Iterable, version: int, ranks: list[int] | None = None) -> None:
+        """Stream weight buckets (object refs) into the engines (``ranks``; all by default) as they
+        come, through a bounded queue per engine: no process holds the whole model on the way."""
+        ranks = list(range(self.workers.world_size)) if ranks is None else ranks
+        queues = [self._weight_queues()[r] for r in ranks]
+        engines = [self.workers.workers[r] for r in ranks]
+        pending = [engine.receive_weights.remote(queue, version) for engine, queue in zip(engines, queues)]
         for ref in bucket_refs:
             self._push(queues, pending, [ref])  # wrapped: the engine fetches the bucket itself
         self._push(queues, pending, None)
         versions = self.workers.gather(pending, "receive_weights")
         if set(versions) != {version}:
             raise RuntimeError(f"rollout engines report weight versions {versions}, expected {version}")
+        self._cold.difference_update(ranks)
 
-    def _weight_queues(self) -> list:
+    @staticmethod
+    def _new_queue():
         from ray.util.queue import Queue
 
+        return Queue(maxsize=EXPORT_BUCKETS_AHEAD, actor_options={"num_cpus": 0})
+
+    def _weight_queues(self) -> list:
         if self._queues is None:
-            self._queues = [
-                Queue(maxsize=EXPORT_BUCKETS_AHEAD, actor_options={"num_cpus": 0}) for _ in self.workers.workers
-            ]
+            self._queues = [self._new_queue() for _ in self.workers.workers]
         return self._queues
 
     @staticmethod

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from nemo_dapo.cluster.placement import Slot, own_slots
@@ -18,6 +19,14 @@ from nemo_dapo.cluster.placement import Slot, own_slots
 class RemoteCallError(RuntimeError):
     """A worker that died, or gave no answer in time, during a call the driver waits on. The
     message names the group, the call, the ranks and where their logs are."""
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """How long the driver waits, and the config key that sets it (named when it runs out)."""
+
+    seconds: float | None
+    key: str
 
 
 class WorkerGroup:
@@ -33,17 +42,24 @@ class WorkerGroup:
         placement_timeout_s: float = 300.0,
         slots: Sequence[Slot] | None = None,
         call_timeout_s: float | None = None,
+        timeout_key: str = "trainer.remote_timeout_s",
+        start_timeout_s: float | None = None,
     ) -> None:
         """Without ``slots`` the group reserves a placement group of its own (one bundle of
         ``num_cpus_per_worker`` CPUs and ``num_gpus_per_worker`` GPUs per worker) and frees it at
         shutdown; with ``slots`` (one per worker, e.g. shares of GPUs colocated with another group)
         it runs there and the placement group stays the caller's. ``call_timeout_s``: the longest
-        the driver waits on one call (None: no limit), ``trainer.remote_timeout_s``."""
+        the driver waits on one call (None: no limit), set by the config key ``timeout_key``;
+        ``start_timeout_s`` bounds a worker's start (a model load; ``trainer.remote_timeout_s``),
+        by default the same."""
         import ray
 
         self.name = name
         self.world_size = num_workers
-        self.call_timeout_s = call_timeout_s
+        self.call_deadline = Deadline(call_timeout_s, timeout_key)
+        self.start_deadline = (
+            self.call_deadline if start_timeout_s is None else Deadline(start_timeout_s, "trainer.remote_timeout_s")
+        )
         self._own_placement = None
         if slots is None:
             self._own_placement, slots = own_slots(
@@ -51,18 +67,30 @@ class WorkerGroup:
             )
         if len(slots) != num_workers:
             raise ValueError(f"{name}: {len(slots)} slots for {num_workers} workers")
-        self._rendezvous_dir = tempfile.mkdtemp(prefix=f"nemo_dapo_{name}_")
-        remote_cls: Any = ray.remote(worker_cls)
-        self.workers: list[Any] = [
-            remote_cls.options(name=f"{name}_{rank}_{os.getpid()}", **slot.actor_options()).remote(
-                rank=rank,
-                world_size=num_workers,
-                rendezvous=os.path.join(self._rendezvous_dir, "store"),
-                **(worker_kwargs or {}),
-            )
-            for rank, slot in enumerate(slots)
-        ]
-        self.call_all("ready")
+        self._rendezvous = os.path.join(tempfile.mkdtemp(prefix=f"nemo_dapo_{name}_"), "store")
+        self._remote_cls: Any = ray.remote(worker_cls)
+        self._slots, self._kwargs = list(slots), dict(worker_kwargs or {})
+        self.restarts = [0] * num_workers  # per rank: how often its actor was replaced
+        self.workers: list[Any] = [self._start(rank) for rank in range(num_workers)]
+        self.gather([worker.ready.remote() for worker in self.workers], "ready", self.start_deadline)
+
+    def _start(self, rank: int) -> Any:
+        """Rank's actor on its slot (a replacement gets a name of its own: the old one may linger)."""
+        suffix = f"_restart{self.restarts[rank]}" if self.restarts[rank] else ""
+        options = self._slots[rank].actor_options()
+        return self._remote_cls.options(name=f"{self.name}_{rank}_{os.getpid()}{suffix}", **options).remote(
+            rank=rank, world_size=self.world_size, rendezvous=self._rendezvous, **self._kwargs
+        )
+
+    def restart(self, rank: int) -> None:
+        """Replace rank's actor (dead, or stuck and killed here) by a fresh one on the same slot,
+        built with the same arguments; returns once it is ready."""
+        import ray
+
+        ray.kill(self.workers[rank], no_restart=True)
+        self.restarts[rank] += 1
+        self.workers[rank] = self._start(rank)
+        self.gather([self.workers[rank].ready.remote()], "ready", self.start_deadline)
 
     def call_all(self, method: str, *args, **kwargs) -> list[Any]:
         """The same call on every worker; results in rank order."""
@@ -74,26 +102,52 @@ class WorkerGroup:
             raise ValueError(f"{self.name}: {len(per_rank_args)} argument sets for {self.world_size} workers")
         return self.gather([getattr(w, method).remote(*args) for w, args in zip(self.workers, per_rank_args)], method)
 
-    def gather(self, refs: list, method: str) -> list[Any]:
-        """``ray.get`` of one call's per-rank results (rank order), within ``call_timeout_s``; a dead
+    def gather(self, refs: list, method: str, deadline: Deadline | None = None) -> list[Any]:
+        """``ray.get`` of one call's per-rank results (rank order), within the call deadline; a dead
         or silent worker becomes a :class:`RemoteCallError` instead of a hang or a bare Ray error."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
+        deadline = deadline or self.call_deadline
         try:
-            return ray.get(refs, timeout=self.call_timeout_s)
+            return ray.get(refs, timeout=deadline.seconds)
         except GetTimeoutError:
             done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             silent = [rank for rank, ref in enumerate(refs) if ref not in done]
-            raise RemoteCallError(
-                f"{self.name}.{method}: rank(s) {silent} gave no answer within "
-                f"{self.call_timeout_s:g} s (trainer.remote_timeout_s); {self._logs()}"
-            ) from None
+            raise self._silent(method, silent, deadline) from None
         except RayActorError as err:
-            raise RemoteCallError(
-                f"{self.name}.{method}: a worker died ({err.__class__.__name__}: "
-                f"{str(err).splitlines()[0]}); {self._logs()}"
-            ) from err
+            raise self._died(method, err) from err
+
+    def settle(self, refs: list, method: str, ranks: Sequence[int]) -> list[Any]:
+        """Each call's result, or the :class:`RemoteCallError` of a rank (``ranks[i]`` made
+        ``refs[i]``) that died or gave no answer within the call deadline (one for all of them):
+        the caller decides what to do about each failed rank. An error the worker raised itself
+        (a bug, bad input) is raised as is."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        ray.wait(refs, num_returns=len(refs), timeout=self.call_deadline.seconds)
+        outcomes: list[Any] = []
+        for rank, ref in zip(ranks, refs):
+            try:
+                outcomes.append(ray.get(ref, timeout=0))
+            except GetTimeoutError:
+                outcomes.append(self._silent(method, [rank], self.call_deadline))
+            except RayActorError as err:
+                outcomes.append(self._died(method, err))
+        return outcomes
+
+    def _silent(self, method: str, ranks: list[int], deadline: Deadline) -> RemoteCallError:
+        return RemoteCallError(
+            f"{self.name}.{method}: rank(s) {ranks} gave no answer within "
+            f"{deadline.seconds:g} s ({deadline.key}); {self._logs()}"
+        )
+
+    def _died(self, method: str, err: Exception) -> RemoteCallError:
+        return RemoteCallError(
+            f"{self.name}.{method}: a worker died ({err.__class__.__name__}: "
+            f"{str(err).splitlines()[0]}); {self._logs()}"
+        )
 
     @staticmethod
     def _logs() -> str:

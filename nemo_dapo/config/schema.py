@@ -375,6 +375,17 @@ class RolloutConfig:
     top_p: float = setting(1.0, help="Training nucleus sampling (1.0: off, as DAPO).")
     top_k: int = setting(-1, help="Training top-k sampling (-1: off).")
     val: ValSamplingConfig = section(ValSamplingConfig, "Sampling for validation.")
+    timeout_s: Optional[float] = setting(
+        None,
+        help="Longest the driver waits on one engine call (a generation round, a weight update); "
+        "an engine silent that long is treated as dead. null: trainer.remote_timeout_s.",
+    )
+    max_restarts: int = setting(
+        3,
+        help="Engines replaced in one run after dying or hanging while generating: the new one gets "
+        "the current weights and regenerates its prompts. One more failure stops the run naming the "
+        "engine. 0: fail at the first.",
+    )
 
 
 @dataclass

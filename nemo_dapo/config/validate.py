@@ -376,6 +376,11 @@ def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
         trainer.remote_timeout_s,
         "must be > 0 seconds, or null to wait forever",
     )
+    timeout = cfg.rollout.timeout_s
+    problems.require(
+        timeout is None or timeout > 0, "rollout.timeout_s", timeout, "must be > 0 seconds, or null for trainer's"
+    )
+    problems.require(cfg.rollout.max_restarts >= 0, "rollout.max_restarts", cfg.rollout.max_restarts, "must be >= 0")
     budget = trainer.total_generated_samples
     problems.require(budget is None or budget >= 1, "trainer.total_generated_samples", budget, "must be >= 1 or null")
     problems.require(

@@ -103,6 +103,7 @@ def _rollout_group(cfg: Config, shared: SharedGPUs | None) -> RolloutGroup:
     }
     gpus = tp if cfg.trainer.n_gpus_per_node > 0 else 0
     slots = shared.engine_slots(cfg.rollout.num_workers, tp) if shared else None
+    own_timeout = cfg.rollout.timeout_s is not None
     return RolloutGroup(
         WorkerGroup(
             VLLMRolloutWorker,
@@ -111,8 +112,11 @@ def _rollout_group(cfg: Config, shared: SharedGPUs | None) -> RolloutGroup:
             num_gpus_per_worker=gpus,
             worker_kwargs=kwargs,
             slots=slots,
-            call_timeout_s=cfg.trainer.remote_timeout_s,
-        )
+            call_timeout_s=cfg.rollout.timeout_s if own_timeout else cfg.trainer.remote_timeout_s,
+            timeout_key="rollout.timeout_s" if own_timeout else "trainer.remote_timeout_s",
+            start_timeout_s=cfg.trainer.remote_timeout_s,  # loading a model may take longer than a round
+        ),
+        max_restarts=cfg.rollout.max_restarts,
     )
 
 

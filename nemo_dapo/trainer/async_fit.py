@@ -70,7 +70,7 @@ class AsyncDAPOTrainer(DAPOTrainer):
         while True:
             with timer("gen"):
                 self._launch_generation()
-                self.queue.harvest()
+                self.reissued += self.queue.harvest(self.global_step)
             batch = self._fresh_groups(round_index)
             if len(batch):
                 break

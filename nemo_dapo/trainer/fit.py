@@ -126,6 +126,7 @@ class DAPOTrainer:
         self.generated_samples = 0
         self.initial_val: dict[str, float] = {}
         self.total_steps = total_training_steps(cfg, len(train_data))
+        self.rollout.set_weight_source(self._current_weights)  # for an engine replaced mid-run
 
     # ----------------------------------------------------------------- generation
     def _next_prompt_indices(self) -> list[int]:
@@ -242,13 +243,18 @@ class DAPOTrainer:
         total_tokens = response_tokens + int(batch["prompt_mask"].sum())
         metrics.update(timing_metrics(timer.seconds, response_tokens, total_tokens))
         metrics.update(throughput_metrics(total_tokens, time.perf_counter() - step_start, self._num_devices()))
+        metrics[mn.ENGINE_RESTARTS.name] = float(self.rollout.restarts)
 
     def _num_devices(self) -> int:
         return max(cluster_gpus(self.cfg), self.policy.world_size)
 
     def sync_weights(self) -> None:
         self.weight_version += 1
-        self.rollout.update_weights(self.policy.export_weights(WEIGHT_BUCKET_BYTES), self.weight_version)
+        self.rollout.update_weights(*self._current_weights())
+
+    def _current_weights(self) -> tuple[Iterator, int]:
+        """The policy's weights as streamed buckets, with their version."""
+        return self.policy.export_weights(WEIGHT_BUCKET_BYTES), self.weight_version
 
     def _record_prompts(self, consumed: list[int], batch: RolloutBatch) -> None:
         """Which dataset rows each step drew and trained on (audit trail for resume)."""

@@ -4,7 +4,8 @@ A prompt lives in the store under key ``q<n>`` with tags ``is_prompt``, ``status
 (:class:`PromptStatus`), ``global_steps`` and ``attempt``; its samples under
 ``q<n>_<k>`` with ``prompt_id``, ``policy_version`` and ``attempt``. One round: :meth:`launch`
 sends up to a round of pending prompts to the engines (marking them running) without waiting,
-:meth:`harvest` waits for them and stores their samples (marking them done), and
+:meth:`harvest` waits for them and stores their samples (marking them done; the prompts of an
+engine that failed and was replaced go back as pending, next attempt), and
 :meth:`take_finished` reads and removes every done prompt with its samples. After a restore,
 :meth:`reissue_inflight` puts the prompts that were pending or running back as pending, their
 partial samples deleted first, so nothing is lost and nothing counted twice (by prompt id).
@@ -20,7 +21,7 @@ from nemo_dapo.rollout.base import Generation, SamplingSettings
 from nemo_dapo.trainer.data_plane import DataPlane
 
 if TYPE_CHECKING:
-    from nemo_dapo.cluster.groups import RolloutGroup
+    from nemo_dapo.cluster.groups import GenerationRequest, RolloutGroup
 
 PROMPT_FIELDS = ("prompt_ids", "ground_truth", "data_source", "prompt_index")
 SAMPLE_FIELDS = ("token_ids", "log_probs", "finish_reason")
@@ -40,7 +41,7 @@ class InFlightRound:
 
     keys: list[str]
     attempts: list[int]
-    handles: list[Any]  # the engines' pending generate calls
+    request: GenerationRequest  # the engines' pending generate calls
     policy_version: int
 
 
@@ -93,14 +94,19 @@ class PromptQueue:
             policy_version,
         )
 
-    def harvest(self) -> None:
-        """Wait for the in-flight round and store its samples ``<prompt key>_<k>``."""
+    def harvest(self, global_step: int) -> int:
+        """Wait for the in-flight round and store its samples ``<prompt key>_<k>``. The prompts of
+        an engine that failed (and was replaced) are reissued; returns how many."""
         if self.inflight is None:
-            return
+            return 0
         round_, self.inflight = self.inflight, None
-        keys, tags = [], []
+        keys, tags, lost = [], [], []
         fields: dict[str, list] = {name: [] for name in SAMPLE_FIELDS}
-        for key, attempt, generation in zip(round_.keys, round_.attempts, self.rollout.collect(round_.handles)):
+        generations = self.rollout.collect(round_.request, regenerate=False)
+        for key, attempt, generation in zip(round_.keys, round_.attempts, generations):
+            if generation is None:
+                lost.append(key)
+                continue
             for k, sample in enumerate(zip(generation.token_ids, generation.log_probs, generation.finish_reasons)):
                 keys.append(f"{key}_{k}")
                 tags.append(
@@ -115,7 +121,10 @@ class PromptQueue:
                 for name, value in zip(SAMPLE_FIELDS, sample):
                     fields[name].append(value)
         self.plane.kv_batch_put(keys, fields, tags, self.partition)
-        self.plane.kv_update_tags(round_.keys, {"status": PromptStatus.DONE.value}, self.partition)
+        self.plane.kv_update_tags(
+            [key for key in round_.keys if key not in lost], {"status": PromptStatus.DONE.value}, self.partition
+        )
+        return self._reissue(lost, global_step)
 
     def take_finished(self) -> list[FinishedPrompt]:
         """Read and remove every done prompt with its samples (a few store calls, not one per prompt)."""
@@ -149,14 +158,22 @@ class PromptQueue:
         inflight = self.plane.kv_list(
             self.partition, {"is_prompt": True, "status": [PromptStatus.PENDING.value, PromptStatus.RUNNING.value]}
         )
-        if not inflight.keys:
+        return self._reissue(inflight.keys, global_step)
+
+    def _reissue(self, keys: list[str], global_step: int) -> int:
+        """``keys`` become pending again with the next attempt number, their partial samples
+        deleted first; returns how many."""
+        if not keys:
             return 0
-        for key in inflight.keys:
-            partial = self.plane.kv_list(self.partition, {"is_prompt": False, "prompt_id": key}).keys
-            if partial:
-                self.plane.kv_clear(partial, self.partition)
-        fields = self.plane.kv_batch_get(inflight.keys, list(PROMPT_FIELDS), self.partition)
-        self.plane.kv_clear(inflight.keys, self.partition)
+        wanted = set(keys)
+        prompts = self.plane.kv_list(self.partition, {"is_prompt": True})
+        keys = [key for key in prompts.keys if key in wanted]
+        old_tags = [tag for key, tag in zip(prompts.keys, prompts.tags) if key in wanted]
+        partial = self.plane.kv_list(self.partition, {"is_prompt": False, "prompt_id": keys}).keys
+        if partial:
+            self.plane.kv_clear(partial, self.partition)
+        fields = self.plane.kv_batch_get(keys, list(PROMPT_FIELDS), self.partition)
+        self.plane.kv_clear(keys, self.partition)
         tags = [
             {
                 **tag,
@@ -164,10 +181,10 @@ class PromptQueue:
                 "global_steps": global_step,
                 "attempt": tag.get("attempt", 1) + 1,
             }
-            for tag in inflight.tags
+            for tag in old_tags
         ]
-        self.plane.kv_batch_put(inflight.keys, fields, tags, self.partition)
-        return len(inflight.keys)
+        self.plane.kv_batch_put(keys, fields, tags, self.partition)
+        return len(keys)
 
     def snapshot(self) -> dict:
         """Between two driver calls no writer is active: the store's state and the key counter."""

@@ -1,0 +1,140 @@
+"""A rollout engine that dies (SIGKILL) or stops answering (SIGSTOP) while generating is replaced on
+its slot, given the policy's current weights, and its prompts are generated again (the sync
+trainer), or reissued through the data plane (the async trainer); one failure past
+``rollout.max_restarts`` stops with the engine, the call and the logs named. Real Ray actors,
+real vLLM engines, a real torch policy."""
+
+import os
+import signal
+
+import pytest
+import torch
+
+from nemo_dapo.config.schema import OptimConfig
+from nemo_dapo.policy.base import LossSettings
+from nemo_dapo.rollout.base import SamplingSettings
+from nemo_dapo.trainer.batching import build_rollout_batch
+
+pytestmark = pytest.mark.slow
+GREEDY = SamplingSettings(n=1, temperature=0.0, max_tokens=12)
+QUESTIONS = ["12+3", "45-7", "99+9", "3-8"]
+TIMEOUT_S = 10
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
+
+    yield init_ray(num_cpus=4)
+    shutdown_ray()
+
+
+@pytest.fixture(scope="module")
+def groups(ray_cluster, tiny_model_dir):
+    """One policy rank, trained one step (its weights are no longer the engines' base model), and
+    two engines given those weights (version 1)."""
+    from nemo_dapo.cluster.groups import PolicyGroup, RolloutGroup
+    from nemo_dapo.cluster.worker_group import WorkerGroup
+    from nemo_dapo.policy.torch_worker import TorchPolicyWorker
+    from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
+
+    policy = PolicyGroup(
+        WorkerGroup(
+            TorchPolicyWorker,
+            1,
+            name="policy",
+            worker_kwargs={"model_path": str(tiny_model_dir), "optim": OptimConfig(lr=3e-2, warmup_steps=0)},
+        )
+    )
+    engines = WorkerGroup(
+        VLLMRolloutWorker,
+        2,
+        name="rollout",
+        worker_kwargs={"model_path": str(tiny_model_dir), "max_model_len": 128},
+        call_timeout_s=TIMEOUT_S,
+        timeout_key="rollout.timeout_s",
+        start_timeout_s=300,
+    )
+    rollout = RolloutGroup(engines, max_restarts=3)
+    rollout.set_weight_source(lambda: (policy.export_weights(1 << 16), 1))
+    yield policy, rollout
+    rollout.workers.shutdown()
+    policy.workers.shutdown()
+
+
+def prompt_ids(tokenizer) -> list[list[int]]:
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    return [
+        tokenizer.encode(tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)) for c in chats
+    ]
+
+
+def engine_pid(rollout, rank: int) -> int:
+    import ray
+
+    return ray.get(rollout.workers.workers[rank].__ray_call__.remote(lambda _: os.getpid()))
+
+
+def train_one_step(policy, rollout, ids, tokenizer) -> None:
+    batch = build_rollout_batch(
+        ids, rollout.generate(ids, SamplingSettings(n=4, max_tokens=12)), {}, "g", tokenizer.pad_token_id, 0
+    )
+    batch.add("old_log_probs", policy.compute_log_prob(batch, 1.0)["log_probs"])
+    batch.add("advantages", torch.linspace(-1, 1, len(batch))[:, None] * batch["response_mask"])
+    policy.update(batch, LossSettings(), prompts_per_mini_batch=4, ppo_epochs=1)
+
+
+def assert_same(generations, reference) -> None:
+    for ours, theirs in zip(generations, reference, strict=True):
+        assert ours.token_ids == theirs.token_ids
+        assert torch.allclose(torch.tensor(ours.log_probs[0]), torch.tensor(theirs.log_probs[0]), atol=1e-4)
+
+
+def test_replaced_engines_generate_with_the_current_weights(groups, tiny_tokenizer):
+    from nemo_dapo.cluster.worker_group import RemoteCallError
+    from nemo_dapo.trainer.data_plane import DataPlane
+    from nemo_dapo.trainer.prompt_queue import PromptQueue, PromptStatus
+
+    policy, rollout = groups
+    ids = prompt_ids(tiny_tokenizer)
+    base = rollout.generate(ids, GREEDY)
+    train_one_step(policy, rollout, ids, tiny_tokenizer)
+    rollout.update_weights(policy.export_weights(1 << 16), version=1)
+    current = rollout.generate(ids, GREEDY)
+    gap = max(abs(a - b) for g0, g1 in zip(base, current) for a, b in zip(g0.log_probs[0], g1.log_probs[0]))
+    assert gap > 1e-3  # a replacement left with the base model's weights would be caught below
+
+    # sync trainer: engine 1 killed mid-generation, engine 0 silent (stopped) past the timeout
+    for rank, sig in ((1, signal.SIGKILL), (0, signal.SIGSTOP)):
+        pid = engine_pid(rollout, rank)
+        request = rollout.submit(ids, GREEDY)
+        os.kill(pid, sig)
+        assert_same(rollout.collect(request), current)
+        assert engine_pid(rollout, rank) != pid
+    assert rollout.restarts == 2 and rollout.workers.restarts == [1, 1]
+
+    # async trainer: the dead engine's prompts go back to the data plane as pending, next attempt
+    queue = PromptQueue(DataPlane(), rollout)
+    items = [{"prompt_ids": p, "ground_truth": "0", "data_source": "arith", "index": i} for i, p in enumerate(ids)]
+    queue.issue(items, global_step=3)
+    pid = engine_pid(rollout, 1)  # asked before the round: a call to the actor queues behind generate
+    queue.launch(len(items), GREEDY, policy_version=1)
+    os.kill(pid, signal.SIGKILL)
+    assert queue.harvest(global_step=3) == 2  # engine 1 held prompts 2 and 3
+    assert queue.plane.kv_list("train", {"is_prompt": True, "status": PromptStatus.PENDING.value}).keys == ["q2", "q3"]
+    queue.launch(len(items), GREEDY, policy_version=1)
+    assert queue.harvest(global_step=3) == 0
+    finished = sorted(queue.take_finished(), key=lambda p: p.key)
+    assert [(p.key, p.attempt) for p in finished] == [("q0", 1), ("q1", 1), ("q2", 2), ("q3", 2)]
+    assert_same([p.generation for p in finished], current)
+
+    # one failure more than rollout.max_restarts: the run stops, naming the engine and where to look
+    pid = engine_pid(rollout, 0)
+    request = rollout.submit(ids, GREEDY)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(
+        RemoteCallError,
+        match=r"rollout\.generate: a worker died .* their logs: /\S+/logs .*Rollout engine 0 failed while "
+        r"generating, after 3 engine restart\(s\) in this run \(rollout\.max_restarts=3\)",
+    ):
+        rollout.collect(request)
