@@ -18,7 +18,7 @@ from nemo_dapo.trainer.batching import build_rollout_batch
 pytestmark = pytest.mark.slow
 GREEDY = SamplingSettings(n=1, temperature=0.0, max_tokens=12)
 QUESTIONS = ["12+3", "45-7", "99+9", "3-8"]
-TIMEOUT_S = 10
+TIMEOUT_S = 6
 
 
 @pytest.fixture(scope="module")
