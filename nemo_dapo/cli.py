@@ -9,7 +9,7 @@ import sys
 from importlib import import_module
 
 from nemo_dapo.config import DEFAULT_PRESET, list_presets, load_config, to_yaml
-from nemo_dapo.errors import InputError
+from nemo_dapo.errors import InputError, RemoteCallError
 from nemo_dapo.trainer.checkpoint import CheckpointWriteError
 from nemo_dapo.trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
 
@@ -158,6 +158,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except CheckpointWriteError as err:  # nothing lost: the message says what is left to resume from
         print(f"nemo-dapo: {err}", file=sys.stderr)
+        return 1
+    except RemoteCallError as err:  # a worker died or hung: the checkpoints are whole, resume from them
+        print(
+            f"nemo-dapo: {err}\nnemo-dapo: the run stopped; its checkpoints are intact: run the same "
+            "command again (checkpoint.resume=auto) to continue from the last one",
+            file=sys.stderr,
+        )
         return 1
     except Preempted as stop:  # a checkpoint was saved: the batch script requeues the job
         print(f"nemo-dapo: {stop}", file=sys.stderr)

@@ -1,8 +1,10 @@
-"""The one error type for bad input: a config, a dataset file or row, a model folder or file.
+"""The errors the command line reports as a message alone, without a traceback.
 
-Raised with a message that names the field (or file and row) and the fix; the command line
-prints that message alone and exits 2, the code a batch script never requeues (retrying
-cannot fix the input). Anything else is a crash, with its traceback.
+:class:`InputError`: bad input (a config, a dataset file or row, a model folder or file),
+raised with a message that names the field (or file and row) and the fix; exit 2, the code a
+batch script never requeues (retrying cannot fix the input). :class:`RemoteCallError`: a worker
+process died or hung; exit 1, which the batch script requeues a bounded number of times (the
+run resumes from its last checkpoint). Anything else is a crash, with its traceback.
 """
 
 
@@ -12,3 +14,8 @@ class InputError(Exception):
 
 class ConfigError(InputError, ValueError):
     """A config that cannot run; the message lists every problem found."""
+
+
+class RemoteCallError(RuntimeError):
+    """A worker that died, or gave no answer in time, during a call the driver waits on. The
+    message names the group, the call, the ranks and where their logs are."""

@@ -3,7 +3,6 @@ constraints file, and the pins agree with pyproject.toml. (That every pin exists
 resolve together needs the index: `python tools/check_constraints.py --resolve`, recorded in
 containers/README.md.)"""
 
-import importlib.util
 import re
 import shlex
 from pathlib import Path
@@ -12,6 +11,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
+
+from tests.repo_tools import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -37,14 +38,7 @@ INSTRUCTIONS = {
 }
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location("check_constraints", ROOT / "tools" / "check_constraints.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-TOOL = load_tool()
+TOOL = load_tool("check_constraints")
 
 
 def instructions(text: str) -> list[tuple[str, str]]:

@@ -91,7 +91,7 @@ def assert_same(generations, reference) -> None:
 
 
 def test_replaced_engines_generate_with_the_current_weights(groups, tiny_tokenizer):
-    from nemo_dapo.cluster.worker_group import RemoteCallError
+    from nemo_dapo.errors import RemoteCallError
     from nemo_dapo.trainer.data_plane import DataPlane
     from nemo_dapo.trainer.prompt_queue import PromptQueue, PromptStatus
 

@@ -1,23 +1,14 @@
 """The CPU environment is the locked one: what tools/bootstrap.sh installed from tools/cpu-lock.txt
 is still exactly that (a package added, removed or upgraded by hand shows up here)."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.repo_tools import load_tool
 
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("env_lock", ROOT / "tools" / "env_lock.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-TOOL = load_tool()
+TOOL = load_tool("env_lock")
 
 
 def test_the_installed_environment_equals_the_lock():

@@ -128,10 +128,11 @@ def vllm_log_probs(model_dir, dtype: str) -> torch.Tensor:
 @requires_megatron
 @pytest.mark.slow
 def test_torch_megatron_tp1_tp3_and_vllm_score_the_same_sequences(smollm2_dir, tmp_path):
+    from nemo_dapo.config.schema import OptimConfig
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
 
     batch = real_batch()
-    worker = TorchPolicyWorker(0, 1, "", str(smollm2_dir), {}, max_token_len=64, logits_chunk_tokens=5)
+    worker = TorchPolicyWorker(0, 1, "", str(smollm2_dir), OptimConfig(), max_token_len=64, logits_chunk_tokens=5)
     torch_lp = worker.compute_log_prob(batch)["log_probs"]
     del worker
     results = {}

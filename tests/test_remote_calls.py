@@ -14,7 +14,8 @@ def ray_cluster():
 
 
 def test_a_silent_or_dead_worker_fails_the_call_naming_group_call_and_rank(ray_cluster):
-    from nemo_dapo.cluster.worker_group import RemoteCallError, WorkerGroup
+    from nemo_dapo.cluster.worker_group import WorkerGroup
+    from nemo_dapo.errors import RemoteCallError
     from tests.flaky_worker import Napper
 
     stuck, crashed = (

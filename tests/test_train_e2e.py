@@ -61,9 +61,9 @@ def assert_clean_output(done: subprocess.CompletedProcess, steps: int) -> None:
     assert sorted(n for n in numbers if n > 0) == list(range(1, steps + 1))  # step 0: the initial validation
 
 
-def kill_engine_while_generating(victim: subprocess.Popen, timeout: float) -> int:
-    """SIGKILL the run's vLLM engine while it runs a generate call (Ray titles an actor process
-    ``ray::Class.method`` while it executes one); returns its pid."""
+def kill_worker(victim: subprocess.Popen, title: str, timeout: float) -> int:
+    """SIGKILL the run's Ray worker whose process title starts with ``title`` (Ray titles an actor
+    process ``ray::Class`` and, while it executes a call, ``ray::Class.method``); returns its pid."""
     import psutil
 
     deadline = time.time() + timeout
@@ -71,14 +71,14 @@ def kill_engine_while_generating(victim: subprocess.Popen, timeout: float) -> in
         assert victim.poll() is None, victim.stderr.read()[-3000:]
         for process in psutil.Process(victim.pid).children(recursive=True):
             try:
-                title = " ".join(process.cmdline())
+                name = " ".join(process.cmdline())
             except psutil.Error:
                 continue
-            if title.startswith("ray::VLLMRolloutWorker.generate"):
+            if name.startswith(title):
                 process.kill()
                 return process.pid
         time.sleep(0.02)
-    raise AssertionError("the engine never ran a generate call")
+    raise AssertionError(f"no worker titled {title!r} within {timeout} s")
 
 
 def train_and_kill_the_engine(out: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -92,7 +92,7 @@ def train_and_kill_the_engine(out: Path, *overrides: str) -> subprocess.Complete
         while len(records(out / "prompts.jsonl")) < 3:  # a few steps in: the engine holds trained weights
             assert run.poll() is None, run.stderr.read()[-3000:]
             time.sleep(0.1)
-        kill_engine_while_generating(run, timeout=120)
+        kill_worker(run, "ray::VLLMRolloutWorker.generate", timeout=120)  # mid-generation
         stdout, stderr = run.communicate(timeout=600)
     finally:
         if run.poll() is None:
@@ -190,6 +190,16 @@ def expected_rounds(dataset_size: int, batch_size: int, seed: int, count: int) -
     return rounds[:count]
 
 
+def wait_for_text(process: subprocess.Popen, text: str, timeout: float) -> None:
+    """Read the process's stderr until a line holds ``text``."""
+    deadline = time.time() + timeout
+    for line in process.stderr:
+        if text in line:
+            return
+        assert time.time() < deadline, f"{text!r} did not appear"
+    raise AssertionError(f"the process ended before {text!r}")
+
+
 def wait_for(path: Path, process: subprocess.Popen, timeout: float) -> None:
     deadline = time.time() + timeout
     while not path.exists():
@@ -228,6 +238,29 @@ def test_sigkill_resume_same_prompts_then_fallback_and_new_dp_size(workdir):
     assert consumed == [i for r in rounds for i in r]  # no prompt skipped, none repeated
     # the generated-sample count (trainer.total_generated_samples' axis) survives the kill: every round of 8
     assert json.loads((out / "summary.json").read_text())["generated_samples"] == 8 * len(consumed)
+
+    # a policy rank killed while the run continues: it stops at once naming the group and the call,
+    # the checkpoints stay whole (the fallback below resumes from them)
+    policy_killed = subprocess.Popen(
+        [*CLI, "train", f"trainer.output_dir={out}", "trainer.total_training_steps=10", *steps],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=ENV,
+    )
+    try:
+        wait_for_text(policy_killed, "resumed from", timeout=300)
+        kill_worker(policy_killed, "ray::TorchPolicyWorker", timeout=60)
+        _, stderr = policy_killed.communicate(timeout=120)
+    finally:
+        if policy_killed.poll() is None:
+            os.killpg(policy_killed.pid, signal.SIGKILL)
+    assert policy_killed.returncode == 1, stderr[-3000:]
+    assert re.search(r"nemo-dapo: actor\.\w+: a worker died .*their logs: /\S+/logs", stderr), stderr[-3000:]
+    assert "run the same command again (checkpoint.resume=auto)" in stderr
+    assert "RemoteCallError" not in stderr  # the message alone: no traceback of ours
+    assert (out / "checkpoints" / "latest").read_text().strip() == "global_step_8"
 
     newest = out / "checkpoints" / "global_step_8"
     (newest / "trainer_state.pt").write_bytes(b"damaged on purpose")

@@ -16,7 +16,8 @@ import torch
 from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.algo.correction import CorrectionSettings
-from nemo_dapo.cluster.worker_group import RemoteCallError, WorkerGroup
+from nemo_dapo.cluster.worker_group import WorkerGroup
+from nemo_dapo.errors import RemoteCallError
 from nemo_dapo.policy.base import LossSettings
 from nemo_dapo.policy.inputs import mini_batches_per_rank, shard, worker_inputs
 from nemo_dapo.rollout.base import Generation, SamplingSettings

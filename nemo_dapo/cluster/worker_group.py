@@ -14,11 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_dapo.cluster.placement import Slot, own_slots
-
-
-class RemoteCallError(RuntimeError):
-    """A worker that died, or gave no answer in time, during a call the driver waits on. The
-    message names the group, the call, the ranks and where their logs are."""
+from nemo_dapo.errors import RemoteCallError
 
 
 @dataclass(frozen=True)

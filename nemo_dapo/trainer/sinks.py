@@ -103,7 +103,7 @@ class WandbSink:
             name=context.experiment_name,
             dir=str(context.output_dir),
             config=context.run_config,
-            mode=context.wandb_mode,  # type: ignore[arg-type]  # the schema allows only online | offline | null
+            mode=context.wandb_mode,  # type: ignore[arg-type]  # the schema allows online | offline | null
             id=run_id,
             resume="allow" if run_id else None,
         )
