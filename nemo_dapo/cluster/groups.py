@@ -198,8 +198,7 @@ class RolloutGroup:
         if self._current_weights is None:
             raise RuntimeError("a replaced rollout engine needs the policy's weights: call set_weight_source first")
         bucket_refs, version = self._current_weights()
-        self.update_weights(bucket_refs, version, ranks=[rank])
-        self._cold.discard(rank)
+        self.update_weights(bucket_refs, version, ranks=[rank])  # which marks it warm
 
     def sleep(self) -> None:
         """Engines release their GPU memory to the colocated training ranks (no-op where they can't)."""

@@ -56,6 +56,11 @@ class FinishedPrompt:
     policy_version: int
 
 
+def pending_tags(global_step: int, attempt: int) -> dict:
+    """A prompt's tags while it waits for an engine (first issue or reissue)."""
+    return {"is_prompt": True, "status": PromptStatus.PENDING.value, "global_steps": global_step, "attempt": attempt}
+
+
 class PromptQueue:
     def __init__(self, plane: DataPlane, rollout: RolloutGroup, partition: str = "train") -> None:
         self.plane, self.rollout, self.partition = plane, rollout, partition
@@ -70,10 +75,7 @@ class PromptQueue:
         keys = [f"q{self.issued + j}" for j in range(len(items))]
         self.issued += len(items)
         fields = {name: [item["index" if name == "prompt_index" else name] for item in items] for name in PROMPT_FIELDS}
-        tags = [
-            {"is_prompt": True, "status": PromptStatus.PENDING.value, "global_steps": global_step, "attempt": 1}
-        ] * len(keys)
-        self.plane.kv_batch_put(keys, fields, tags, self.partition)
+        self.plane.kv_batch_put(keys, fields, [pending_tags(global_step, 1) for _ in keys], self.partition)
 
     def has_pending(self) -> bool:
         return bool(self._with_status(PromptStatus.PENDING).keys)
@@ -105,7 +107,7 @@ class PromptQueue:
         generations = self.rollout.collect(round_.request, regenerate=False)
         for key, attempt, generation in zip(round_.keys, round_.attempts, generations):
             if generation is None:
-                lost.append(key)
+                lost.append((key, attempt))
                 continue
             for k, sample in enumerate(zip(generation.token_ids, generation.log_probs, generation.finish_reasons)):
                 keys.append(f"{key}_{k}")
@@ -121,10 +123,11 @@ class PromptQueue:
                 for name, value in zip(SAMPLE_FIELDS, sample):
                     fields[name].append(value)
         self.plane.kv_batch_put(keys, fields, tags, self.partition)
+        lost_keys = {key for key, _ in lost}
         self.plane.kv_update_tags(
-            [key for key in round_.keys if key not in lost], {"status": PromptStatus.DONE.value}, self.partition
+            [key for key in round_.keys if key not in lost_keys], {"status": PromptStatus.DONE.value}, self.partition
         )
-        return self._reissue(lost, global_step)
+        return self._reissue([key for key, _ in lost], [attempt for _, attempt in lost], global_step)
 
     def take_finished(self) -> list[FinishedPrompt]:
         """Read and remove every done prompt with its samples (a few store calls, not one per prompt)."""
@@ -158,31 +161,20 @@ class PromptQueue:
         inflight = self.plane.kv_list(
             self.partition, {"is_prompt": True, "status": [PromptStatus.PENDING.value, PromptStatus.RUNNING.value]}
         )
-        return self._reissue(inflight.keys, global_step)
+        attempts = [tag.get("attempt", 1) for tag in inflight.tags]  # checkpoints from before attempts: 1
+        return self._reissue(inflight.keys, attempts, global_step)
 
-    def _reissue(self, keys: list[str], global_step: int) -> int:
-        """``keys`` become pending again with the next attempt number, their partial samples
-        deleted first; returns how many."""
+    def _reissue(self, keys: list[str], attempts: list[int], global_step: int) -> int:
+        """``keys`` (now at ``attempts``) become pending again with the next attempt number, their
+        partial samples deleted first; returns how many."""
         if not keys:
             return 0
-        wanted = set(keys)
-        prompts = self.plane.kv_list(self.partition, {"is_prompt": True})
-        keys = [key for key in prompts.keys if key in wanted]
-        old_tags = [tag for key, tag in zip(prompts.keys, prompts.tags) if key in wanted]
         partial = self.plane.kv_list(self.partition, {"is_prompt": False, "prompt_id": keys}).keys
         if partial:
             self.plane.kv_clear(partial, self.partition)
         fields = self.plane.kv_batch_get(keys, list(PROMPT_FIELDS), self.partition)
         self.plane.kv_clear(keys, self.partition)
-        tags = [
-            {
-                **tag,
-                "status": PromptStatus.PENDING.value,
-                "global_steps": global_step,
-                "attempt": tag.get("attempt", 1) + 1,
-            }
-            for tag in old_tags
-        ]
+        tags = [pending_tags(global_step, attempt + 1) for attempt in attempts]
         self.plane.kv_batch_put(keys, fields, tags, self.partition)
         return len(keys)
 
