@@ -96,6 +96,7 @@ def run_megatron_rank(
     torch.set_num_threads(1)
     options = {"max_token_len": 40, **options}
     loss = LossSettings(**options.pop("loss", {}))  # the policy loss and its aggregation
+    routing_file = options.pop("routing_file", None)  # MoE routing to replay (test_router_replay)
     worker = megatron_worker(
         rank,
         world_size,
@@ -106,6 +107,8 @@ def run_megatron_rank(
         **options,
     )
     batch = make_batch(padded=padded)
+    if routing_file:
+        batch["routed_experts"] = torch.load(routing_file)
     dp_rank, dp_size = worker.data_parallel_layout()
     rows = len(batch["input_ids"]) // dp_size
     # advantages of the whole batch (they depend on the row index), then this replica's rows

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 # 2-D tensors padded on the left (prompts end where the response starts); all others on the right.
-LEFT_PADDED = frozenset({"prompts", "prompt_mask"})
+LEFT_PADDED = frozenset({"prompts", "prompt_mask", "prompt_routing"})
 
 
 @dataclass

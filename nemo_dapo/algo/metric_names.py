@@ -121,6 +121,21 @@ LOGPROB_DIFF_MEAN = metric("rollout_corr/logprob_abs_diff_mean", Reduce.MEAN, "|
 LOGPROB_DIFF_MAX = metric("rollout_corr/logprob_abs_diff_max", Reduce.MAX, "largest |rollout_lp - old_lp|")
 ROLLOUT_KL_K1 = metric("rollout_corr/kl_k1", Reduce.MEAN, "k1 estimate of KL(engine || trainer)")
 ROLLOUT_KL_K3 = metric("rollout_corr/kl_k3", Reduce.MEAN, "k3 estimate of KL(engine || trainer)")
+NO_REPLAY_PREFIX = "rollout_corr/no_replay/"  # the same mismatch under the trainer's own MoE routing (r3)
+NO_REPLAY_MISMATCH = [
+    metric(NO_REPLAY_PREFIX + m.name.removeprefix("rollout_corr/"), m.reduce, m.help + ", trainer's own MoE routing")
+    for m in (LOGPROB_DIFF_MEAN, LOGPROB_DIFF_MAX, ROLLOUT_KL_K1, ROLLOUT_KL_K3)
+]
+
+# ---- MoE routing replay (docs/moe.md)
+ROUTER_AGREEMENT = {
+    "mean": metric(
+        "moe/router_agreement/mean",
+        Reduce.MEAN,
+        "share of the replayed top-k experts the trainer's router also picks, mean over MoE layers",
+    ),
+    "min": metric("moe/router_agreement/min", Reduce.MIN, "the same, its lowest MoE layer"),
+}
 
 # ---- asynchronous trainer
 STALENESS_LAG = stats("staleness/lag", "policy versions a trained sample lags behind")

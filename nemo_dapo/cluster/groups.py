@@ -20,6 +20,7 @@ from nemo_dapo.cluster.worker_group import WorkerGroup
 from nemo_dapo.errors import RemoteCallError
 from nemo_dapo.policy.base import LossSettings
 from nemo_dapo.policy.inputs import mini_batches_per_rank, shard, worker_inputs
+from nemo_dapo.policy.routing import ROUTED_EXPERTS
 from nemo_dapo.rollout.base import Generation, SamplingSettings
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,11 @@ class PolicyGroup:
         results = self.workers.call_each("compute_log_prob", [(s, temperature) for s in self._per_worker(shards)])
         width = batch["responses"].shape[1]
         leaders = [results[i] for i in self._leaders]
-        return {key: torch.cat([r[key][:, :width] for r in leaders]) for key in leaders[0]}
+        # [B, R] results are cut to the batch's response width; routing ([B, P + R, L, K]) is whole
+        return {
+            key: torch.cat([r[key] if key == ROUTED_EXPERTS else r[key][:, :width] for r in leaders])
+            for key in leaders[0]
+        }
 
     def update(
         self,

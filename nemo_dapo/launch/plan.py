@@ -31,6 +31,7 @@ from nemo_dapo.launch.capacity import (
     layout_of,
     training_memory,
 )
+from nemo_dapo.policy.routing import routing_bytes_per_token
 
 
 def _divides(problems: list[str], size: int, count: int, what: str, key: str) -> None:
@@ -115,6 +116,8 @@ class Plan:
     engines: int
     sequences_per_round: int
     problems: list[str]
+    routing_bytes_per_token: int = 0  # MoE routing replay's ids (0: off)
+    routing_batch_gib: float = 0.0  # the same for a full-length training batch
 
     def as_dict(self) -> dict:
         """Machine-readable plan (``--json``); memory in GiB."""
@@ -154,6 +157,10 @@ class Plan:
                 "generation_phase": self.colocated.generation_phase,
                 "peak": self.colocated.peak,
             },
+            "routing_replay": {
+                "bytes_per_token": self.routing_bytes_per_token,
+                "batch_gib": self.routing_batch_gib,
+            },
             "fits": not self.problems,
             "problems": self.problems,
         }
@@ -162,6 +169,11 @@ class Plan:
 def shape_problems(cfg: Config, arch: Architecture) -> list[str]:
     """How the training and rollout layouts split this model (heads, widths, layers, experts)."""
     problems = training_layout_problems(arch, layout_of(cfg)) if cfg.actor.backend == "megatron" else []
+    replay = cfg.actor.megatron.router_replay
+    if replay != "none" and not arch.is_moe:
+        problems.append(
+            f"actor.megatron.router_replay={replay}: {arch.name} is dense (no experts, nothing routed); set it to none"
+        )
     return problems + rollout_layout_problems(cfg, arch)
 
 
@@ -224,7 +236,18 @@ def make_plan(cfg: Config, config_name: str, gpu_memory_gib: float, reserve_gib:
         engines=engines,
         sequences_per_round=cfg.data.effective_gen_batch_size * cfg.rollout.n,
         problems=problems,
+        **routing_replay_size(cfg, arch),
     )
+
+
+def routing_replay_size(cfg: Config, arch: Architecture) -> dict:
+    """What routing replay adds to every batch (docs/moe.md): ids per token, and for a training
+    batch of full-length sequences (held on the driver, sent to the ranks with the batch)."""
+    if cfg.actor.megatron.router_replay == "none" or not arch.is_moe:
+        return {}
+    per_token = routing_bytes_per_token(arch.num_layers, arch.experts_per_token, arch.num_experts)
+    tokens = cfg.data.train_batch_size * cfg.rollout.n * (cfg.data.max_prompt_length + cfg.data.max_response_length)
+    return {"routing_bytes_per_token": per_token, "routing_batch_gib": per_token * tokens / 2**30}
 
 
 def _describe_model(arch: Architecture) -> str:
@@ -279,6 +302,11 @@ def render(plan: Plan) -> str:
             f"({c.training_kept:.2f} training state + reserve, {c.vllm:.2f} vLLM)",
             f"  peak per GPU                       {c.peak:7.2f} GiB of {plan.gpu_memory_gib:g}",
         ]
+    if plan.routing_bytes_per_token:
+        lines.append(
+            f"routing replay {plan.routing_bytes_per_token} B per token (expert ids of every MoE layer), "
+            f"{plan.routing_batch_gib:.2f} GiB per full-length training batch"
+        )
     verdict = "fits" if not plan.problems else "REFUSED:\n  - " + "\n  - ".join(plan.problems)
     return "\n".join(lines + [f"verdict     {verdict}"])
 

@@ -11,6 +11,7 @@ import torch
 
 from nemo_dapo.algo.batch import RolloutBatch, group_rows
 from nemo_dapo.policy.base import MiniBatch
+from nemo_dapo.policy.routing import PROMPT_ROUTING, RESPONSE_ROUTING, ROUTED_EXPERTS, join_routing
 
 # Response-aligned [B, R] fields a policy worker may need for its loss.
 WORKER_FIELDS = ("responses", "advantages", "old_log_probs", "ref_log_probs", "rollout_log_probs", "is_weights")
@@ -37,6 +38,8 @@ def worker_inputs(batch: RolloutBatch) -> dict[str, torch.Tensor]:
         "response_mask": loss_mask(batch),
     }
     data.update({name: batch[name] for name in WORKER_FIELDS if name in batch})
+    if PROMPT_ROUTING in batch:  # MoE routing replay: the experts to replay, aligned with input_ids
+        data[ROUTED_EXPERTS] = join_routing(batch[PROMPT_ROUTING], batch[RESPONSE_ROUTING])
     return data
 
 

@@ -4,8 +4,8 @@ Compute is proportional to padded width, so rows of similar length go together (
 length) and each micro-batch is cut to the longest real prompt and response it contains; each
 micro-batch records its rows (``ROWS``) so per-row results go back in place. Batches follow the
 layout of :mod:`nemo_dapo.policy.base`: ``input_ids`` / ``attention_mask`` / ``position_ids`` are
-[B, P + R] (prompt left-padded, response right-padded) and every other 2-D tensor is a [B, R]
-response-aligned field.
+[B, P + R] (prompt left-padded, response right-padded), as is MoE routing when it travels
+(``routed_experts``, :mod:`routing`), and every other 2-D tensor is a [B, R] response-aligned field.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 
 import torch
 
-FULL_WIDTH_KEYS = ("input_ids", "attention_mask", "position_ids")
+FULL_WIDTH_KEYS = ("input_ids", "attention_mask", "position_ids", "routed_experts")  # routing: [B, P + R, L, K]
 ROWS = "rows"  # in a micro-batch: the batch rows of its real (non-filler) rows, in order
 
 

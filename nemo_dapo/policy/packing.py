@@ -8,7 +8,9 @@ so the loss sees the same [rows, response] tensors as without packing, and adds:
 
 - ``packed_ids`` / ``packed_positions`` [1, T]: the tokens, and positions restarting at 0 per row;
 - ``cu_seqlens`` [segments + 1] int32: row boundaries, the tail padding one more segment (THD format);
-- ``response_index`` [rows, R]: the packed position whose logits predict each response token.
+- ``response_index`` [rows, R]: the packed position whose logits predict each response token;
+- ``pack_source`` [T]: the micro-batch ``row * width + column`` of each packed position (-1 for
+  padding), which puts per-token data such as MoE routing (:mod:`routing`) in pack order.
 
 A row attends only within its own segment (the THD boundaries).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from nemo_dapo.policy.microbatch import ROWS, prompt_width, trim_padding
+from nemo_dapo.policy.routing import PACK_SOURCE
 
 PACKED_IDS = "packed_ids"
 
@@ -62,6 +65,8 @@ def pack_rows(
     targets = starts[: len(rows), None] + real.long().cumsum(dim=1) - 1  # each real token's place in the pack
     packed_ids = torch.zeros(packed_width, dtype=micro["input_ids"].dtype)
     packed_ids[targets[real]] = micro["input_ids"][real]
+    source = torch.full((packed_width,), -1, dtype=torch.long)
+    source[targets[real]] = torch.arange(real.numel()).view(real.shape)[real]
     segment_of = torch.repeat_interleave(torch.arange(len(segment_lengths)), segment_lengths)
     response_width = micro["responses"].shape[1]
     prompt_lengths = real[:, : prompt_width(micro)].sum(dim=1)
@@ -72,6 +77,7 @@ def pack_rows(
             "packed_positions": (torch.arange(packed_width) - starts[segment_of])[None],
             "cu_seqlens": cu_seqlens,
             "response_index": response_index.clamp(max=packed_width - 1),
+            PACK_SOURCE: source,
         }
     )
     return micro

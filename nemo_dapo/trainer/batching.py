@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from nemo_dapo.algo.batch import RolloutBatch
+from nemo_dapo.policy.routing import PROMPT_ROUTING, RESPONSE_ROUTING, routing_dtype
 from nemo_dapo.rollout.base import Generation
 
 
@@ -20,6 +21,23 @@ def _pad_rows(rows: Sequence[Sequence], width: int, value, dtype, left: bool = F
             else:
                 out[i, : len(row)] = values
     return out
+
+
+def _routing_halves(
+    rows_prompt: list, rows_response: list, generations: Sequence[Generation], prompt_width: int, response_width: int
+) -> dict[str, torch.Tensor]:
+    """The engine's routing (r3) as the batch's ``prompt_routing`` / ``response_routing``
+    (:mod:`nemo_dapo.policy.routing`); positions the engine never ran stay 0 (placeholders)."""
+    samples = [torch.as_tensor(r) for g in generations for r in g.routed_experts]
+    layers, topk = samples[0].shape[1:]
+    dtype = routing_dtype(int(max(s.max() for s in samples if s.numel())) + 1)
+    prompt = torch.zeros(len(samples), prompt_width, layers, topk, dtype=dtype)
+    response = torch.zeros(len(samples), response_width, layers, topk, dtype=dtype)
+    for i, (routing, p, r) in enumerate(zip(samples, rows_prompt, rows_response)):
+        prompt[i, prompt_width - len(p) :] = routing[: len(p)].to(dtype)
+        ran = routing[len(p) : len(p) + len(r)]
+        response[i, : len(ran)] = ran.to(dtype)
+    return {PROMPT_ROUTING: prompt, RESPONSE_ROUTING: response}
 
 
 def build_rollout_batch(
@@ -61,5 +79,7 @@ def build_rollout_batch(
         "policy_version": torch.tensor([versions[p] for p in source], dtype=torch.long),
         "aborted": torch.tensor([reason == "abort" for reason in finish]),
     }
+    if generations and generations[0].routed_experts:
+        tensors.update(_routing_halves(rows_prompt, rows_response, generations, prompt_width, response_width))
     repeated = {name: [values[p] for p in source] for name, values in fields.items()}
     return RolloutBatch(tensors, {"uid": uids, "finish_reason": finish, **repeated})

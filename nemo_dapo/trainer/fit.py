@@ -38,6 +38,7 @@ from nemo_dapo.trainer.preemption import Preempted, PreemptionSignals, record_pr
 from nemo_dapo.trainer.sinks import SinkContext
 from nemo_dapo.trainer.stages import (
     add_advantages,
+    add_old_log_prob_extras,
     add_overlong_filter,
     add_rewards,
     add_rollout_correction,
@@ -212,6 +213,7 @@ class DAPOTrainer:
             with timer("old_log_prob"):
                 out = self.policy.compute_log_prob(batch, self.cfg.rollout.temperature)
             batch.add("old_log_probs", out["log_probs"])
+            metrics.update(add_old_log_prob_extras(batch, out))
             metrics[mn.ENTROPY_OLD.name] = float(
                 (out["entropy"] * batch["response_mask"]).sum() / batch["response_mask"].sum().clamp(min=1)
             )

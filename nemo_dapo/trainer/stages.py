@@ -10,11 +10,12 @@ import torch
 from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.advantage import get_advantage_estimator
 from nemo_dapo.algo.batch import RolloutBatch
-from nemo_dapo.algo.correction import CorrectionSettings, apply_rollout_correction
+from nemo_dapo.algo.correction import CorrectionSettings, apply_rollout_correction, mismatch_metrics
 from nemo_dapo.algo.kl import apply_kl_in_reward
 from nemo_dapo.algo.metrics import data_metrics
 from nemo_dapo.config.schema import Config
 from nemo_dapo.policy.inputs import loss_mask
+from nemo_dapo.policy.routing import ROUTED_EXPERTS, split_routing
 from nemo_dapo.reward.manager import RewardManager
 
 
@@ -59,6 +60,19 @@ def add_overlong_filter(batch: RolloutBatch, cfg: Config) -> dict[str, float]:
     truncated = torch.tensor([reason == "length" for reason in batch["finish_reason"]])
     batch.add("loss_mask", batch["response_mask"] * (~truncated).to(batch["response_mask"].dtype)[:, None])
     return {mn.OVERLONG_FILTERED.name: float(truncated.float().mean())}
+
+
+def add_old_log_prob_extras(batch: RolloutBatch, out: dict[str, torch.Tensor]) -> dict[str, float]:
+    """MoE routing replay's part of the old_log_prob pass (docs/moe.md): r2's recorded routing
+    joins the batch for the update to replay; r3's log-probs under the trainer's own routing
+    measure the mismatch replay removed (``rollout_corr/no_replay/*``)."""
+    if ROUTED_EXPERTS in out:
+        for name, half in split_routing(out[ROUTED_EXPERTS], batch["prompts"].shape[1]).items():
+            batch.add(name, half)
+    if "own_log_probs" not in out:
+        return {}
+    own = mismatch_metrics(out["own_log_probs"], batch["rollout_log_probs"], loss_mask(batch).float())
+    return {mn.NO_REPLAY_PREFIX + name.removeprefix("rollout_corr/"): value for name, value in own.items()}
 
 
 def add_rollout_correction(batch: RolloutBatch, settings: CorrectionSettings) -> dict[str, float]:

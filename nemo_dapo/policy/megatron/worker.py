@@ -49,6 +49,7 @@ from nemo_dapo.policy.packing import (
     scatter_rows,
     uniform_packs,
 )
+from nemo_dapo.policy.routing import ROUTED_EXPERTS, place_micro_routing, routing_dtype
 from nemo_dapo.policy.weights import Bucket, bucketize
 from nemo_dapo.threads import use_cpu_threads
 
@@ -132,6 +133,7 @@ class MegatronPolicyWorker:
         self.steps_done = 0
         self.trainable = trainable
         self.models = self._build(model_path)
+        self.replay = self._routing_replay()
         self.optimizer = None
         if trainable:
             self.chunks = self._wrap_for_training()
@@ -161,6 +163,26 @@ class MegatronPolicyWorker:
                 self.output = DeferredOutputLayer(model.output_layer)
             models.append(model)
         return models
+
+    def _routing_replay(self):
+        """The MoE routers' replay hooks (``actor.megatron.router_replay``; docs/moe.md), or None."""
+        mode = self.layout.router_replay
+        if mode == "none":
+            return None
+        if not self.shape.num_experts:
+            raise ValueError(
+                f"actor.megatron.router_replay={mode}: the model has no experts (a dense model routes nothing); "
+                "set it to none"
+            )
+        from nemo_dapo.policy.megatron.router_replay import RoutingReplay
+
+        return RoutingReplay(
+            self.models,
+            self.shape.num_layers,
+            self.shape.moe_topk,
+            self.layout.sequence_parallel,
+            recompute=self.layout.recompute_granularity == "full",
+        )
 
     def _wrap_for_training(self) -> list:
         """Each chunk in Megatron's DDP (gradient buffers; as Megatron's training loop, only the
@@ -364,8 +386,15 @@ class MegatronPolicyWorker:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
-            micro = {k: v.to(self.device, non_blocking=True) for k, v in next(data_iterator).items()}
-            return model(**self._model_inputs(micro)), functools.partial(loss_fn, micro)
+            source = next(data_iterator)
+            micro = {k: v.to(self.device, non_blocking=True) for k, v in source.items()}
+            chunk = next(i for i, c in enumerate(self.chunks) if c is model)
+            if self.replay is not None:
+                self.replay.before_forward(chunk, micro, self.width_multiple)
+            output = model(**self._model_inputs(micro))
+            if self.replay is not None:
+                self.replay.after_forward(chunk, micro, self.width_multiple, key=id(source))
+            return output, functools.partial(loss_fn, micro)
 
         shapes = [self.model_shape(micro) for micro in micros]
         # interleaved: every chunk reads each micro-batch (the loss needs it on the last chunk)
@@ -382,8 +411,28 @@ class MegatronPolicyWorker:
 
     @torch.no_grad()
     def compute_log_prob(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> dict[str, torch.Tensor]:
+        """Log-probs and entropy of the responses. With routing replay: r3 replays the batch's
+        ``routed_experts`` and adds ``own_log_probs`` (the trainer's own routing, for the mismatch
+        metrics); r2 (policy only) records its routing and returns it as ``routed_experts``."""
         self._set_mode(train=False)
         micros = self._micro_batches(batch)
+        mode = self.layout.router_replay if self.replay is not None else "none"
+        action = {"r3": "REPLAY_FORWARD", "r2": "RECORD" if self.trainable else None}.get(mode)
+        result = self._log_probs(batch, micros, temperature, action)
+        if mode == "r2" and self.trainable:
+            result[ROUTED_EXPERTS] = self._recorded_routing(batch, micros)
+        if mode == "r3" and self.trainable:
+            result["own_log_probs"] = self._log_probs(batch, micros, temperature, None)["log_probs"]
+        return result
+
+    def _log_probs(
+        self, batch: dict[str, torch.Tensor], micros: list, temperature: float, replay_action: str | None
+    ) -> dict[str, torch.Tensor]:
+        """One forward schedule over ``micros``; ``replay_action`` names a RouterReplayAction (MoE)."""
+        if self.replay is not None:
+            from nemo_dapo.policy.megatron.router_replay import actions
+
+            self.replay.start(getattr(actions(), replay_action) if replay_action else None)
         log_prob_parts, entropy_parts = [], []
 
         def collect(micro, hidden):
@@ -399,6 +448,17 @@ class MegatronPolicyWorker:
         entropy = self._from_last_stage(place_rows(shape, entropy_parts))
         mask = batch["response_mask"].float()
         return {"log_probs": log_probs * mask, "entropy": entropy * mask}
+
+    def _recorded_routing(self, batch: dict[str, torch.Tensor], micros: list) -> torch.Tensor:
+        """What the recording pass picked, as the batch's [B, P + R, L, K] ``routed_experts``."""
+        from nemo_dapo.policy.megatron.router_replay import reduce_recorded
+
+        assert self.replay is not None
+        tokens = batch["input_ids"].shape
+        shape = (*tokens, self.shape.num_layers, self.shape.moe_topk)
+        parts = [(micro, self.replay.recorded[id(micro)]) for micro in micros if micro[ROWS].numel()]
+        routing = place_micro_routing(shape, prompt_width(batch), parts, torch.int32)
+        return reduce_recorded(routing.to(self.device)).cpu().to(routing_dtype(self.shape.num_experts))
 
     def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """Only the last pipeline stage sees logits: broadcast its result to the other stages."""
@@ -448,6 +508,10 @@ class MegatronPolicyWorker:
 
         micros = self._micro_batches(mini.data)
         routed = sum(rows * width for rows, width in map(self.model_shape, micros))
+        if self.replay is not None:
+            from nemo_dapo.policy.megatron.router_replay import actions
+
+            self.replay.start(actions().REPLAY_FORWARD)
         with per_routed_token(self.config, routed, self.device):
             self._run_schedule(micros, loss_fn, forward_only=False)
         for group in self.optimizer.param_groups:
@@ -455,6 +519,10 @@ class MegatronPolicyWorker:
         _, grad_norm, _ = self.optimizer.step()
         self.steps_done += 1
         step_metrics = {**self._share_metrics(step_metrics), **load_balancing_metric(self.config, len(micros))}
+        if self.replay is not None:
+            agreement = self.replay.agreement()
+            step_metrics[mn.ROUTER_AGREEMENT["mean"].name] = [agreement["mean"]]
+            step_metrics[mn.ROUTER_AGREEMENT["min"].name] = [agreement["min"]]
         step_metrics[mn.GRAD_NORM.name] = [float(grad_norm)]
         step_metrics[mn.LR.name] = [self.optim_cfg.lr * self.lr_factor(self.steps_done)]
         return step_metrics

