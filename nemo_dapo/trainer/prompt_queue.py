@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from nemo_dapo.rollout.base import Generation, SamplingSettings
 from nemo_dapo.trainer.data_plane import DataPlane
 
@@ -24,7 +26,15 @@ if TYPE_CHECKING:
     from nemo_dapo.cluster.groups import GenerationRequest, RolloutGroup
 
 PROMPT_FIELDS = ("prompt_ids", "ground_truth", "data_source", "prompt_index")
-SAMPLE_FIELDS = ("token_ids", "log_probs", "finish_reason")
+SAMPLE_FIELDS = ("token_ids", "log_probs", "finish_reason", "routed_experts")
+NO_ROUTING = torch.zeros(0, dtype=torch.int16)  # a sample without MoE routing (replay r3 off)
+
+
+def sample_routing(generation: Generation) -> list[torch.Tensor]:
+    """The samples' routing as the store keeps it (one dtype per field): int16 tensors."""
+    if not generation.routed_experts:
+        return [NO_ROUTING] * len(generation.token_ids)
+    return [torch.as_tensor(r).to(torch.int16) for r in generation.routed_experts]
 
 
 class PromptStatus(str, Enum):
@@ -109,7 +119,10 @@ class PromptQueue:
             if generation is None:
                 lost.append((key, attempt))
                 continue
-            for k, sample in enumerate(zip(generation.token_ids, generation.log_probs, generation.finish_reasons)):
+            samples = zip(
+                generation.token_ids, generation.log_probs, generation.finish_reasons, sample_routing(generation)
+            )
+            for k, sample in enumerate(samples):
                 keys.append(f"{key}_{k}")
                 tags.append(
                     {
@@ -143,6 +156,8 @@ class PromptQueue:
         for i, key in enumerate(done.keys):
             mine = rows[key]
             generation = Generation(*([values[name][r] for r in mine] for name in SAMPLE_FIELDS))
+            if not any(r.numel() for r in generation.routed_experts):
+                generation.routed_experts = []
             finished.append(
                 FinishedPrompt(
                     key,
