@@ -37,32 +37,32 @@ def local_ray():
 def remote_threads(group) -> list[int]:
     import ray
 
-    return ray.get([w.__ray_call__.remote(lambda _: torch.get_num_threads()) for w in group.workers.workers])
+    return ray.get([w.__ray_call__.remote(lambda _: torch.get_num_threads()) for w in group.workers])
 
 
 def test_policy_and_rollout_workers_in_ray_use_the_machine_cores(local_ray, tiny_model_dir):
     from nemo_dapo.config import load_config
-    from nemo_dapo.trainer.assembly import _policy_group, _rollout_group
+    from nemo_dapo.trainer.assembly import _policy_workers, _rollout_workers
 
     cfg = load_config("tiny_cpu", [f"model.path={tiny_model_dir}"])
-    policy = _policy_group(cfg, "threads_actor", 1, None)
-    rollout = _rollout_group(cfg, None)
+    policy = _policy_workers(cfg, "threads_actor", 1, None)
+    rollout = _rollout_workers(cfg, None)
     try:
         # Ray gives each actor one CPU and exports OMP_NUM_THREADS=1; the workers set their own
         assert remote_threads(policy) == [visible_cores()]
         assert remote_threads(rollout) == [visible_cores()]
     finally:
-        policy.workers.shutdown()
-        rollout.workers.shutdown()
+        policy.shutdown()
+        rollout.shutdown()
 
 
 def test_an_explicit_thread_count_is_applied(local_ray, tiny_model_dir):
     from nemo_dapo.config import load_config
-    from nemo_dapo.trainer.assembly import _policy_group
+    from nemo_dapo.trainer.assembly import _policy_workers
 
     cfg = load_config("tiny_cpu", [f"model.path={tiny_model_dir}", "trainer.cpu_threads_per_worker=3"])
-    policy = _policy_group(cfg, "threads_explicit", 1, None)
+    policy = _policy_workers(cfg, "threads_explicit", 1, None)
     try:
         assert remote_threads(policy) == [3]
     finally:
-        policy.workers.shutdown()
+        policy.shutdown()

@@ -40,6 +40,7 @@ class WorkerGroup:
         call_timeout_s: float | None = None,
         timeout_key: str = "trainer.remote_timeout_s",
         start_timeout_s: float | None = None,
+        wait: bool = True,
     ) -> None:
         """Without ``slots`` the group reserves a placement group of its own (one bundle of
         ``num_cpus_per_worker`` CPUs and ``num_gpus_per_worker`` GPUs per worker) and frees it at
@@ -47,7 +48,8 @@ class WorkerGroup:
         it runs there and the placement group stays the caller's. ``call_timeout_s``: the longest
         the driver waits on one call (None: no limit), set by the config key ``timeout_key``;
         ``start_timeout_s`` bounds a worker's start (a model load; ``trainer.remote_timeout_s``),
-        by default the same."""
+        by default the same. ``wait=False`` returns as soon as the actors are asked for, so several
+        groups load their models at once; :meth:`wait_ready` then waits for them."""
         import ray
 
         self.name = name
@@ -68,7 +70,16 @@ class WorkerGroup:
         self._slots, self._kwargs = list(slots), dict(worker_kwargs or {})
         self.restarts = [0] * num_workers  # per rank: how often its actor was replaced
         self.workers: list[Any] = [self._start(rank) for rank in range(num_workers)]
-        self.gather([worker.ready.remote() for worker in self.workers], "ready", self.start_deadline)
+        self._starting = [worker.ready.remote() for worker in self.workers]
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Return once every worker is built (at once after the first time); a worker that failed
+        to build raises here."""
+        starting, self._starting = self._starting, []
+        if starting:
+            self.gather(starting, "ready", self.start_deadline)
 
     def _start(self, rank: int) -> Any:
         """Rank's actor on its slot (a replacement gets a name of its own: the old one may linger)."""

@@ -116,11 +116,23 @@ class VLLMRolloutWorker:
             use_tqdm_on_load=verbose(),
             **({"enable_return_routed_experts": True} if native else {}),
         )
+        self._warm_up()
         if self.routing == "capture":
             from nemo_dapo.rollout.routing_capture import install_routing_capture
 
             topk = self.llm.llm_engine.model_config.hf_config.num_experts_per_tok
             self._moe_layers = self.llm.collective_rpc(install_routing_capture, args=(topk,))[0]
+
+    def _warm_up(self) -> None:
+        """One greedy token with its log-prob: an engine's first request that returns log-probs
+        costs about 3 s on a 2-core CPU (vLLM sets up that path then), which now happens while the
+        policy loads its model instead of in the first step. Greedy decoding draws no random
+        numbers, so the samples that follow are the ones they were without it."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        warm = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
+        self.llm.generate([TokensPrompt(prompt_token_ids=[0])], warm, use_tqdm=False)
 
     def ready(self) -> bool:
         return True

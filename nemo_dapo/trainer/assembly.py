@@ -16,6 +16,7 @@ from nemo_dapo.model.builtin import resolve_builtin
 if TYPE_CHECKING:
     from nemo_dapo.cluster.groups import PolicyGroup, RolloutGroup
     from nemo_dapo.cluster.placement import SharedGPUs
+    from nemo_dapo.cluster.worker_group import WorkerGroup
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +40,9 @@ def workers_per_node(cfg: Config, num_workers: int, gpus_per_worker: int = 1) ->
     return max(1, min(num_workers, cfg.trainer.n_gpus_per_node // gpus_per_worker))
 
 
-def _policy_group(
+def _policy_workers(
     cfg: Config, name: str, total_optimizer_steps: int, shared: SharedGPUs | None, trainable: bool = True
-) -> PolicyGroup:
-    from nemo_dapo.cluster.groups import PolicyGroup
+) -> WorkerGroup:
     from nemo_dapo.cluster.worker_group import WorkerGroup
 
     kwargs = {
@@ -69,21 +69,19 @@ def _policy_group(
         worker_cls = TorchPolicyWorker
     gpus = 1 if cfg.trainer.n_gpus_per_node > 0 else 0
     slots = shared.training_slots(cfg.actor.num_workers) if shared else None
-    return PolicyGroup(
-        WorkerGroup(
-            worker_cls,
-            cfg.actor.num_workers,
-            name=name,
-            num_gpus_per_worker=gpus,
-            worker_kwargs=kwargs,
-            slots=slots,
-            call_timeout_s=cfg.trainer.remote_timeout_s,
-        )
+    return WorkerGroup(
+        worker_cls,
+        cfg.actor.num_workers,
+        name=name,
+        num_gpus_per_worker=gpus,
+        worker_kwargs=kwargs,
+        slots=slots,
+        call_timeout_s=cfg.trainer.remote_timeout_s,
+        wait=shared is not None,
     )
 
 
-def _rollout_group(cfg: Config, shared: SharedGPUs | None) -> RolloutGroup:
-    from nemo_dapo.cluster.groups import RolloutGroup
+def _rollout_workers(cfg: Config, shared: SharedGPUs | None) -> WorkerGroup:
     from nemo_dapo.cluster.placement import SharedGPUs
     from nemo_dapo.cluster.worker_group import WorkerGroup
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
@@ -105,19 +103,17 @@ def _rollout_group(cfg: Config, shared: SharedGPUs | None) -> RolloutGroup:
     gpus = tp if cfg.trainer.n_gpus_per_node > 0 else 0
     slots = shared.engine_slots(cfg.rollout.num_workers, tp) if shared else None
     own_timeout = cfg.rollout.timeout_s is not None
-    return RolloutGroup(
-        WorkerGroup(
-            VLLMRolloutWorker,
-            cfg.rollout.num_workers,
-            name="rollout",
-            num_gpus_per_worker=gpus,
-            worker_kwargs=kwargs,
-            slots=slots,
-            call_timeout_s=cfg.rollout.timeout_s if own_timeout else cfg.trainer.remote_timeout_s,
-            timeout_key="rollout.timeout_s" if own_timeout else "trainer.remote_timeout_s",
-            start_timeout_s=cfg.trainer.remote_timeout_s,  # loading a model may take longer than a round
-        ),
-        max_restarts=cfg.rollout.max_restarts,
+    return WorkerGroup(
+        VLLMRolloutWorker,
+        cfg.rollout.num_workers,
+        name="rollout",
+        num_gpus_per_worker=gpus,
+        worker_kwargs=kwargs,
+        slots=slots,
+        call_timeout_s=cfg.rollout.timeout_s if own_timeout else cfg.trainer.remote_timeout_s,
+        timeout_key="rollout.timeout_s" if own_timeout else "trainer.remote_timeout_s",
+        start_timeout_s=cfg.trainer.remote_timeout_s,  # loading a model may take longer than a round
+        wait=shared is not None,
     )
 
 
@@ -143,12 +139,14 @@ def start_workers(cfg: Config, total_optimizer_steps: int) -> Workers:
 
     A layout that does not split the model (heads, layers, experts) and separate groups that
     cannot fit the job side by side are refused here, before Ray places
-    anything. Colocated, one :class:`~nemo_dapo.cluster.placement.SharedGPUs` holds every GPU and
-    each group takes its share of each (the policy first, so the engines size their KV cache
-    with the training state already resident).
+    anything. Separate groups load their models at the same time (start-up is the longest of them,
+    not their sum). Colocated, one :class:`~nemo_dapo.cluster.placement.SharedGPUs` holds every GPU
+    and each group takes its share of each, one group after the other (the policy first, so the
+    engines size their KV cache with the training state already resident).
     """
     import psutil
 
+    from nemo_dapo.cluster.groups import PolicyGroup, RolloutGroup
     from nemo_dapo.cluster.placement import SharedGPUs
     from nemo_dapo.launch.plan import cpu_memory_problems, startup_shape_problems
 
@@ -157,9 +155,18 @@ def start_workers(cfg: Config, total_optimizer_steps: int) -> Workers:
     shared = None
     if is_colocated(cfg):
         shared = SharedGPUs(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, groups=policy_groups(cfg) + 1)
-    policy = _policy_group(cfg, "actor", total_optimizer_steps, shared)
-    ref = _policy_group(cfg, "ref", 1, shared, trainable=False) if needs_reference(cfg) else None
-    return Workers(policy, ref, _rollout_group(cfg, shared), shared)
+    policy = _policy_workers(cfg, "actor", total_optimizer_steps, shared)
+    ref = _policy_workers(cfg, "ref", 1, shared, trainable=False) if needs_reference(cfg) else None
+    rollout = _rollout_workers(cfg, shared)
+    for group in (policy, ref, rollout):
+        if group is not None:
+            group.wait_ready()
+    return Workers(
+        PolicyGroup(policy),
+        PolicyGroup(ref) if ref is not None else None,
+        RolloutGroup(rollout, max_restarts=cfg.rollout.max_restarts),
+        shared,
+    )
 
 
 def run_training(cfg: Config) -> dict:
