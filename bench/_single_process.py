@@ -10,8 +10,8 @@ then the cost or gain of the engine and the orchestration, measured rather than 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
-from dataclasses import asdict
 
 import torch
 
@@ -53,16 +53,20 @@ class InProcessPolicy:
 class HFGenerate:
     """The RolloutGroup calls the trainer makes, answered by ``model.generate`` on the policy's model."""
 
-    def __init__(self, model, pad_id: int, eos_id: int) -> None:
+    def __init__(self, model, pad_id: int, eos_id: int, dtype: torch.dtype) -> None:
+        """``dtype``: the run's compute dtype. Below fp32, generation runs on a copy of the policy in
+        that dtype, refreshed at every weight sync, as a single-process user would generate (autocast
+        over fp32 weights would cast every weight at every decoding step)."""
         self.model, self.pad_id, self.eos_id = model, pad_id, eos_id
+        self.generator = model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Generation]:
-        self.model.eval()
+        self.generator.eval()
         width = max(map(len, prompts))
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        out = self.model.generate(
+        out = self.generator.generate(
             input_ids=ids,
             attention_mask=mask,
             do_sample=sampling.temperature > 0,
@@ -99,6 +103,8 @@ class HFGenerate:
     def update_weights(self, bucket_refs, version: int) -> None:
         for _ in bucket_refs:
             pass
+        if self.generator is not self.model:
+            self.generator.load_state_dict(self.model.state_dict())
 
 
 def run_single_process(cfg) -> dict:
@@ -125,8 +131,9 @@ def run_single_process(cfg) -> dict:
         1,
         "",
         cfg.model.path,
-        asdict(cfg.actor.optim),
+        cfg.actor.optim,
         dtype=cfg.model.dtype,
+        attn_implementation=cfg.actor.attn_implementation,
         max_token_len=cfg.actor.max_token_len_per_micro_batch,
         seed=cfg.trainer.seed,
         num_threads=cfg.trainer.cpu_threads_per_worker,
@@ -141,6 +148,6 @@ def run_single_process(cfg) -> dict:
         num_workers=cfg.reward.num_workers,
         timeout_s=cfg.reward.timeout_s,
     ) as reward:
-        rollout = HFGenerate(worker.model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+        rollout = HFGenerate(worker.model, tokenizer.pad_token_id, tokenizer.eos_token_id, worker.compute_dtype)
         trainer = DAPOTrainer(cfg, InProcessPolicy(worker), rollout, tokenizer, data, None, reward)
         return trainer.fit()

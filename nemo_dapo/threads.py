@@ -1,4 +1,5 @@
-"""How many CPU threads a worker process computes with, set explicitly at its start.
+"""What a worker computes with on a CPU: how many threads (set explicitly at its start), and
+whether bf16 matmuls pay (:func:`cpu_has_bf16_matmul`, for ``model.dtype=auto``).
 
 Ray exports ``OMP_NUM_THREADS`` from an actor's CPU request (1 by default), so a worker that
 leaves torch alone computes on one core however many the node has. Every worker (policy,
@@ -45,3 +46,19 @@ def use_cpu_threads(requested: int | None, workers_per_node: int, who: str) -> i
         ", set by config" if requested else "",
     )
     return threads
+
+
+# CPU flags (Linux /proc/cpuinfo) of bf16 matrix hardware: Intel AMX tiles, AVX-512 BF16 dot products
+BF16_MATMUL_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_has_bf16_matmul(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware. Measured on two 2-core machines: with
+    AMX, a bf16 matmul runs 3-4x faster than fp32; on AVX2 alone (no bf16 instructions) about 6x
+    slower, as torch then converts every element."""
+    try:
+        with open(cpuinfo, encoding="utf-8") as handle:
+            flags = next((line.split(":", 1)[1].split() for line in handle if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return any(flag in flags for flag in BF16_MATMUL_FLAGS)

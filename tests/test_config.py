@@ -50,11 +50,32 @@ def test_dotted_overrides_and_composition():
         ("algorithm.rollout_correction.rollout_rs=token_k1", "rollout_rs"),
         ("algorithm.kl_ctrl.type=pid", "algorithm.kl_ctrl.type"),
         ("checkpoint.async_save=true", "checkpoint.async_save"),  # the torch backend saves synchronously
+        ("actor.attn_implementation=flash", "actor.attn_implementation"),
     ],
 )
 def test_impossible_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config("tiny_cpu", [override])
+
+
+def test_eager_attention_is_the_torch_backends_choice():
+    assert load_config("tiny_cpu", ["actor.attn_implementation=eager"]).actor.attn_implementation == "eager"
+    with pytest.raises(ConfigError, match=r"actor\.attn_implementation='eager': chooses the torch backend"):
+        load_config("tiny_cpu", ["actor.attn_implementation=eager", "actor.backend=megatron"])
+
+
+def test_auto_dtype_is_bf16_on_gpus_and_on_cpus_with_bf16_matrix_instructions(tmp_path, monkeypatch):
+    from nemo_dapo import threads
+
+    amx, avx2 = tmp_path / "amx", tmp_path / "avx2"
+    amx.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f amx_bf16 amx_tile\n")
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma\n")
+    assert threads.cpu_has_bf16_matmul(str(amx)) and not threads.cpu_has_bf16_matmul(str(avx2))
+    assert not threads.cpu_has_bf16_matmul(str(tmp_path / "absent"))
+    for has_bf16, cpu_dtype in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(threads, "cpu_has_bf16_matmul", lambda answer=has_bf16: answer)
+        assert load_config("tiny_cpu", ["model.dtype=auto"]).model.dtype == cpu_dtype
+        assert load_config("dapo_qwen2.5_32b", ["model.dtype=auto"]).model.dtype == "bfloat16"  # GPU nodes
 
 
 def test_all_problems_reported_together():

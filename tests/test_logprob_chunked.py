@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from bench.logprob_memory import saved_bytes  # the bench measures with the counter this test checks
-from nemo_dapo.algo.logprob import chunk_tokens_for, chunked_token_stats, token_stats
+from nemo_dapo.algo.logprob import (
+    chunk_tokens_for,
+    chunked_token_stats,
+    entropy_from_logits,
+    log_probs_from_logits,
+    token_stats,
+)
 
 TOKENS, HIDDEN, VOCAB, TEMPERATURE = 37, 16, 301, 0.7
 
@@ -40,6 +46,34 @@ def test_chunked_equals_whole_logits_values_and_gradients(chunk_tokens):
     got = loss_and_grads(chunk_tokens)
     for name, want, have in zip(("log_probs", "entropy", "d hidden", "d weight"), expected, got):
         assert torch.allclose(have, want, atol=1e-4, rtol=1e-5), (name, (have - want).abs().max())
+
+
+@pytest.mark.parametrize("temperature", [1.0, TEMPERATURE])
+def test_one_log_softmax_equals_the_definitions_with_gradients(temperature):
+    hidden, head, labels = problem()
+    results = []
+    for stats in (
+        lambda z: (log_probs_from_logits(z, labels, temperature), entropy_from_logits(z, temperature)),
+        lambda z: token_stats(z, labels, temperature),
+    ):
+        logits = head(hidden).detach().requires_grad_(True)
+        log_probs, entropy = stats(logits)
+        (log_probs * torch.linspace(-1, 1, TOKENS)).sum().add(0.3 * entropy.sum()).backward()
+        results.append((log_probs.detach(), entropy.detach(), logits.grad))
+    for name, want, have in zip(("log_probs", "entropy", "d logits"), *results):
+        assert torch.allclose(have, want, atol=1e-5, rtol=1e-5), (name, (have - want).abs().max())
+
+
+def test_a_metric_only_entropy_keeps_no_graph_and_leaves_the_log_prob_gradient():
+    hidden, head, labels = problem()
+    grads = []
+    for entropy_grad in (True, False):
+        logits = head(hidden).detach().requires_grad_(True)
+        log_probs, entropy = token_stats(logits, labels, TEMPERATURE, entropy_grad=entropy_grad)
+        assert entropy.requires_grad == entropy_grad
+        log_probs.sum().backward()
+        grads.append(logits.grad)
+    assert torch.equal(grads[0], grads[1])
 
 
 def test_without_gradients_no_graph_is_kept():

@@ -334,12 +334,14 @@ def assert_matches_torch(result: dict, reference: dict) -> None:
     assert ours["actor/grad_norm"][0] == pytest.approx(theirs["actor/grad_norm"][0], rel=1e-5)
     assert ours["actor/lr"] == pytest.approx(theirs["actor/lr"])
     assert set(result["weights"]) == set(reference["weights"])
-    # Adam's first step is ~lr * g / |g| per element: rounding in near-zero gradients (k biases get
-    # exactly zero gradient in exact arithmetic) moves single elements, so compare against the step size
+    # Adam's first step is ~lr * g / (|g| + eps) per element: where |g| is near eps (k biases get exactly
+    # zero gradient in exact arithmetic, some weights nearly so) rounding moves single elements by up to
+    # a whole step. So: no element apart by 2 steps (a sign flip), few by a tenth of one, the mean far less
     step = LR / WARMUP
-    diffs = [(result["weights"][k] - reference["weights"][k]).abs() for k in reference["weights"]]
-    assert max(d.max().item() for d in diffs) < 0.1 * step
-    assert sum(d.sum().item() for d in diffs) / sum(d.numel() for d in diffs) < 1e-3 * step
+    moved = torch.cat([(result["weights"][k] - reference["weights"][k]).abs().flatten() for k in reference["weights"]])
+    assert moved.max().item() < 2 * step
+    assert (moved > 0.1 * step).float().mean().item() < 1e-4, int((moved > 0.1 * step).sum())
+    assert moved.mean().item() < 1e-3 * step
 
 
 @pytest.fixture(scope="module")

@@ -173,4 +173,11 @@ def test_a_cpu_micro_batch_budget_that_cannot_fit_is_refused_at_start_up(smollm2
     # the logits term no longer grows with the micro-batch: one 49k-vocabulary chunk of 682 positions
     arch = resolve_architecture(str(smollm2_dir))
     assert training_memory(preset, arch, 0).logits == training_memory(huge, arch, 0).logits
-    assert training_memory(huge, arch, 0).logits == pytest.approx(682 * 49152 * 12 / 2**30)
+    compute_bytes = 2 if preset.model.dtype == "bfloat16" else 4  # model.dtype=auto: this machine's choice
+    assert training_memory(huge, arch, 0).logits == pytest.approx(682 * 49152 * (compute_bytes + 8) / 2**30)
+    # eager attention keeps each layer's probabilities: tokens x 9 heads x 192 positions, fp32 + the compute dtype
+    from nemo_dapo.launch.plan import eager_attention_bytes
+
+    assert eager_attention_bytes(preset, arch) == 1024 * 9 * 192 * (4 + compute_bytes) * 30
+    sdpa = load_config("smollm2_cpu", [f"model.path={smollm2_dir}", "actor.attn_implementation=sdpa"])
+    assert eager_attention_bytes(sdpa, arch) == 0

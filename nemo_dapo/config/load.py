@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -67,7 +68,18 @@ def load_config(
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ConfigError(f"config {name_or_path!r}: {err}") from None
-    return validate(cfg, placement)
+    return validate(resolve_auto_dtype(cfg), placement)
+
+
+def resolve_auto_dtype(cfg: Config) -> Config:
+    """``model.dtype=auto`` made concrete on the machine that loads the config: bfloat16 for GPU runs
+    and on CPUs with bf16 matrix instructions, float32 on other CPUs (see the setting's help)."""
+    if cfg.model.dtype != "auto":
+        return cfg
+    from nemo_dapo.threads import cpu_has_bf16_matmul
+
+    bf16 = cfg.trainer.n_gpus_per_node > 0 or cpu_has_bf16_matmul()
+    return replace(cfg, model=replace(cfg.model, dtype="bfloat16" if bf16 else "float32"))
 
 
 def to_yaml(cfg: Config) -> str:
@@ -77,4 +89,4 @@ def to_yaml(cfg: Config) -> str:
 
 def from_yaml(text: str) -> Config:
     merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text))
-    return validate(OmegaConf.to_object(merged))
+    return validate(resolve_auto_dtype(OmegaConf.to_object(merged)))

@@ -118,6 +118,12 @@ def _check_actor(cfg: Config, problems: _Problems) -> None:
     )
     problems.require(actor.ppo_epochs >= 1, "actor.ppo_epochs", actor.ppo_epochs, "must be >= 1")
     problems.require(
+        actor.attn_implementation == "sdpa" or actor.backend == "torch",
+        "actor.attn_implementation",
+        actor.attn_implementation,
+        "chooses the torch backend's attention; the megatron backend has its own (set it to sdpa)",
+    )
+    problems.require(
         actor.max_token_len_per_micro_batch > 0,
         "actor.max_token_len_per_micro_batch",
         actor.max_token_len_per_micro_batch,

@@ -22,6 +22,7 @@ from nemo_dapo.config.topology import is_colocated
 from nemo_dapo.config.validate import placement_problems
 from nemo_dapo.launch.architectures import Architecture, resolve_architecture
 from nemo_dapo.launch.capacity import (
+    DTYPE_BYTES,
     ColocatedMemory,
     GenerationMemory,
     Layout,
@@ -190,8 +191,9 @@ def startup_shape_problems(cfg: Config) -> list[str]:
 def cpu_memory_problems(cfg: Config, host_gib: float) -> list[str]:
     """A CPU-mode run (``trainer.n_gpus_per_node=0``) whose workers cannot fit ``host_gib`` of memory
     together: each policy rank's update (fp32 weights, gradients, Adam, activations of one
-    micro-batch, one logits chunk) plus each engine's weights and KV cache. Refused before any
-    worker starts, naming the micro-batch budget, which the activations grow with."""
+    micro-batch, one logits chunk, eager attention's probabilities) plus each engine's weights and
+    KV cache. Refused before any worker starts, naming the micro-batch budget, which the
+    activations grow with."""
     if cfg.trainer.n_gpus_per_node > 0:
         return []
     try:
@@ -199,15 +201,30 @@ def cpu_memory_problems(cfg: Config, host_gib: float) -> list[str]:
     except (ValueError, KeyError):
         return []
     training = training_memory(cfg, arch, reserve_gib=0.0)
+    eager = eager_attention_bytes(cfg, arch) / 2**30
+    activations = training.activations[training.recompute] + eager
+    per_rank = training.total + eager
     engine = arch.total_params() * 4 / 2**30 + 1.0  # fp32 weights + the engines' 1 GiB KV cache on CPU
-    need = training.total * cfg.actor.num_workers + engine * cfg.rollout.num_workers
+    need = per_rank * cfg.actor.num_workers + engine * cfg.rollout.num_workers
     if need <= HOST_MEMORY_FRACTION * host_gib:
         return []
     return [
         f"actor.max_token_len_per_micro_batch={cfg.actor.max_token_len_per_micro_batch}: the workers need about "
-        f"{need:.1f} GiB ({training.activations['none']:.1f} GiB of activations per policy rank) of this machine's "
+        f"{need:.1f} GiB ({activations:.1f} GiB of activations per policy rank) of this machine's "
         f"{host_gib:.1f} GiB; lower it (activations grow with it) or use fewer actor.num_workers"
     ]
+
+
+def eager_attention_bytes(cfg: Config, arch: Architecture) -> float:
+    """What ``actor.attn_implementation=eager`` keeps for the backward beyond the other activations:
+    every layer's attention probabilities, ``heads x sequence`` values per token of a micro-batch, in
+    fp32 (the softmax) and in the compute dtype (the copy the value matmul reads)."""
+    if cfg.actor.attn_implementation != "eager":
+        return 0.0
+    sequence = cfg.data.max_prompt_length + cfg.data.max_response_length
+    per_value = 4 + DTYPE_BYTES[cfg.model.dtype]
+    tokens = cfg.actor.max_token_len_per_micro_batch
+    return tokens * arch.num_attention_heads * sequence * per_value * arch.num_layers
 
 
 HOST_MEMORY_FRACTION = 0.85  # the rest: driver, Ray, the reward pool, the page cache

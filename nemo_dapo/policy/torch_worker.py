@@ -45,6 +45,7 @@ class TorchPolicyWorker:
         model_path: str,
         optim: OptimConfig,
         dtype: str = "float32",
+        attn_implementation: str = "sdpa",
         total_steps: int = 1000,
         max_token_len: int = 16384,
         seed: int = 1,
@@ -63,7 +64,9 @@ class TorchPolicyWorker:
         self.rank, self.world_size = rank, world_size
         init_data_parallel(rank, world_size, rendezvous)
         torch.manual_seed(seed + rank)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, attn_implementation=attn_implementation
+        )
         self.model.config.use_cache = False
         self.compute_dtype = DTYPES[dtype]
         self.chunk_tokens = logits_chunk_tokens or chunk_tokens_for(self.model.get_output_embeddings().weight.shape[0])
@@ -76,6 +79,7 @@ class TorchPolicyWorker:
             betas=(self.optim_cfg.betas[0], self.optim_cfg.betas[1]),
             eps=self.optim_cfg.eps,
             weight_decay=self.optim_cfg.weight_decay,
+            fused=True,  # one kernel over all parameters instead of a loop of small ops per tensor
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.optim_cfg, total_steps))
         self.max_token_len = max_token_len
@@ -83,35 +87,44 @@ class TorchPolicyWorker:
     def ready(self) -> bool:
         return True
 
-    def _forward(self, micro: dict[str, torch.Tensor], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropy of the response tokens.
+    def _compute_precision(self):
+        """Autocast to ``dtype`` for a whole call or mini-batch, not per micro-batch: autocast casts
+        each fp32 weight once per context and reuses the copy, so one context over all micro-batches
+        casts the model once (per micro-batch, the casts cost as much as the bf16 matmuls saved)."""
+        low_precision = self.compute_dtype != torch.float32
+        return torch.autocast(self.model.device.type, dtype=self.compute_dtype, enabled=low_precision)
+
+    def _forward(
+        self, micro: dict[str, torch.Tensor], temperature: float, entropy_grad: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropy of the response tokens (inside :meth:`_compute_precision`); the
+        entropy carries gradients only with ``entropy_grad`` (an entropy bonus in the loss).
 
         The decoder runs once; the output layer only at the response positions, in chunks
         (:func:`~nemo_dapo.algo.logprob.chunked_token_stats`), so no ``[tokens, vocab]`` logits of
         the whole micro-batch are ever alive."""
-        low_precision = self.compute_dtype != torch.float32
-        with torch.autocast(self.model.device.type, dtype=self.compute_dtype, enabled=low_precision):
-            hidden = self.model.base_model(
-                input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], position_ids=micro["position_ids"]
-            ).last_hidden_state
-            width = prompt_width(micro)
-            return chunked_token_stats(
-                hidden[:, width - 1 : -1],
-                micro["responses"],
-                self.model.get_output_embeddings(),
-                functools.partial(token_stats, temperature=temperature),
-                self.chunk_tokens,
-            )
+        hidden = self.model.base_model(
+            input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], position_ids=micro["position_ids"]
+        ).last_hidden_state
+        width = prompt_width(micro)
+        return chunked_token_stats(
+            hidden[:, width - 1 : -1],
+            micro["responses"],
+            self.model.get_output_embeddings(),
+            functools.partial(token_stats, temperature=temperature, entropy_grad=entropy_grad),
+            self.chunk_tokens,
+        )
 
     @torch.no_grad()
     def compute_log_prob(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> dict[str, torch.Tensor]:
         self.model.eval()
         width = batch["responses"].shape[1]
         log_prob_parts, entropy_parts = [], []
-        for micro in micro_batches(batch, self.max_token_len):
-            log_probs, entropy = self._forward(micro, temperature)
-            log_prob_parts.append((micro[ROWS], log_probs))
-            entropy_parts.append((micro[ROWS], entropy))
+        with self._compute_precision():
+            for micro in micro_batches(batch, self.max_token_len):
+                log_probs, entropy = self._forward(micro, temperature)
+                log_prob_parts.append((micro[ROWS], log_probs))
+                entropy_parts.append((micro[ROWS], entropy))
         mask = batch["response_mask"][:, :width].float()
         shape = batch["responses"].shape
         return {
@@ -128,14 +141,15 @@ class TorchPolicyWorker:
         for mini in mini_batches:
             self.optimizer.zero_grad(set_to_none=True)
             step_metrics: dict[str, list[float]] = {}
-            for micro in micro_batches(mini.data, self.max_token_len):
-                log_probs, entropy = self._forward(micro, settings.temperature)
-                loss, micro_metrics = actor_loss(
-                    log_probs, entropy, micro, settings, mini.global_token_count, mini.global_seq_count, correction
-                )
-                loss.backward()
-                for key, value in micro_metrics.items():
-                    step_metrics.setdefault(key, []).append(value)
+            with self._compute_precision():
+                for micro in micro_batches(mini.data, self.max_token_len):
+                    log_probs, entropy = self._forward(micro, settings.temperature, settings.entropy_coeff != 0)
+                    loss, micro_metrics = actor_loss(
+                        log_probs, entropy, micro, settings, mini.global_token_count, mini.global_seq_count, correction
+                    )
+                    loss.backward()
+                    for key, value in micro_metrics.items():
+                        step_metrics.setdefault(key, []).append(value)
             self._all_reduce_gradients()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.clip_grad)
             if torch.isfinite(grad_norm):

@@ -67,6 +67,7 @@ def _policy_workers(
         from nemo_dapo.policy.torch_worker import TorchPolicyWorker
 
         worker_cls = TorchPolicyWorker
+        kwargs["attn_implementation"] = cfg.actor.attn_implementation
     gpus = 1 if cfg.trainer.n_gpus_per_node > 0 else 0
     slots = shared.training_slots(cfg.actor.num_workers) if shared else None
     return WorkerGroup(
