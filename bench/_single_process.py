@@ -53,6 +53,8 @@ class InProcessPolicy:
 class HFGenerate:
     """The RolloutGroup calls the trainer makes, answered by ``model.generate`` on the policy's model."""
 
+    restarts = 0  # one model in this process: no engine to replace
+
     def __init__(self, model, pad_id: int, eos_id: int, dtype: torch.dtype) -> None:
         """``dtype``: the run's compute dtype. Below fp32, generation runs on a copy of the policy in
         that dtype, refreshed at every weight sync, as a single-process user would generate (autocast
@@ -93,6 +95,9 @@ class HFGenerate:
             generation.log_probs.append(picked[row, :length].tolist())
             generation.finish_reasons.append("stop" if len(ended) else "length")
         return generations
+
+    def set_weight_source(self, current_weights) -> None:
+        pass
 
     def sleep(self) -> None:
         pass

@@ -88,6 +88,13 @@ HARMLESS = (
         "OMP_NUM_THREADS=2 is set; leaving Torch threads at 2 for serving.",
     ),
     Harmless(
+        "vllm.model_executor.models.utils",
+        r"^Attempted to load weight \S+ with dtype torch\.float32 into parameter with dtype torch\.(bfloat16|float16)$",
+        "checkpoints keep the fp32 master weights; an engine computing in model.dtype casts them once at load",
+        "Attempted to load weight layers.0.mlp.down_proj.weight with dtype torch.float32 into parameter "
+        "with dtype torch.bfloat16",
+    ),
+    Harmless(
         "ray._private.authentication.authentication_token_setup",
         r"^Token authentication is enabled for this Ray cluster",
         "a notice: the local Ray listens on 127.0.0.1 only and keeps token authentication on",

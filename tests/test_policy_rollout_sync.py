@@ -106,3 +106,15 @@ def test_torch_worker_checkpoint_restores_the_weights(family, request, tmp_path)
     loaded.load(str(tmp_path / "ckpt"))
     expected = saved.model.state_dict()
     assert all(torch.equal(t, expected[name]) for name, t in loaded.model.state_dict().items())
+
+
+def test_a_bf16_run_sends_the_engines_bf16_and_keeps_fp32_master_weights(tiny_model_dir):
+    from nemo_dapo.policy.torch_worker import TorchPolicyWorker
+
+    policy = TorchPolicyWorker(0, 1, "", str(tiny_model_dir), OptimConfig(lr=1e-2), dtype="bfloat16")
+    sent = dict(pair for bucket in policy.export_weights() for pair in bucket)
+    master = policy.model.state_dict()
+    assert sent.keys() == master.keys()  # tied weights under each name (the engine reloads every layer)
+    for name, tensor in sent.items():
+        assert master[name].dtype == torch.float32 and tensor.dtype == torch.bfloat16, name
+        assert torch.equal(tensor, master[name].to(torch.bfloat16)), name

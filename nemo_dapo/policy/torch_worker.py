@@ -174,9 +174,17 @@ class TorchPolicyWorker:
         return self.rank, self.world_size
 
     def export_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[Bucket]:
-        """Rank 0's weights in buckets (every rank holds the same copy; the others yield nothing)."""
+        """Rank 0's weights in buckets (every rank holds the same copy; the others yield nothing), in
+        the compute dtype the engines run in: the fp32 master copy stays here, and a bf16 engine gets
+        half the bytes instead of casting fp32 on arrival. Tied weights go under each of their names:
+        vLLM's in-place reload re-initialises a layer it is given no weight for."""
         if self.rank == 0:
-            yield from bucketize(((n, t.detach().clone()) for n, t in self.model.state_dict().items()), bucket_bytes)
+            weights = self.model.state_dict().items()
+            yield from bucketize(((name, self._for_engines(tensor)) for name, tensor in weights), bucket_bytes)
+
+    def _for_engines(self, tensor: torch.Tensor) -> torch.Tensor:
+        dtype = self.compute_dtype if tensor.is_floating_point() else tensor.dtype
+        return tensor.detach().to(dtype, copy=True)
 
     def state(self) -> dict:
         """Optimizer, scheduler and RNG state of this rank (weights are saved separately)."""
