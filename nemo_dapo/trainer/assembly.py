@@ -33,10 +33,13 @@ def resolve_paths(cfg: Config) -> Config:
 
 
 def workers_per_node(cfg: Config, num_workers: int, gpus_per_worker: int = 1) -> int:
-    """Workers of one group that compute at the same time on one node: the whole group on a CPU
-    machine, one per ``gpus_per_worker`` GPUs of a node on GPU nodes."""
+    """Workers that compute at the same time on one node, among which a worker's share of the
+    node's cores is divided: on GPU nodes, those of its group that one node holds; on a CPU
+    machine, the whole group, and in async mode the engines too (they generate while the policy
+    trains: 2 + 2 threads on 2 cores made a tiny async step 3-4x slower than a synchronous one)."""
     if cfg.trainer.n_gpus_per_node == 0:
-        return num_workers
+        overlapping = cfg.actor.num_workers + cfg.rollout.num_workers if cfg.trainer.mode == "async" else 0
+        return max(num_workers, overlapping)
     return max(1, min(num_workers, cfg.trainer.n_gpus_per_node // gpus_per_worker))
 
 
