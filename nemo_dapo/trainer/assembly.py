@@ -14,9 +14,13 @@ from nemo_dapo.config.validate import combination_notes, raise_problems, separat
 from nemo_dapo.model.builtin import resolve_builtin
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from nemo_dapo.cluster.groups import PolicyGroup, RolloutGroup
     from nemo_dapo.cluster.placement import SharedGPUs
     from nemo_dapo.cluster.worker_group import WorkerGroup
+    from nemo_dapo.data.dataset import RLDataset
+    from nemo_dapo.reward.manager import RewardManager
 
 log = logging.getLogger(__name__)
 
@@ -138,19 +142,43 @@ class Workers:
             self.shared.shutdown()
 
 
-def start_workers(cfg: Config, total_optimizer_steps: int) -> Workers:
+@dataclass
+class StartingWorkers:
+    """Worker groups asked for whose models may still be loading (see :func:`launch_workers`)."""
+
+    policy: WorkerGroup
+    ref: WorkerGroup | None
+    rollout: WorkerGroup
+    shared: SharedGPUs | None
+    max_restarts: int
+
+    def ready(self) -> Workers:
+        """Wait until every worker is built; a worker that failed to build raises here."""
+        from nemo_dapo.cluster.groups import PolicyGroup, RolloutGroup
+
+        for group in (self.policy, self.ref, self.rollout):
+            if group is not None:
+                group.wait_ready()
+        return Workers(
+            PolicyGroup(self.policy),
+            PolicyGroup(self.ref) if self.ref is not None else None,
+            RolloutGroup(self.rollout, max_restarts=self.max_restarts),
+            self.shared,
+        )
+
+
+def launch_workers(cfg: Config, total_optimizer_steps: int) -> StartingWorkers:
     """Policy (+ reference) and rollout groups, placed as ``trainer.colocate`` says.
 
     A layout that does not split the model (heads, layers, experts) and separate groups that
-    cannot fit the job side by side are refused here, before Ray places
-    anything. Separate groups load their models at the same time (start-up is the longest of them,
-    not their sum). Colocated, one :class:`~nemo_dapo.cluster.placement.SharedGPUs` holds every GPU
-    and each group takes its share of each, one group after the other (the policy first, so the
-    engines size their KV cache with the training state already resident).
+    cannot fit the job side by side are refused here, before Ray places anything. Separate groups
+    load their models at the same time, and return before they are done (start-up is the longest
+    of them, not their sum). Colocated, one :class:`~nemo_dapo.cluster.placement.SharedGPUs` holds
+    every GPU and each group takes its share of each, one group after the other (the policy first,
+    so the engines size their KV cache with the training state already resident).
     """
     import psutil
 
-    from nemo_dapo.cluster.groups import PolicyGroup, RolloutGroup
     from nemo_dapo.cluster.placement import SharedGPUs
     from nemo_dapo.launch.plan import cpu_memory_problems, startup_shape_problems
 
@@ -161,33 +189,27 @@ def start_workers(cfg: Config, total_optimizer_steps: int) -> Workers:
         shared = SharedGPUs(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, groups=policy_groups(cfg) + 1)
     policy = _policy_workers(cfg, "actor", total_optimizer_steps, shared)
     ref = _policy_workers(cfg, "ref", 1, shared, trainable=False) if needs_reference(cfg) else None
-    rollout = _rollout_workers(cfg, shared)
-    for group in (policy, ref, rollout):
-        if group is not None:
-            group.wait_ready()
-    return Workers(
-        PolicyGroup(policy),
-        PolicyGroup(ref) if ref is not None else None,
-        RolloutGroup(rollout, max_restarts=cfg.rollout.max_restarts),
-        shared,
-    )
+    return StartingWorkers(policy, ref, _rollout_workers(cfg, shared), shared, cfg.rollout.max_restarts)
 
 
-def run_training(cfg: Config) -> dict:
+def start_workers(cfg: Config, total_optimizer_steps: int) -> Workers:
+    """:func:`launch_workers`, once they are ready."""
+    return launch_workers(cfg, total_optimizer_steps).ready()
+
+
+@dataclass
+class RunData:
+    tokenizer: PreTrainedTokenizerBase
+    train: RLDataset
+    val: RLDataset | None
+
+
+def load_data(cfg: Config) -> RunData:
+    """The tokenizer and the training / held-out prompts (rows checked, overlong prompts dropped)."""
     from transformers import AutoTokenizer
 
-    from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
     from nemo_dapo.data import RLDataset
-    from nemo_dapo.logs import configure_logging
-    from nemo_dapo.reward.manager import RewardManager
-    from nemo_dapo.trainer.fit import DAPOTrainer
-    from nemo_dapo.trainer.sinks import missing_packages
 
-    configure_logging(cfg.trainer.log_level)  # before Ray starts: its workers inherit the level
-    raise_problems(missing_packages(cfg.trainer.loggers))
-    cfg = resolve_paths(cfg)
-    for note in combination_notes(cfg):
-        log.info(note)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
 
     def dataset(files: list[str]) -> RLDataset:
@@ -199,10 +221,15 @@ def run_training(cfg: Config) -> dict:
             filter_overlong_prompts=cfg.data.filter_overlong_prompts,
         )
 
-    train_data = dataset(cfg.data.train_files)
-    val_data = dataset(cfg.data.val_files) if cfg.data.val_files else None
+    val = dataset(cfg.data.val_files) if cfg.data.val_files else None
+    return RunData(tokenizer, dataset(cfg.data.train_files), val)
+
+
+def reward_manager(cfg: Config) -> RewardManager:
+    from nemo_dapo.reward.manager import RewardManager
+
     buffer = cfg.reward.overlong_buffer
-    reward = RewardManager(
+    return RewardManager(
         cfg.reward.scorer,
         max_response_length=cfg.data.max_response_length,
         overlong_enable=buffer.enable,
@@ -211,27 +238,47 @@ def run_training(cfg: Config) -> dict:
         num_workers=cfg.reward.num_workers,
         timeout_s=cfg.reward.timeout_s,
     )
+
+
+def run_training(cfg: Config) -> dict:
+    from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
+    from nemo_dapo.logs import configure_logging
+    from nemo_dapo.trainer.fit import DAPOTrainer
+    from nemo_dapo.trainer.sinks import missing_packages
+
+    configure_logging(cfg.trainer.log_level)  # before Ray starts: its workers inherit the level
+    raise_problems(missing_packages(cfg.trainer.loggers))
+    cfg = resolve_paths(cfg)
+    for note in combination_notes(cfg):
+        log.info(note)
     processes = cfg.actor.num_workers * policy_groups(cfg) + cfg.rollout.num_workers
     init_ray(num_cpus=max(os.cpu_count() or 1, processes))
+    reward = None
     try:
-        workers = start_workers(cfg, total_optimizer_steps(cfg, len(train_data)))
+        # a run whose length the config fixes needs no data to start its workers: they load their
+        # models while the driver reads the data (an epoch-counted run reads it first)
+        data = None if cfg.trainer.total_training_steps else load_data(cfg)
+        starting = launch_workers(cfg, total_optimizer_steps(cfg, len(data.train) if data else 0))
+        data = data or load_data(cfg)
+        reward = reward_manager(cfg)
+        workers = starting.ready()
         policy, ref, rollout = workers.policy, workers.ref, workers.rollout
+        common = (cfg, policy, rollout, data.tokenizer, data.train, data.val, reward)
         if cfg.trainer.mode == "async":
             from nemo_dapo.trainer.async_fit import AsyncDAPOTrainer
             from nemo_dapo.trainer.data_plane import DataPlane
 
-            trainer: DAPOTrainer = AsyncDAPOTrainer(
-                cfg, policy, rollout, tokenizer, train_data, val_data, reward, ref_policy=ref, plane=DataPlane()
-            )
+            trainer: DAPOTrainer = AsyncDAPOTrainer(*common, ref_policy=ref, plane=DataPlane())
         else:
-            trainer = DAPOTrainer(cfg, policy, rollout, tokenizer, train_data, val_data, reward, ref_policy=ref)
+            trainer = DAPOTrainer(*common, ref_policy=ref)
         summary = trainer.fit()
         export_dir = Path(cfg.trainer.output_dir) / "hf_export"
         export_hf(trainer.checkpoints.step_folders()[0][1], cfg.model.path, export_dir)
         summary["hf_export"] = str(export_dir)
         return summary
     finally:
-        reward.close()
+        if reward is not None:
+            reward.close()
         shutdown_ray()
 
 
