@@ -2,6 +2,9 @@
 once, both naming the group, the call, the ranks and where their logs are. Its own Ray cluster:
 the groups of other modules must not hold the CPUs these workers are placed on."""
 
+import tempfile
+from pathlib import Path
+
 import pytest
 
 
@@ -18,11 +21,15 @@ def test_a_silent_or_dead_worker_fails_the_call_naming_group_call_and_rank(ray_c
     from nemo_dapo.errors import RemoteCallError
     from tests.flaky_worker import Napper
 
+    def stores() -> set[Path]:
+        return set(Path(tempfile.gettempdir()).glob("nemo_dapo_stuck_*"))
+
+    before = stores()
     stuck, crashed = (
         WorkerGroup(Napper, 2, name=name, num_cpus_per_worker=0.5, call_timeout_s=3) for name in ("stuck", "crashed")
     )
     try:
-        assert stuck.call_all("nap", 0.1) == [0, 1]
+        assert stuck.call_all("nap", 0.1) == [0, 1] and stores() > before
         with pytest.raises(
             RemoteCallError,
             match=r"stuck\.nap: rank\(s\) \[1\] gave no answer within 3 s "
@@ -34,3 +41,5 @@ def test_a_silent_or_dead_worker_fails_the_call_naming_group_call_and_rank(ray_c
     finally:
         stuck.shutdown()
         crashed.shutdown()
+    # the groups' rendezvous folders go with them
+    assert stores() == before

@@ -8,7 +8,9 @@ its rank, and fans calls out / gathers results in rank order.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,7 +67,11 @@ class WorkerGroup:
             )
         if len(slots) != num_workers:
             raise ValueError(f"{name}: {len(slots)} slots for {num_workers} workers")
-        self._rendezvous = os.path.join(tempfile.mkdtemp(prefix=f"nemo_dapo_{name}_"), "store")
+        # torch.distributed's FileStore for the group's ranks; removed with the group (it held
+        # one empty folder per group and run in /tmp)
+        store_dir = tempfile.mkdtemp(prefix=f"nemo_dapo_{name}_")
+        self._remove_store = weakref.finalize(self, shutil.rmtree, store_dir, ignore_errors=True)
+        self._rendezvous = os.path.join(store_dir, "store")
         self._remote_cls: Any = ray.remote(worker_cls)
         self._slots, self._kwargs = list(slots), dict(worker_kwargs or {})
         self.restarts = [0] * num_workers  # per rank: how often its actor was replaced
@@ -181,3 +187,4 @@ class WorkerGroup:
         if self._own_placement is not None:
             remove_placement_group(self._own_placement)
             self._own_placement = None
+        self._remove_store()
