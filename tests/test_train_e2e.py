@@ -189,16 +189,6 @@ def expected_rounds(dataset_size: int, batch_size: int, seed: int, count: int) -
     return rounds[:count]
 
 
-def wait_for_text(process: subprocess.Popen, text: str, timeout: float) -> None:
-    """Read the process's stderr until a line holds ``text``."""
-    deadline = time.time() + timeout
-    for line in process.stderr:
-        if text in line:
-            return
-        assert time.time() < deadline, f"{text!r} did not appear"
-    raise AssertionError(f"the process ended before {text!r}")
-
-
 def wait_for(path: Path, process: subprocess.Popen, timeout: float) -> None:
     deadline = time.time() + timeout
     while not path.exists():

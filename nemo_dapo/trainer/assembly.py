@@ -255,11 +255,14 @@ def run_training(cfg: Config) -> dict:
     init_ray(num_cpus=max(os.cpu_count() or 1, processes))
     reward = None
     try:
-        # a run whose length the config fixes needs no data to start its workers: they load their
-        # models while the driver reads the data (an epoch-counted run reads it first)
-        data = None if cfg.trainer.total_training_steps else load_data(cfg)
-        starting = launch_workers(cfg, total_optimizer_steps(cfg, len(data.train) if data else 0))
-        data = data or load_data(cfg)
+        # a run whose length the config fixes needs no data to size its schedule: its workers load
+        # their models while the driver reads the data (an epoch-counted run reads it first)
+        if cfg.trainer.total_training_steps:
+            starting = launch_workers(cfg, total_optimizer_steps(cfg, dataset_size=0))
+            data = load_data(cfg)
+        else:
+            data = load_data(cfg)
+            starting = launch_workers(cfg, total_optimizer_steps(cfg, len(data.train)))
         reward = reward_manager(cfg)
         workers = starting.ready()
         policy, ref, rollout = workers.policy, workers.ref, workers.rollout
