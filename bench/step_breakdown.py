@@ -73,6 +73,8 @@ def summarise(metrics_file: Path, skip: int) -> dict:
         "tokens_per_step": tokens,
         "response_length_mean": response_tokens,
         "gen_rounds_per_step": statistics.mean(r.get("dapo/num_gen_batches", 1.0) for r in steps),
+        # the update's cost per trained token: comparable between runs whose samples differ in length
+        "update_s_per_1k_tokens": 1000 * per_stage["update_actor"] / tokens,
     }
 
 
@@ -107,7 +109,8 @@ def print_report(name: str, report: dict) -> None:
         print(f"  {stage:<13} {seconds:7.3f} s  {100 * seconds / report['step_s']:5.1f} %")
     print(
         f"  generation share {100 * report['gen_share']:.1f} %, weight sync {1000 * report['weight_sync_s']:.1f} ms, "
-        f"{report['tokens_per_s']:.0f} tokens/s, peak memory (all processes) {report['peak_memory_gib']:.2f} GiB"
+        f"{report['tokens_per_s']:.0f} tokens/s, peak memory (all processes) {report['peak_memory_gib']:.2f} GiB, "
+        f"update {report['update_s_per_1k_tokens']:.2f} s per 1000 trained tokens"
     )
 
 

@@ -1,0 +1,131 @@
+"""Is a policy worker slower inside Ray, and would a malloc setting pay? One policy worker's
+log-prob and training passes on the real model, side by side and alternately: in a plain process
+with glibc's default malloc, in a plain process with a candidate malloc setting (``ALLOCATOR_ENV``
+below), and in a Ray actor started by ``init_ray`` (glibc's default).
+
+    .venv/bin/python bench/policy_passes.py [--model smollm2-135m-arith] [--rows 64] [--reps 5] [--sittings 2]
+
+Each process builds a ``TorchPolicyWorker`` (bf16 autocast and eager attention, as the preset runs
+on an AMX CPU), then times ``--reps`` forward passes (``compute_log_prob``) and forward + backward passes
+over a ``--rows`` x 52-token batch of the real vocabulary, cut into the preset's 1024-token
+micro-batches. Reported per setting: the median seconds of each pass, and the process's minor page
+faults and kernel (system) CPU seconds per repetition of the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+# the candidate: glibc gives a freed block above its (dynamic) mmap threshold back to the kernel and
+# trims the heap's top, so a worker that frees and reallocates hundreds of MB per micro-batch
+# page-faults them back in; these fix the threshold at its 32 MiB maximum and keep freed memory
+ALLOCATOR_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+    "MALLOC_TRIM_THRESHOLD_": str(4 << 30),
+    "MALLOC_TOP_PAD_": str(256 << 20),
+}
+
+
+def passes(model: str, rows: int, reps: int) -> dict:
+    """In this process: the timed passes, then this process's page faults and system time."""
+    import torch
+
+    from nemo_dapo.config.schema import OptimConfig
+    from nemo_dapo.model.builtin import resolve_builtin
+    from nemo_dapo.policy.microbatch import micro_batches
+    from nemo_dapo.policy.torch_worker import TorchPolicyWorker
+
+    worker = TorchPolicyWorker(
+        0,
+        1,
+        "",
+        resolve_builtin(model, [], [])[0],
+        OptimConfig(),
+        dtype="bfloat16",
+        attn_implementation="eager",
+        max_token_len=1024,
+    )
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, worker.model.config.vocab_size, (rows, 52), generator=gen)
+    attention = torch.ones_like(ids)
+    batch = {
+        "input_ids": ids,
+        "attention_mask": attention,
+        "position_ids": attention.cumsum(1) - 1,
+        "responses": ids[:, 40:],
+        "response_mask": attention[:, 40:],
+    }
+    forward, train = [], []
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    for _ in range(reps):
+        start = time.perf_counter()
+        worker.compute_log_prob(batch)
+        forward.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        worker.model.train()
+        with worker._compute_precision():
+            for micro in micro_batches(batch, 1024):
+                worker._forward(micro, 1.0)[0].sum().backward()
+        worker.model.zero_grad(set_to_none=True)
+        train.append(time.perf_counter() - start)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "forward_s": statistics.median(forward),
+        "forward_backward_s": statistics.median(train),
+        "minor_faults_per_rep": (after.ru_minflt - before.ru_minflt) / reps,
+        "system_s_per_rep": (after.ru_stime - before.ru_stime) / reps,
+    }
+
+
+def run(where: str, env: dict, args) -> dict:
+    command = [sys.executable, __file__, f"--child={where}", "--model", args.model, "--rows", str(args.rows)]
+    command += ["--reps", str(args.reps)]
+    out = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def in_ray_actor(args) -> dict:
+    """The passes in a Ray actor on a local Ray, as the trainer starts its workers."""
+    from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
+
+    ray = init_ray(num_cpus=os.cpu_count())
+    try:
+        return ray.get(ray.remote(num_cpus=1)(passes).remote(args.model, args.rows, args.reps))
+    finally:
+        shutdown_ray()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-arith")
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--sittings", type=int, default=2)
+    parser.add_argument("--child", choices=("process", "ray"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(passes(args.model, args.rows, args.reps) if args.child == "process" else in_ray_actor(args)))
+        return
+    settings = {
+        "process, glibc default": ("process", {}),
+        "process, ALLOCATOR_ENV": ("process", ALLOCATOR_ENV),
+        "Ray actor, glibc default": ("ray", {}),
+    }
+    results: dict[str, list[dict]] = {name: [] for name in settings}
+    for _ in range(args.sittings):
+        for name, (where, env) in settings.items():
+            results[name].append(run(where, env, args))
+    for name, runs in results.items():
+        summary = {key: statistics.mean(r[key] for r in runs) for key in runs[0]}
+        print(f"{name:>26}: " + ", ".join(f"{key} {value:.3g}" for key, value in summary.items()))
+
+
+if __name__ == "__main__":
+    main()
