@@ -33,6 +33,7 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     from nemo_dapo.model.builtin import resolve_builtin
+    from nemo_dapo.rollout.vllm_worker import CPU_BLOCK_SIZE
 
     start = time.perf_counter()
     llm = LLM(
@@ -40,7 +41,7 @@ def main() -> None:
         dtype="bfloat16",
         max_model_len=256,
         enforce_eager=not args.compiled,
-        block_size=32,
+        block_size=CPU_BLOCK_SIZE,  # the KV block size our rollout worker uses on a CPU
         gpu_memory_utilization=0.5,
         logprobs_mode="processed_logprobs",
     )
