@@ -63,6 +63,13 @@ def test_generation_shapes_and_finish_reasons(engines, tiny_tokenizer):
     assert all(batch["responses"][i, int(lengths[i]) - 1].item() == eos for i in stopped)  # EOS counted
 
 
+def test_engines_run_eagerly_on_cpu_and_with_cuda_graphs_on_gpus_unless_told():
+    from nemo_dapo.rollout.vllm_worker import runs_eagerly
+
+    assert runs_eagerly(None, on_cpu=True) and not runs_eagerly(None, on_cpu=False)
+    assert runs_eagerly(True, on_cpu=False) and not runs_eagerly(False, on_cpu=True)
+
+
 def test_logprobs_match_before_and_after_weight_update(engines, tiny_tokenizer):
     engine, policy = engines
     assert max_gap(engine, policy, tiny_tokenizer) < TOLERANCE

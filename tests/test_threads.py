@@ -45,6 +45,8 @@ def remote_threads(group) -> list[int]:
 
 
 def test_policy_and_rollout_workers_in_ray_use_the_machine_cores(local_ray, tiny_model_dir):
+    import ray
+
     from nemo_dapo.config import load_config
     from nemo_dapo.trainer.assembly import _policy_workers, _rollout_workers
 
@@ -55,6 +57,9 @@ def test_policy_and_rollout_workers_in_ray_use_the_machine_cores(local_ray, tiny
         # Ray gives each actor one CPU and exports OMP_NUM_THREADS=1; the workers set their own
         assert remote_threads(policy) == [visible_cores()]
         assert remote_threads(rollout) == [visible_cores()]
+        # rollout.enforce_eager unset: a CPU engine runs eagerly (no 80-100 s compile at start-up)
+        eager = rollout.workers[0].__ray_call__.remote(lambda w: w.llm.llm_engine.model_config.enforce_eager)
+        assert ray.get(eager) is True
     finally:
         policy.shutdown()
         rollout.shutdown()

@@ -102,6 +102,7 @@ def _rollout_workers(cfg: Config, shared: SharedGPUs | None) -> WorkerGroup:
         "seed": cfg.trainer.seed,
         "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
         "tensor_parallel_size": tp,
+        "enforce_eager": cfg.rollout.enforce_eager,
         "enable_sleep_mode": shared is not None,
         "distributed_executor_backend": SharedGPUs.engine_executor(tp) if shared else None,
         "num_threads": cfg.trainer.cpu_threads_per_worker,
