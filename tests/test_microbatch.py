@@ -34,6 +34,23 @@ def test_rows_of_similar_length_share_a_micro_batch():
             assert micro["attention_mask"][i].sum() == batch["attention_mask"][row].sum()
 
 
+def test_a_long_row_is_not_padded_together_with_short_ones():
+    """One response ran to the limit (1 + 10 tokens), five stopped at 1 (1 + 1), 40 tokens per
+    micro-batch: filling greedily would pad two short rows to 11 (3 x 11 + 3 x 2 = 39 tokens);
+    the split leaves the long row alone (11 + 5 x 2 = 21) in as few micro-batches."""
+    batch = batch_of([1] * 6, [10, 1, 1, 1, 1, 1])
+    micros = micro_batches(batch, 40)
+    assert [m[ROWS].tolist() for m in micros] == [[0], [1, 2, 3, 4, 5]]
+    assert [tuple(m["input_ids"].shape) for m in micros] == [(1, 11), (5, 2)]
+
+
+def test_padded_width_counts_the_longest_prompt_and_the_longest_response():
+    """Rows (prompt, response) (5, 1) and (1, 5) are 6 tokens each but pad to 5 + 5 together:
+    20 tokens, over a budget of 12, so they go apart."""
+    micros = micro_batches(batch_of([5, 1], [1, 5]), 12)
+    assert [tuple(m["input_ids"].shape) for m in micros] == [(1, 6), (1, 6)]
+
+
 def test_results_go_back_to_their_rows():
     batch = batch_of([2, 4, 2, 4, 3], [2, 10, 3, 9, 3])
     per_row = torch.arange(5.0)[:, None] + torch.arange(12.0) / 100  # a distinct value per row and column

@@ -18,22 +18,36 @@ FULL_WIDTH_KEYS = ("input_ids", "attention_mask", "position_ids", "routed_expert
 ROWS = "rows"  # in a micro-batch: the batch rows of its real (non-filler) rows, in order
 
 
-def token_budget_split(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Greedy, order-preserving groups of row indices whose padded size fits ``max_tokens``.
+def token_budget_split(widths: list[tuple[int, int]], max_tokens: int) -> list[list[int]]:
+    """Consecutive groups of rows (given longest first as ``(prompt, response)`` lengths) whose
+    padded size, rows x (longest prompt + longest response), fits ``max_tokens``: the fewest
+    groups, and among those the fewest padded tokens. A single row longer than the budget still
+    forms its own group.
 
-    A single row longer than the budget still forms its own micro-batch.
+    Why not greedy: filling each group in turn makes as few groups, but puts a long row (a
+    response that ran to the length limit) with as many short rows as fit and pads them all to
+    its length: with 63 answers of 7 tokens and one of 128 (39-token prompts), the first
+    micro-batch computes 1002 tokens for 397 real ones, +20% on the whole step. Dynamic
+    programming over the cut points finds the split that leaves the long row alone.
     """
-    groups: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for row, length in enumerate(lengths):
-        if current and max(longest, length) * (len(current) + 1) > max_tokens:
-            groups.append(current)
-            current, longest = [], 0
-        current.append(row)
-        longest = max(longest, length)
-    if current:
-        groups.append(current)
+    rows = len(widths)
+    best: list[tuple[int, int]] = [(0, 0)] * (rows + 1)  # (groups, padded tokens) of rows i..end
+    cut = [rows] * (rows + 1)  # where the first group of rows i..end ends
+    for start in range(rows - 1, -1, -1):
+        prompt = response = 0
+        for end in range(start + 1, rows + 1):
+            prompt, response = max(prompt, widths[end - 1][0]), max(response, widths[end - 1][1])
+            size = (end - start) * (prompt + response)
+            if size > max_tokens and end > start + 1:
+                break  # a longer group only grows
+            count, padded = best[end]
+            candidate = (count + 1, padded + size)
+            if end == start + 1 or candidate < best[start]:
+                best[start], cut[start] = candidate, end
+    groups, start = [], 0
+    while start < rows:
+        groups.append(list(range(start, cut[start])))
+        start = cut[start]
     return groups
 
 
@@ -61,10 +75,13 @@ def trim_padding(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, t
 
 
 def micro_batches(batch: dict[str, torch.Tensor], max_tokens: int) -> list[dict[str, torch.Tensor]]:
-    """Rows longest first, cut greedily by token budget: similar lengths share a micro-batch."""
-    lengths = batch["attention_mask"].sum(dim=1)
-    order = torch.argsort(lengths, descending=True, stable=True).tolist()
-    groups = token_budget_split([int(lengths[row]) for row in order], max_tokens)
+    """Rows longest first, cut by token budget (:func:`token_budget_split`): similar lengths share a
+    micro-batch."""
+    attention = batch["attention_mask"]
+    width = prompt_width(batch)
+    prompts, responses = attention[:, :width].sum(dim=1).tolist(), attention[:, width:].sum(dim=1).tolist()
+    order = torch.argsort(attention.sum(dim=1), descending=True, stable=True).tolist()
+    groups = token_budget_split([(prompts[row], responses[row]) for row in order], max_tokens)
     return [trim_padding(batch, [order[i] for i in group]) for group in groups]
 
 
