@@ -49,6 +49,9 @@ def test_padded_width_counts_the_longest_prompt_and_the_longest_response():
     20 tokens, over a budget of 12, so they go apart."""
     micros = micro_batches(batch_of([5, 1], [1, 5]), 12)
     assert [tuple(m["input_ids"].shape) for m in micros] == [(1, 6), (1, 6)]
+    # rows without a response still keep one response column: three of them are 3 x 4 > 9 tokens
+    micros = micro_batches(batch_of([3, 3, 3], [0, 0, 0]), 9)
+    assert [tuple(m["input_ids"].shape) for m in micros] == [(1, 4), (2, 4)]
 
 
 def test_results_go_back_to_their_rows():

@@ -79,7 +79,8 @@ def micro_batches(batch: dict[str, torch.Tensor], max_tokens: int) -> list[dict[
     micro-batch."""
     attention = batch["attention_mask"]
     width = prompt_width(batch)
-    prompts, responses = attention[:, :width].sum(dim=1).tolist(), attention[:, width:].sum(dim=1).tolist()
+    prompts = attention[:, :width].sum(dim=1).tolist()
+    responses = attention[:, width:].sum(dim=1).clamp(min=1).tolist()  # trim_padding keeps one column at least
     order = torch.argsort(attention.sum(dim=1), descending=True, stable=True).tolist()
     groups = token_budget_split([(prompts[row], responses[row]) for row in order], max_tokens)
     return [trim_padding(batch, [order[i] for i in group]) for group in groups]
