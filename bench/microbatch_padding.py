@@ -25,7 +25,6 @@ import os
 import random
 import statistics
 import sys
-import time
 
 import torch
 
@@ -86,26 +85,17 @@ def padded_splits(batch: dict, budget: int) -> dict[str, list[dict]]:
     }
 
 
-def forward_backward_s(model_name: str, splits: dict[str, list[dict]], reps: int) -> dict[str, float]:
+def timed_splits(model_name: str, splits: dict[str, list[dict]], reps: int) -> dict[str, float]:
     """Median seconds of one forward + backward over each split's micro-batches (log-probs summed)."""
-    from nemo_dapo.config import load_config
-    from nemo_dapo.config.schema import OptimConfig
-    from nemo_dapo.model.builtin import resolve_builtin
-    from nemo_dapo.policy.torch_worker import TorchPolicyWorker
+    from _policy_timing import forward_backward_s, policy_worker
 
-    dtype = load_config("smollm2_cpu", []).model.dtype  # the preset's compute dtype on this machine (auto)
-    path = resolve_builtin(model_name, [], [])[0]
-    worker = TorchPolicyWorker(0, 1, "", path, OptimConfig(), dtype=dtype, attn_implementation="eager")
-    worker.model.train()
+    from nemo_dapo.config import load_config
+
+    worker = policy_worker(model_name, load_config("smollm2_cpu", []).model.dtype)  # the preset's, on this CPU
     seconds: dict[str, list[float]] = {name: [] for name in splits}
     for _ in range(reps):
         for name, micros in splits.items():  # alternated, so drift hits every split alike
-            start = time.perf_counter()
-            with worker._compute_precision():
-                for micro in micros:
-                    worker._forward(micro, 1.0)[0].sum().backward()
-            worker.model.zero_grad(set_to_none=True)
-            seconds[name].append(time.perf_counter() - start)
+            seconds[name].append(forward_backward_s(worker, micros))
     return {name: statistics.median(values) for name, values in seconds.items()}
 
 
@@ -133,7 +123,7 @@ def main() -> None:
     lengths = mask.sum(1)
     real, needed_pairs = int(lengths.sum()), int((lengths**2).sum())
     splits = padded_splits(batch, budget)
-    timed = forward_backward_s(args.time, splits, args.reps) if args.time else {}
+    timed = timed_splits(args.time, splits, args.reps) if args.time else {}
     report = [
         (name, len(micros), sum(m["attention_mask"].numel() for m in micros), attention_pairs(micros))
         for name, micros in splits.items()

@@ -23,6 +23,9 @@ import subprocess
 import sys
 import time
 
+import _policy_timing
+from _policy_timing import forward_backward_s, policy_worker
+
 # the candidate: glibc gives a freed block above its (dynamic) mmap threshold back to the kernel and
 # trims the heap's top, so a worker that frees and reallocates hundreds of MB per micro-batch
 # page-faults them back in; these fix the threshold at its 32 MiB maximum and keep freed memory
@@ -37,21 +40,9 @@ def passes(model: str, rows: int, reps: int) -> dict:
     """In this process: the timed passes, then this process's page faults and system time."""
     import torch
 
-    from nemo_dapo.config.schema import OptimConfig
-    from nemo_dapo.model.builtin import resolve_builtin
     from nemo_dapo.policy.microbatch import micro_batches
-    from nemo_dapo.policy.torch_worker import TorchPolicyWorker
 
-    worker = TorchPolicyWorker(
-        0,
-        1,
-        "",
-        resolve_builtin(model, [], [])[0],
-        OptimConfig(),
-        dtype="bfloat16",
-        attn_implementation="eager",
-        max_token_len=1024,
-    )
+    worker = policy_worker(model, "bfloat16")
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, worker.model.config.vocab_size, (rows, 52), generator=gen)
     attention = torch.ones_like(ids)
@@ -68,13 +59,7 @@ def passes(model: str, rows: int, reps: int) -> dict:
         start = time.perf_counter()
         worker.compute_log_prob(batch)
         forward.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        worker.model.train()
-        with worker._compute_precision():
-            for micro in micro_batches(batch, 1024):
-                worker._forward(micro, 1.0)[0].sum().backward()
-        worker.model.zero_grad(set_to_none=True)
-        train.append(time.perf_counter() - start)
+        train.append(forward_backward_s(worker, micro_batches(batch, 1024)))
     after = resource.getrusage(resource.RUSAGE_SELF)
     return {
         "forward_s": statistics.median(forward),
@@ -96,6 +81,8 @@ def in_ray_actor(args) -> dict:
     from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
 
     ray = init_ray(num_cpus=os.cpu_count())
+    # bench/ is not on the Ray workers' import path: the helpers travel pickled with `passes`
+    ray.cloudpickle.register_pickle_by_value(_policy_timing)
     try:
         return ray.get(ray.remote(num_cpus=1)(passes).remote(args.model, args.rows, args.reps))
     finally:
