@@ -114,23 +114,12 @@ class HFGenerate:
 
 def run_single_process(cfg) -> dict:
     """``nemo-dapo train`` with the single-process policy and HF generation; returns the summary."""
-    from transformers import AutoTokenizer
-
-    from nemo_dapo.data import RLDataset
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
-    from nemo_dapo.reward.manager import RewardManager
-    from nemo_dapo.trainer.assembly import resolve_paths
+    from nemo_dapo.trainer.assembly import load_data, resolve_paths, reward_manager
     from nemo_dapo.trainer.fit import DAPOTrainer
 
     cfg = resolve_paths(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    data = RLDataset(
-        cfg.data.train_files,
-        tokenizer,
-        max_prompt_length=cfg.data.max_prompt_length,
-        truncation=cfg.data.truncation,
-        filter_overlong_prompts=cfg.data.filter_overlong_prompts,
-    )
+    data = load_data(cfg)
     worker = TorchPolicyWorker(
         0,
         1,
@@ -143,16 +132,8 @@ def run_single_process(cfg) -> dict:
         seed=cfg.trainer.seed,
         num_threads=cfg.trainer.cpu_threads_per_worker,
     )
-    buffer = cfg.reward.overlong_buffer
-    with RewardManager(
-        cfg.reward.scorer,
-        max_response_length=cfg.data.max_response_length,
-        overlong_enable=buffer.enable,
-        buffer_len=buffer.len,
-        penalty_factor=buffer.penalty_factor,
-        num_workers=cfg.reward.num_workers,
-        timeout_s=cfg.reward.timeout_s,
-    ) as reward:
+    with reward_manager(cfg) as reward:
+        tokenizer = data.tokenizer
         rollout = HFGenerate(worker.model, tokenizer.pad_token_id, tokenizer.eos_token_id, worker.compute_dtype)
-        trainer = DAPOTrainer(cfg, InProcessPolicy(worker), rollout, tokenizer, data, None, reward)
+        trainer = DAPOTrainer(cfg, InProcessPolicy(worker), rollout, tokenizer, data.train, data.val, reward)
         return trainer.fit()

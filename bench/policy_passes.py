@@ -1,7 +1,7 @@
-"""Is a policy worker slower inside Ray, and would a malloc setting pay? One policy worker's
-log-prob and training passes on the real model, side by side and alternately: in a plain process
-with glibc's default malloc, in a plain process with a candidate malloc setting (``ALLOCATOR_ENV``
-below), and in a Ray actor started by ``init_ray`` (glibc's default).
+"""Is a policy worker slower inside Ray, and what does keeping freed memory save? One policy
+worker's log-prob and training passes on the real model, side by side and alternately: in a plain
+process and in a Ray actor started by ``init_ray``, each with glibc's default malloc and with the
+settings training workers start with (``trainer.keep_freed_memory``, ``cluster/allocator.py``).
 
     .venv/bin/python bench/policy_passes.py [--model smollm2-135m-arith] [--rows 64] [--reps 5] [--sittings 2]
 
@@ -26,14 +26,7 @@ import time
 import _policy_timing
 from _policy_timing import forward_backward_s, policy_worker
 
-# the candidate: glibc gives a freed block above its (dynamic) mmap threshold back to the kernel and
-# trims the heap's top, so a worker that frees and reallocates hundreds of MB per micro-batch
-# page-faults them back in; these fix the threshold at its 32 MiB maximum and keep freed memory
-ALLOCATOR_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
-    "MALLOC_TRIM_THRESHOLD_": str(4 << 30),
-    "MALLOC_TOP_PAD_": str(256 << 20),
-}
+from nemo_dapo.cluster.allocator import REUSE_FREED_MEMORY
 
 
 def passes(model: str, rows: int, reps: int) -> dict:
@@ -102,8 +95,9 @@ def main() -> None:
         return
     settings = {
         "process, glibc default": ("process", {}),
-        "process, ALLOCATOR_ENV": ("process", ALLOCATOR_ENV),
+        "process, freed memory kept": ("process", REUSE_FREED_MEMORY),
         "Ray actor, glibc default": ("ray", {}),
+        "Ray actor, freed memory kept": ("ray", REUSE_FREED_MEMORY),
     }
     results: dict[str, list[dict]] = {name: [] for name in settings}
     for _ in range(args.sittings):

@@ -4,6 +4,7 @@
 import pytest
 import torch
 
+from nemo_dapo.cluster.allocator import REUSE_FREED_MEMORY
 from nemo_dapo.threads import threads_for, visible_cores
 
 
@@ -44,6 +45,14 @@ def remote_threads(group) -> list[int]:
     return ray.get([w.__ray_call__.remote(lambda _: torch.get_num_threads()) for w in group.workers])
 
 
+def start_environment(group) -> dict[str, str]:
+    """Rank 0's environment as its process was started (``/proc/self/environ``)."""
+    import ray
+
+    raw = ray.get(group.workers[0].__ray_call__.remote(lambda _: open("/proc/self/environ", "rb").read()))
+    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+
+
 def test_policy_and_rollout_workers_in_ray_use_the_machine_cores(local_ray, tiny_model_dir):
     import ray
 
@@ -60,6 +69,10 @@ def test_policy_and_rollout_workers_in_ray_use_the_machine_cores(local_ray, tiny
         # rollout.enforce_eager unset: a CPU engine runs eagerly (no 80-100 s compile at start-up)
         eager = rollout.workers[0].__ray_call__.remote(lambda w: w.llm.llm_engine.model_config.enforce_eager)
         assert ray.get(eager) is True
+        # trainer.keep_freed_memory unset, CPU mode: the training worker starts with the allocator
+        # settings (glibc reads them at exec, so the start environment is what counts), not the engine
+        assert REUSE_FREED_MEMORY.items() <= start_environment(policy).items()
+        assert not REUSE_FREED_MEMORY.keys() & start_environment(rollout).keys()
     finally:
         policy.shutdown()
         rollout.shutdown()

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nemo_dapo.cluster.placement import Slot, own_slots
@@ -43,6 +43,7 @@ class WorkerGroup:
         timeout_key: str = "trainer.remote_timeout_s",
         start_timeout_s: float | None = None,
         wait: bool = True,
+        env: dict[str, str] | None = None,
     ) -> None:
         """Without ``slots`` the group reserves a placement group of its own (one bundle of
         ``num_cpus_per_worker`` CPUs and ``num_gpus_per_worker`` GPUs per worker) and frees it at
@@ -51,7 +52,8 @@ class WorkerGroup:
         the driver waits on one call (None: no limit), set by the config key ``timeout_key``;
         ``start_timeout_s`` bounds a worker's start (a model load; ``trainer.remote_timeout_s``),
         by default the same. ``wait=False`` returns as soon as the actors are asked for, so several
-        groups load their models at once; :meth:`wait_ready` then waits for them."""
+        groups load their models at once; :meth:`wait_ready` then waits for them. ``env``: variables
+        every worker process starts with (added to its slot's)."""
         import ray
 
         self.name = name
@@ -65,6 +67,8 @@ class WorkerGroup:
             self._own_placement, slots = own_slots(
                 name, num_workers, num_cpus_per_worker, num_gpus_per_worker, placement_timeout_s
             )
+        if env:
+            slots = [replace(slot, env={**slot.env, **env}) for slot in slots]
         if len(slots) != num_workers:
             raise ValueError(f"{name}: {len(slots)} slots for {num_workers} workers")
         # torch.distributed's FileStore for the group's ranks; removed with the group (it held

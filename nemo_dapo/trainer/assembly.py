@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nemo_dapo.cluster.allocator import keeps_freed_memory, training_worker_env
 from nemo_dapo.config import Config
 from nemo_dapo.config.topology import is_colocated, needs_reference, policy_groups, total_optimizer_steps
 from nemo_dapo.config.validate import combination_notes, raise_problems, separate_groups_problems
@@ -77,6 +78,7 @@ def _policy_workers(
         kwargs["attn_implementation"] = cfg.actor.attn_implementation
     gpus = 1 if cfg.trainer.n_gpus_per_node > 0 else 0
     slots = shared.training_slots(cfg.actor.num_workers) if shared else None
+    keep = keeps_freed_memory(cfg.trainer.keep_freed_memory, on_gpu=gpus > 0)
     return WorkerGroup(
         worker_cls,
         cfg.actor.num_workers,
@@ -84,6 +86,7 @@ def _policy_workers(
         num_gpus_per_worker=gpus,
         worker_kwargs=kwargs,
         slots=slots,
+        env=training_worker_env(keep, os.environ),
         call_timeout_s=cfg.trainer.remote_timeout_s,
         wait=shared is not None,
     )
