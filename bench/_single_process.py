@@ -135,5 +135,7 @@ def run_single_process(cfg) -> dict:
     with reward_manager(cfg) as reward:
         tokenizer = data.tokenizer
         rollout = HFGenerate(worker.model, tokenizer.pad_token_id, tokenizer.eos_token_id, worker.compute_dtype)
-        trainer = DAPOTrainer(cfg, InProcessPolicy(worker), rollout, tokenizer, data.train, data.val, reward)
+        # no held-out set: the trainer validates after its last step, and HF `generate` keeping the
+        # scores of all 800 held-out samples at once took the process to 19 GiB
+        trainer = DAPOTrainer(cfg, InProcessPolicy(worker), rollout, tokenizer, data.train, None, reward)
         return trainer.fit()
