@@ -1,5 +1,5 @@
 """Training workers reuse the memory a pass frees (nemo_dapo/cluster/allocator.py): the rule,
-and that the tunables really stop glibc from faulting freed blocks back in."""
+and that the settings really stop glibc from faulting freed blocks back in."""
 
 import json
 import os

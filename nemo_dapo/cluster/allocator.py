@@ -6,8 +6,9 @@ chunks, gradients). glibc serves blocks above its mmap threshold (dynamic, at mo
 fresh ``mmap`` calls and trims the heap's free top, so every pass faults those pages in again and
 the kernel zeroes each one: a quarter of the policy worker's CPU time on a 2-core machine. The
 settings below serve every block from the heap and never trim it, so freed memory is reused
-without a page fault. Both are needed: a trim threshold alone fixes the mmap threshold at its
-128 KiB start (10x the faults), a 32 MiB threshold leaves larger blocks (logit chunks) mapped.
+without a page fault. The mmap threshold does the work: a trim threshold alone fixes it at its
+128 KiB start (10x the faults), a 32 MiB one leaves larger blocks (logit chunks) mapped; the trim
+threshold keeps the heap's top as well.
 glibc reads them once, at process start, so they go into the worker's start environment; as the
 ``MALLOC_*_`` variables rather than one ``GLIBC_TUNABLES`` string, which Ray splits at its colons
 on the way to a worker. Other C libraries ignore them.
