@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from nemo_dapo.cluster.allocator import REUSE_FREED_MEMORY, keeps_freed_memory, training_worker_env
+from nemo_dapo.cluster.allocator import REUSE_FREED_MEMORY, keeps_freed_memory, allocator_env
 
 # frees and reallocates ten 40 MB blocks (above glibc's largest default mmap threshold, 32 MiB, as
 # a vocabulary's logit chunk is) as a training pass frees its activations; prints the minor page
@@ -34,16 +34,16 @@ def faults(env: dict[str, str]) -> int:
 def test_on_for_cpu_training_off_on_gpu_nodes_unless_set():
     assert keeps_freed_memory(None, on_gpu=False) and not keeps_freed_memory(None, on_gpu=True)
     assert keeps_freed_memory(True, on_gpu=True) and not keeps_freed_memory(False, on_gpu=False)
-    assert training_worker_env(False, {}) == {}
-    assert training_worker_env(True, {"PATH": "/bin"}) == REUSE_FREED_MEMORY
+    assert allocator_env(False, {}) == {}
+    assert allocator_env(True, {"PATH": "/bin"}) == REUSE_FREED_MEMORY
     # a value the user exported for the run wins
-    mine = training_worker_env(True, {"MALLOC_TRIM_THRESHOLD_": "1048576"})
+    mine = allocator_env(True, {"MALLOC_TRIM_THRESHOLD_": "1048576"})
     assert mine == {**REUSE_FREED_MEMORY, "MALLOC_TRIM_THRESHOLD_": "1048576"}
 
 
 def test_freed_blocks_are_reused_without_page_faults():
     default = faults({})
-    kept = faults(training_worker_env(True, {}))
+    kept = faults(allocator_env(True, {}))
     # 10 rounds x 400 MB = 1M pages: glibc's default maps and faults them all again (measured
     # 1.02 M against 61 k kept)
     assert default > 500_000, default

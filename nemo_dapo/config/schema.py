@@ -524,10 +524,11 @@ class TrainerConfig:
     )
     keep_freed_memory: Optional[bool] = setting(
         None,
-        help="Policy and reference workers keep the memory a pass frees for the next one (glibc: "
-        "large blocks from the heap, heap never trimmed) instead of handing it back and faulting it "
-        "in again (a quarter of a CPU policy worker's time went to those page faults). null: on "
-        "in CPU mode, off on GPU nodes, where host memory should go back.",
+        help="Policy, reference and rollout workers keep the memory a pass or a weight sync frees "
+        "for the next one (glibc: large blocks from the heap, heap never trimmed) instead of "
+        "handing it back and faulting it in again (a quarter of a CPU policy worker's time, half "
+        "of a CPU weight sync). null: on in CPU mode, off on GPU nodes, where host memory should "
+        "go back.",
     )
     remote_timeout_s: Optional[float] = setting(
         7200.0,

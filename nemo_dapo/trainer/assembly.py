@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nemo_dapo.cluster.allocator import keeps_freed_memory, training_worker_env
+from nemo_dapo.cluster.allocator import allocator_env, keeps_freed_memory
 from nemo_dapo.config import Config
 from nemo_dapo.config.topology import is_colocated, needs_reference, policy_groups, total_optimizer_steps
 from nemo_dapo.config.validate import combination_notes, raise_problems, separate_groups_problems
@@ -78,7 +78,6 @@ def _policy_workers(
         kwargs["attn_implementation"] = cfg.actor.attn_implementation
     gpus = 1 if cfg.trainer.n_gpus_per_node > 0 else 0
     slots = shared.training_slots(cfg.actor.num_workers) if shared else None
-    keep = keeps_freed_memory(cfg.trainer.keep_freed_memory, on_gpu=gpus > 0)
     return WorkerGroup(
         worker_cls,
         cfg.actor.num_workers,
@@ -86,10 +85,16 @@ def _policy_workers(
         num_gpus_per_worker=gpus,
         worker_kwargs=kwargs,
         slots=slots,
-        env=training_worker_env(keep, os.environ),
+        env=_start_env(cfg, gpus),
         call_timeout_s=cfg.trainer.remote_timeout_s,
         wait=shared is not None,
     )
+
+
+def _start_env(cfg: Config, gpus: int) -> dict[str, str]:
+    """What a worker's process needs in its start environment: the allocator settings
+    (``trainer.keep_freed_memory``)."""
+    return allocator_env(keeps_freed_memory(cfg.trainer.keep_freed_memory, on_gpu=gpus > 0), os.environ)
 
 
 def _rollout_workers(cfg: Config, shared: SharedGPUs | None) -> WorkerGroup:
@@ -122,6 +127,7 @@ def _rollout_workers(cfg: Config, shared: SharedGPUs | None) -> WorkerGroup:
         num_gpus_per_worker=gpus,
         worker_kwargs=kwargs,
         slots=slots,
+        env=_start_env(cfg, gpus),
         call_timeout_s=cfg.rollout.timeout_s if own_timeout else cfg.trainer.remote_timeout_s,
         timeout_key="rollout.timeout_s" if own_timeout else "trainer.remote_timeout_s",
         start_timeout_s=cfg.trainer.remote_timeout_s,  # loading a model may take longer than a round
