@@ -64,6 +64,22 @@ def test_eager_attention_is_the_torch_backends_choice():
         load_config("tiny_cpu", ["actor.attn_implementation=eager", "actor.backend=megatron"])
 
 
+def test_auto_attention_is_eager_for_short_sequences_of_the_torch_backend_on_cpus():
+    """auto: eager where it trains faster (torch backend, CPU, prompt + response <= 512 tokens);
+    sdpa for long sequences (eager's memory grows with their square), on GPUs, and for megatron,
+    which takes auto like sdpa instead of refusing it as it refuses eager."""
+
+    def attention(preset: str, *overrides: str) -> str:
+        return load_config(preset, list(overrides)).actor.attn_implementation
+
+    assert attention("tiny_cpu") == "eager" and attention("smollm2_cpu") == "eager"
+    assert attention("tiny_cpu", "data.max_prompt_length=256", "data.max_response_length=256") == "eager"
+    assert attention("tiny_cpu", "data.max_prompt_length=256", "data.max_response_length=257") == "sdpa"
+    assert attention("tiny_cpu", "actor.backend=megatron") == "sdpa"
+    assert attention("dapo_qwen2.5_32b") == "sdpa"  # GPU nodes
+    assert attention("tiny_cpu", "actor.attn_implementation=sdpa") == "sdpa"  # a choice stays
+
+
 def test_auto_dtype_is_bf16_on_gpus_and_on_cpus_with_bf16_matrix_instructions(tmp_path, monkeypatch):
     from nemo_dapo import threads
 

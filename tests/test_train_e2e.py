@@ -104,8 +104,15 @@ def test_dapo_run_learns_and_writes_everything(workdir):
     at step 4 and replaced (with the current weights), and every step still trains once."""
     out = workdir / "run"
     loggers = ["trainer.loggers=[console,tensorboard,wandb,mlflow]", "trainer.wandb_mode=offline"]
+    # fp32 (the preset's `auto` is bf16 on a CPU with bf16 matrix instructions): engine and policy
+    # then score every token alike to 1e-3, which the mismatch metric checks below
     done = train_and_kill_the_engine(
-        out, "trainer.total_training_steps=40", "trainer.test_freq=20", "trainer.save_freq=20", *loggers
+        out,
+        "trainer.total_training_steps=40",
+        "trainer.test_freq=20",
+        "trainer.save_freq=20",
+        "model.dtype=float32",
+        *loggers,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "restarting rollout engine 0 (restart 1 of 3)" in done.stderr
