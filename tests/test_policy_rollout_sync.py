@@ -83,6 +83,8 @@ def test_logprobs_match_before_and_after_weight_update(engines, tiny_tokenizer):
     assert metrics["actor/grad_norm"][0] > 0
     changed = [k for k, v in policy.model.state_dict().items() if not torch.equal(v, before[k])]
     assert changed, "the update changed no weight"
+    # the gradients are freed with the update: they would sit through generation, the sync and a save
+    assert all(p.grad is None for p in policy.model.parameters())
     assert max_gap(engine, policy, tiny_tokenizer) > TOLERANCE  # engine still has the old weights
     assert engine.update_weights(policy.export_weights(bucket_bytes=1 << 16), version=1) == 1
     assert engine.weight_version() == 1

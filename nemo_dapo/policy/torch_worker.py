@@ -159,6 +159,9 @@ class TorchPolicyWorker:
                 metrics.setdefault(key, []).append(mn.combine_parts(key, values))
             metrics.setdefault(mn.GRAD_NORM.name, []).append(float(grad_norm))
             metrics.setdefault(mn.LR.name, []).append(float(self.scheduler.get_last_lr()[0]))
+        # nothing reads the gradients after the last step: freed now, their memory (the size of the
+        # fp32 weights) serves generation, the weight export and a checkpoint's buffers instead
+        self.optimizer.zero_grad(set_to_none=True)
         return metrics
 
     def _all_reduce_gradients(self) -> None:
