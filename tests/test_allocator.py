@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from nemo_dapo.cluster.allocator import REUSE_FREED_MEMORY, keeps_freed_memory, allocator_env
+from nemo_dapo.cluster.allocator import REUSE_FREED_MEMORY, allocator_env, keeps_freed_memory
 
 # frees and reallocates ten 40 MB blocks (above glibc's largest default mmap threshold, 32 MiB, as
 # a vocabulary's logit chunk is) as a training pass frees its activations; prints the minor page

@@ -71,8 +71,14 @@ def update_gradient(model_dir, batch: RolloutBatch, max_token_len: int) -> dict:
     (minis,) = mini_batches_per_rank(batch, prompts_per_mini_batch=3, world_size=1, ppo_epochs=1)
     data = minis[0].data
     data["old_log_probs"] = worker.compute_log_prob(data)["log_probs"] - 0.05 * data["response_mask"]
+    gradient: dict = {}
+
+    def keep_gradient(*_) -> None:  # the worker frees its gradients once the update is done
+        gradient.update({name: param.grad.clone() for name, param in worker.model.named_parameters()})
+
+    worker.optimizer.register_step_pre_hook(keep_gradient)
     worker.update(minis, LossSettings())
-    return {name: param.grad.clone() for name, param in worker.model.named_parameters()}
+    return gradient
 
 
 def test_the_update_equals_one_without_the_truncated_rows_for_any_micro_batch_size(tiny_model_dir):
