@@ -1,4 +1,4 @@
-"""Training workers reuse the memory a pass frees (nemo_dapo/cluster/allocator.py): the rule,
+"""Policy, reference and rollout workers reuse the memory they free (nemo_dapo/cluster/allocator.py): the rule,
 and that the settings really stop glibc from faulting freed blocks back in."""
 
 import json
