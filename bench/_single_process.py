@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from nemo_dapo.algo.metric_names import combine_steps
+from nemo_dapo.policy.base import UpdateResult
 from nemo_dapo.policy.inputs import mini_batches_per_rank, worker_inputs
 from nemo_dapo.rollout.base import Generation, SamplingSettings
 
@@ -33,9 +34,18 @@ class InProcessPolicy:
         out = self.worker.compute_log_prob(worker_inputs(batch), temperature)
         return {key: value[:, :width] for key, value in out.items()}
 
-    def update(self, batch, settings, prompts_per_mini_batch: int, ppo_epochs: int, correction=None) -> dict:
-        minis = mini_batches_per_rank(batch, prompts_per_mini_batch, 1, ppo_epochs)[0]
-        return combine_steps(self.worker.update(minis, settings, correction))
+    def update(
+        self,
+        batch,
+        settings,
+        prompts_per_mini_batch: int,
+        ppo_epochs: int,
+        correction=None,
+        first_old_from_forward: bool = False,
+    ) -> UpdateResult:
+        minis = mini_batches_per_rank(batch, prompts_per_mini_batch, 1, ppo_epochs, first_old_from_forward)[0]
+        result = self.worker.update(minis, settings, correction)
+        return UpdateResult(combine_steps(result.metrics), result.first_forward)
 
     def export_weights(self, bucket_bytes: int) -> Iterator:
         return iter(())  # generation uses the trained model itself

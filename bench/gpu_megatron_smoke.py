@@ -139,7 +139,7 @@ def check_padding_is_masked(worker, batch: dict[str, torch.Tensor]) -> float:
 
 
 def dapo_update(worker, batch: dict[str, torch.Tensor], old: dict[str, torch.Tensor], settings) -> dict:
-    """One optimizer step on ``batch`` (one mini-batch) with ``old`` as the behaviour log-probs."""
+    """One optimizer step on ``batch`` (one mini-batch) with ``old`` as the behaviour log-probs; its metrics."""
     from nemo_dapo.policy.base import MiniBatch
 
     mini = MiniBatch(
@@ -147,7 +147,7 @@ def dapo_update(worker, batch: dict[str, torch.Tensor], old: dict[str, torch.Ten
         float(batch["response_mask"].sum()),
         float(batch["input_ids"].shape[0]),
     )
-    return worker.update([mini], settings)
+    return worker.update([mini], settings).metrics
 
 
 def check_async_checkpoint(worker, folder: str, args, vocab: int, settings) -> dict:

@@ -88,6 +88,20 @@ def test_bad_rejection_configs(modes, thresholds):
         parse_rs_modes(modes, thresholds)
 
 
+def test_a_k1_range_that_yaml_read_as_a_number_is_explained():
+    """rollout_rs_threshold=0.5_2 on the command line arrives as 0.52 (YAML digit grouping)."""
+    from nemo_dapo.config import load_config
+    from nemo_dapo.errors import ConfigError
+
+    overrides = [
+        "algorithm.rollout_correction.rollout_rs=token_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold",
+    ]
+    with pytest.raises(ConfigError, match=r"'0.52' for token_k1: .*YAML read a number here: quote"):
+        load_config("tiny_cpu", [overrides[0], f"{overrides[1]}=0.5_2"])
+    assert load_config("tiny_cpu", [overrides[0], f"{overrides[1]}=0.5_2.0"])  # two points: a string
+
+
 def test_presets_and_apply():
     assert set(PRESETS) == {
         "decoupled_token_is",

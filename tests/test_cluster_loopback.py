@@ -78,8 +78,8 @@ def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(ray_cluster, tiny_
     assert torch.allclose(old, policy2.compute_log_prob(batch, 1.0)["log_probs"], atol=1e-6)
     batch.add("old_log_probs", old)
     batch.add("advantages", torch.linspace(-1, 1, len(batch))[:, None] * batch["response_mask"])
-    m1 = policy1.update(batch, LossSettings(), prompts_per_mini_batch=4, ppo_epochs=1)
-    m2 = policy2.update(batch, LossSettings(), prompts_per_mini_batch=4, ppo_epochs=1)
+    m1 = policy1.update(batch, LossSettings(), prompts_per_mini_batch=4, ppo_epochs=1).metrics
+    m2 = policy2.update(batch, LossSettings(), prompts_per_mini_batch=4, ppo_epochs=1).metrics
     assert m1["actor/pg_loss"] == pytest.approx(m2["actor/pg_loss"], abs=1e-6)
     assert m1["actor/grad_norm"] == pytest.approx(m2["actor/grad_norm"], rel=1e-5)
     w1 = {name: t for ref in policy1.export_weights(1 << 30) for name, t in ray.get(ref)}

@@ -74,3 +74,58 @@ def test_preset_runs_one_step(name, components, tiny_tokenizer, tmp_path):
         assert "timing_s/old_log_prob" not in metrics  # bypass: old_log_prob := rollout_log_prob, no recompute
     else:
         assert "timing_s/old_log_prob" in metrics
+
+
+def test_old_log_probs_from_the_update_train_the_step_the_old_log_prob_pass_does(
+    components, tiny_tokenizer, tmp_path, monkeypatch
+):
+    """actor.old_log_prob_from_forward (the default) on a real step: one batch trained from one saved
+    state with and without it gives the same old log-probs, metrics of the old policy, loss and
+    gradient norm, while the old_log_prob pass scores only the rows of the later mini-batches."""
+    from nemo_dapo.algo.batch import group_rows
+    from nemo_dapo.trainer.fit import DAPOTrainer
+    from nemo_dapo.trainer.tracking import StageTimer
+
+    policy, rollout, data, reward = components
+    scored_rows = []
+    score = policy.compute_log_prob
+    monkeypatch.setattr(policy, "compute_log_prob", lambda batch, t: scored_rows.append(len(batch)) or score(batch, t))
+    trainers = {
+        flag: DAPOTrainer(
+            resolve_paths(
+                load_config(
+                    "tiny_cpu",
+                    [
+                        f"trainer.output_dir={tmp_path / flag}",
+                        "data.train_batch_size=8",
+                        "data.gen_batch_size=12",
+                        "actor.ppo_mini_batch_size=4",
+                        f"actor.old_log_prob_from_forward={flag}",
+                    ],
+                )
+            ),
+            policy,
+            rollout,
+            tiny_tokenizer,
+            data,
+            None,
+            reward,
+        )
+        for flag in ("true", "false")
+    }
+    batch, _, _ = trainers["true"]._collect_batch(StageTimer())
+    policy.save(str(tmp_path / "start"))
+    runs = {}
+    for flag, trainer in trainers.items():
+        policy.load(str(tmp_path / "start"))
+        trained = batch.select(range(len(batch)))
+        runs[flag] = (trainer.train_on_batch(trained, StageTimer()), trained)
+    first_rows = sum(len(rows) for rows in list(group_rows(batch["uid"]).values())[:4])
+    assert scored_rows == [len(batch) - first_rows, len(batch)]
+    (fused, fused_batch), (passed, passed_batch) = runs["true"], runs["false"]
+    assert (fused_batch["old_log_probs"] - passed_batch["old_log_probs"]).abs().max().item() < 1e-5
+    old_policy = [key for key in passed if key.startswith("rollout_corr/")] + ["actor/entropy_old"]
+    assert len(old_policy) > 3 and all(key in fused for key in old_policy)
+    for key in old_policy + ["actor/pg_loss"]:
+        assert fused[key] == pytest.approx(passed[key], rel=1e-4, abs=1e-6), key
+    assert fused["actor/grad_norm"] == pytest.approx(passed["actor/grad_norm"], rel=1e-4)

@@ -97,6 +97,7 @@ def run_megatron_rank(
     options = {"max_token_len": 40, **options}
     loss = LossSettings(**options.pop("loss", {}))  # the policy loss and its aggregation
     routing_file = options.pop("routing_file", None)  # MoE routing to replay (test_router_replay)
+    from_forward = options.pop("old_from_forward", False)
     worker = megatron_worker(
         rank,
         world_size,
@@ -116,17 +117,19 @@ def run_megatron_rank(
     share = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in whole.items()}
     before = worker.compute_log_prob(share)
     loaded = exported(worker, 1 << 12)  # small buckets: many, streamed one layer at a time
-    full = {**share, "old_log_probs": before["log_probs"]}
-    metrics = worker.update(
-        [MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))], loss
-    )
+    # old_from_forward: the update takes the old log-probs from its forward; zeros here would show if read
+    old = torch.zeros_like(before["log_probs"]) if from_forward else before["log_probs"]
+    full = {**share, "old_log_probs": old}
+    counts = float(batch["response_mask"].sum()), float(len(batch["input_ids"]))
+    result = worker.update([MiniBatch(full, *counts, old_from_forward=from_forward)], loss)
     optimizer_numel = sum(p.numel() for group in worker.optimizer.param_groups for p in group["params"])
     after = worker.compute_log_prob(share)  # the updated weights, as the next step reads them
     torch.save(
         {
             "before": before,
             "after": after,
-            "metrics": metrics,
+            "metrics": result.metrics,
+            "first_forward": result.first_forward,
             "loaded": loaded,
             "weights": exported(worker),
             "dp": (dp_rank, dp_size),
@@ -152,7 +155,7 @@ def torch_reference(model_dir, loss: dict | None = None) -> dict:
     settings = LossSettings(**(loss or {}))
     metrics = worker.update(
         [MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))], settings
-    )
+    ).metrics
     return {"before": before, "metrics": metrics, "weights": exported(worker)}
 
 
@@ -399,6 +402,17 @@ def test_pp2_matches_torch_worker_and_single_rank(tmp_path, tiny_model_dir, refe
     assert_same_update(result, single_rank)
 
 
+def test_pp2_takes_old_log_probs_from_the_update_forward(tmp_path, tiny_model_dir, reference):
+    """A mini-batch marked old_from_forward trains exactly as with the old_log_prob pass's values
+    (the data's old log-probs are zeros: read, they would change the loss), and returns its
+    forward's log-probs and entropy, gathered from the last pipeline stage, equal to that pass's."""
+    result = megatron_result(tmp_path, tiny_model_dir, pp=2, old_from_forward=True)
+    assert_matches_torch(result, reference)
+    for key in ("log_probs", "entropy"):
+        gap = result["first_forward"][key] - reference["before"][key]
+        assert gap.abs().max().item() < 1e-5, key
+
+
 @pytest.fixture(scope="module")
 def four_layers(tmp_path_factory):
     from nemo_dapo.model.tiny_qwen3 import TinyQwen3Spec, build_tiny_qwen3
@@ -528,7 +542,7 @@ def run_overlap_rank(rank: int, world_size: int, rendezvous: str, model_dir: str
         share = {k: v[rank::world_size] for k, v in batch.items()}
         full = add_training_fields(share, worker.compute_log_prob(share)["log_probs"])
         metrics.append(
-            worker.update([MiniBatch(full, float(batch["response_mask"].sum()), float(rows))], LossSettings())
+            worker.update([MiniBatch(full, float(batch["response_mask"].sum()), float(rows))], LossSettings()).metrics
         )
     weights = exported(worker)
     after = worker.compute_log_prob(share)
@@ -571,7 +585,7 @@ def train_step(worker, seed: int) -> dict:
     full = add_training_fields(batch, worker.compute_log_prob(batch)["log_probs"])
     return worker.update(
         [MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))], LossSettings()
-    )
+    ).metrics
 
 
 def run_resume_rank(

@@ -79,7 +79,7 @@ def test_logprobs_match_before_and_after_weight_update(engines, tiny_tokenizer):
     batch.add("advantages", scores[:, None] * batch["response_mask"])
     before = {k: v.clone() for k, v in policy.model.state_dict().items()}
     per_rank = mini_batches_per_rank(batch, prompts_per_mini_batch=2, world_size=1, ppo_epochs=1)
-    metrics = policy.update(per_rank[0], LossSettings())
+    metrics = policy.update(per_rank[0], LossSettings()).metrics
     assert metrics["actor/grad_norm"][0] > 0
     changed = [k for k, v in policy.model.state_dict().items() if not torch.equal(v, before[k])]
     assert changed, "the update changed no weight"

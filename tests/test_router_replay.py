@@ -134,7 +134,7 @@ def run_single_rank_replay(rank, world_size, rendezvous, model_dir, mode, routin
         batch["routed_experts"] = before["routed_experts"]
     router_before = {k: v.clone() for k, v in worker.models[0].state_dict().items() if k.endswith("router.weight")}
     full = {**batch, "old_log_probs": before["log_probs"], "advantages": torch.linspace(-1, 1, 6)[:, None]}
-    metrics = worker.update([MiniBatch(full, float(batch["response_mask"].sum()), 6.0)], LossSettings())
+    metrics = worker.update([MiniBatch(full, float(batch["response_mask"].sum()), 6.0)], LossSettings()).metrics
     router_after = {k: v.clone() for k, v in worker.models[0].state_dict().items() if k.endswith("router.weight")}
     torch.save({"before": before, "metrics": metrics, "seen": seen, "router": (router_before, router_after)}, out_file)
 

@@ -131,9 +131,11 @@ def _parse_rs_mode(name: str, bound: str) -> tuple[str, str, float, float]:
         else:
             low, high = float("-inf"), float(bound)
     except ValueError as err:
+        # YAML reads an unquoted 0.5_2 as the number 0.52 (underscores group digits): say so
+        hint = "; YAML read a number here: quote 'lower_upper' or write both with a point (0.5_2.0)"
         raise ValueError(
             f"rollout_rs threshold {bound!r} for {name}: k1 takes 'lower_upper' "
-            "(a ratio range such as 0.999_1.001), k2/k3 a positive number"
+            "(a ratio range such as 0.999_1.001), k2/k3 a positive number" + (hint if "_" not in bound else "")
         ) from err
     if (stat == "k1" and not 0 < low < high) or (stat != "k1" and high <= 0):
         raise ValueError(f"rollout_rs threshold {bound!r} for {name}: k1 needs 0 < lower < upper, k2/k3 upper > 0")

@@ -18,7 +18,7 @@ from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.cluster.worker_group import WorkerGroup
 from nemo_dapo.errors import RemoteCallError
-from nemo_dapo.policy.base import LossSettings
+from nemo_dapo.policy.base import LossSettings, UpdateResult
 from nemo_dapo.policy.inputs import mini_batches_per_rank, shard, worker_inputs
 from nemo_dapo.policy.routing import ROUTED_EXPERTS
 from nemo_dapo.rollout.base import Generation, SamplingSettings
@@ -67,20 +67,31 @@ class PolicyGroup:
         prompts_per_mini_batch: int,
         ppo_epochs: int,
         correction: CorrectionSettings | None = None,
-    ) -> dict[str, float]:
-        per_replica = mini_batches_per_rank(batch, prompts_per_mini_batch, self.dp_size, ppo_epochs)
+        first_old_from_forward: bool = False,
+    ) -> UpdateResult:
+        """The optimizer steps over ``batch``; ``first_old_from_forward``: the first mini-batch's
+        old log-probs are its own forward's, returned (its rows in order) as ``first_forward``."""
+        per_replica = mini_batches_per_rank(
+            batch, prompts_per_mini_batch, self.dp_size, ppo_epochs, first_old_from_forward
+        )
         results = self.workers.call_each(
             "update", [(mbs, settings, correction) for mbs in self._per_worker(per_replica)]
         )
+        leaders = [results[i] for i in self._leaders]
         # per optimizer step, the replicas' parts combine into one value (a SUM metric: each holds
         # its share of the mini-batch's), then the steps into the logged one
         parts: dict[str, list[list[float]]] = {}
-        for rank_metrics in (results[i] for i in self._leaders):
-            for key, values in rank_metrics.items():
+        for result in leaders:
+            for key, values in result.metrics.items():
                 parts.setdefault(key, []).append(values)
-        return mn.combine_steps(
+        metrics = mn.combine_steps(
             {key: [mn.combine_parts(key, step) for step in zip(*replicas)] for key, replicas in parts.items()}
         )
+        first_forward = None
+        if first_old_from_forward:  # the replicas' shards are contiguous, in data-parallel rank order
+            shards = [cast(dict, result.first_forward) for result in leaders]
+            first_forward = {key: torch.cat([part[key] for part in shards]) for key in shards[0]}
+        return UpdateResult(metrics, first_forward)
 
     def export_weights(self, bucket_bytes: int) -> Iterator:
         """Object refs of the weight buckets in HF order, streamed while the ranks gather them.

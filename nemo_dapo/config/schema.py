@@ -360,6 +360,15 @@ class ActorConfig:
         "the torch backend on CPUs when prompt + response fit 512 tokens, sdpa otherwise. The "
         "megatron backend and the engines use their own kernels.",
     )
+    old_log_prob_from_forward: bool = setting(
+        True,
+        help="Take the first mini-batch's old log-probs from its own training forward (the weights "
+        "have not moved yet: the same numbers) instead of scoring its rows in the old_log_prob pass, "
+        "which then covers the other mini-batches only, and disappears with one mini-batch per step. "
+        "Used only where exact: ppo_epochs=1, no KL in the reward, no IS weights or rejection sampling "
+        "(they need old log-probs before the loss), no MoE routing replay. The old policy's metrics "
+        "(actor/entropy_old, rollout_corr/*) still cover the whole batch.",
+    )
     max_token_len_per_micro_batch: int = setting(
         16384,
         help="Token budget of one forward/backward micro-batch "

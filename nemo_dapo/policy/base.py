@@ -41,11 +41,27 @@ class LossSettings:
 
 @dataclass
 class MiniBatch:
-    """One optimizer step's share of data on one rank, with the mini-batch-wide counts."""
+    """One optimizer step's share of data on one rank, with the mini-batch-wide counts.
+
+    ``old_from_forward``: this mini-batch's old log-probs are the ones its own training forward
+    computes (detached), not ``data["old_log_probs"]``. Exact for the first optimizer step of a
+    batch, whose forward runs on the weights that would have scored it (docs/algorithm.md §8)."""
 
     data: dict[str, torch.Tensor]
     global_token_count: float
     global_seq_count: float
+    old_from_forward: bool = False
+
+
+@dataclass
+class UpdateResult:
+    """What an update returns: its metrics (per optimizer step from a worker, combined from the
+    driver-side group), and for the rows of a mini-batch marked ``old_from_forward`` the
+    ``log_probs`` and ``entropy`` ([rows, R], in the mini-batch's row order) its forward computed:
+    the driver's metrics of the old policy read them as they would the old_log_prob pass's."""
+
+    metrics: dict
+    first_forward: dict[str, torch.Tensor] | None = None
 
 
 def require_trainable(trainable: bool, what: str) -> None:
@@ -76,7 +92,7 @@ class PolicyWorker(Protocol):
 
     def update(
         self, mini_batches: list[MiniBatch], settings: LossSettings, correction: CorrectionSettings | None = None
-    ) -> dict[str, list[float]]:
+    ) -> UpdateResult:
         """One optimizer step per mini-batch (the caller repeats the list for ppo_epochs);
         ``correction``: rollout IS / rejection settings the loss applies."""
         ...

@@ -50,18 +50,35 @@ def shard(data: dict[str, torch.Tensor], world_size: int) -> list[dict[str, torc
     return [{k: v[bounds[r] : bounds[r + 1]] for k, v in data.items()} for r in range(world_size)]
 
 
-def mini_batches_per_rank(
-    batch: RolloutBatch, prompts_per_mini_batch: int, world_size: int, ppo_epochs: int
-) -> list[list[MiniBatch]]:
-    """Each mini-batch = whole prompt groups; counts are mini-batch-wide so any split is exact."""
-    data = worker_inputs(batch)
+def mini_batch_rows(batch: RolloutBatch, prompts_per_mini_batch: int) -> list[torch.Tensor]:
+    """The batch rows of each mini-batch: ``prompts_per_mini_batch`` whole prompt groups, in order."""
     groups = list(group_rows(batch["uid"]).values())
+    return [
+        torch.tensor([row for group in groups[start : start + prompts_per_mini_batch] for row in group])
+        for start in range(0, len(groups), prompts_per_mini_batch)
+    ]
+
+
+def mini_batches_per_rank(
+    batch: RolloutBatch,
+    prompts_per_mini_batch: int,
+    world_size: int,
+    ppo_epochs: int,
+    first_old_from_forward: bool = False,
+) -> list[list[MiniBatch]]:
+    """Each mini-batch = whole prompt groups; counts are mini-batch-wide so any split is exact.
+
+    ``first_old_from_forward``: the first mini-batch takes its old log-probs from its own forward
+    (:class:`MiniBatch`); only the first pass over the batch runs on unchanged weights."""
+    if first_old_from_forward and ppo_epochs != 1:
+        raise ValueError(f"old log-probs from the forward are exact for ppo_epochs=1 only, not {ppo_epochs}")
+    data = worker_inputs(batch)
     per_rank: list[list[MiniBatch]] = [[] for _ in range(world_size)]
-    for start in range(0, len(groups), prompts_per_mini_batch):
-        rows = torch.tensor([r for g in groups[start : start + prompts_per_mini_batch] for r in g])
+    for index, rows in enumerate(mini_batch_rows(batch, prompts_per_mini_batch)):
         part = {k: v[rows] for k, v in data.items()}
         mask = part["response_mask"]
         tokens, seqs = float(mask.sum()), float((mask.sum(dim=1) > 0).sum())
+        from_forward = first_old_from_forward and index == 0
         for rank, rank_part in enumerate(shard(part, world_size)):
-            per_rank[rank].append(MiniBatch(rank_part, tokens, seqs))
+            per_rank[rank].append(MiniBatch(rank_part, tokens, seqs, from_forward))
     return [mbs * ppo_epochs for mbs in per_rank]

@@ -95,6 +95,33 @@ def place_rows(shape: torch.Size, parts: list[tuple[torch.Tensor, torch.Tensor]]
     return out
 
 
+class RowStats:
+    """Per-token log-probs and entropy of a pass over micro-batches, put back in batch row order."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def add(self, rows: torch.Tensor, log_probs: torch.Tensor, entropy: torch.Tensor) -> None:
+        """One micro-batch's values; its first ``len(rows)`` rows are the batch's ``rows`` (the
+        rest, if any, are filler rows)."""
+        count = len(rows)
+        self.parts.append((rows.cpu(), log_probs[:count].detach().cpu(), entropy[:count].detach().cpu()))
+
+    def placed(self, shape: torch.Size) -> dict[str, torch.Tensor]:
+        """``log_probs`` and ``entropy`` as ``shape`` tensors, zero where no micro-batch put a value."""
+        return {
+            "log_probs": place_rows(shape, [(rows, log_probs) for rows, log_probs, _ in self.parts]),
+            "entropy": place_rows(shape, [(rows, entropy) for rows, _, entropy in self.parts]),
+        }
+
+
+def within_responses(values: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """[B, R] ``values`` of ``batch``'s rows, zero outside each row's generated tokens (the response
+    part of its attention mask: the loss mask, ``response_mask`` here, may be narrower)."""
+    mask = batch["attention_mask"][:, -batch["responses"].shape[1] :].float()
+    return {key: value * mask for key, value in values.items()}
+
+
 def uniform_micro_batches(
     batch: dict[str, torch.Tensor], max_tokens: int, multiple: int
 ) -> list[dict[str, torch.Tensor]]:

@@ -22,9 +22,9 @@ from nemo_dapo.algo.logprob import chunk_tokens_for, chunked_token_stats, token_
 from nemo_dapo.config.schema import OptimConfig
 from nemo_dapo.logs import configure_logging
 from nemo_dapo.policy.actor_loss import actor_loss
-from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, require_trainable
+from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, UpdateResult, require_trainable
 from nemo_dapo.policy.lr_schedule import lr_lambda
-from nemo_dapo.policy.microbatch import ROWS, micro_batches, place_rows, prompt_width
+from nemo_dapo.policy.microbatch import ROWS, RowStats, micro_batches, prompt_width, within_responses
 from nemo_dapo.policy.weights import Bucket, bucketize
 from nemo_dapo.threads import use_cpu_threads
 
@@ -118,38 +118,24 @@ class TorchPolicyWorker:
     @torch.no_grad()
     def compute_log_prob(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> dict[str, torch.Tensor]:
         self.model.eval()
-        width = batch["responses"].shape[1]
-        log_prob_parts, entropy_parts = [], []
+        stats = RowStats()
         with self._compute_precision():
             for micro in micro_batches(batch, self.max_token_len):
-                log_probs, entropy = self._forward(micro, temperature)
-                log_prob_parts.append((micro[ROWS], log_probs))
-                entropy_parts.append((micro[ROWS], entropy))
-        mask = batch["response_mask"][:, :width].float()
-        shape = batch["responses"].shape
-        return {
-            "log_probs": place_rows(shape, log_prob_parts) * mask,
-            "entropy": place_rows(shape, entropy_parts) * mask,
-        }
+                stats.add(micro[ROWS], *self._forward(micro, temperature))
+        mask = batch["response_mask"].float()
+        return {key: value * mask for key, value in stats.placed(batch["responses"].shape).items()}
 
     def update(
         self, mini_batches: list[MiniBatch], settings: LossSettings, correction: CorrectionSettings | None = None
-    ) -> dict[str, list[float]]:
+    ) -> UpdateResult:
         require_trainable(self.trainable, "update")
         self.model.train()
         metrics: dict[str, list[float]] = {}
+        first_forward = None
         for mini in mini_batches:
             self.optimizer.zero_grad(set_to_none=True)
-            step_metrics: dict[str, list[float]] = {}
-            with self._compute_precision():
-                for micro in micro_batches(mini.data, self.max_token_len):
-                    log_probs, entropy = self._forward(micro, settings.temperature, settings.entropy_coeff != 0)
-                    loss, micro_metrics = actor_loss(
-                        log_probs, entropy, micro, settings, mini.global_token_count, mini.global_seq_count, correction
-                    )
-                    loss.backward()
-                    for key, value in micro_metrics.items():
-                        step_metrics.setdefault(key, []).append(value)
+            forward = RowStats() if mini.old_from_forward else None
+            step_metrics = self._accumulate_gradients(mini, settings, correction, forward)
             self._all_reduce_gradients()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.clip_grad)
             if torch.isfinite(grad_norm):
@@ -159,10 +145,36 @@ class TorchPolicyWorker:
                 metrics.setdefault(key, []).append(mn.combine_parts(key, values))
             metrics.setdefault(mn.GRAD_NORM.name, []).append(float(grad_norm))
             metrics.setdefault(mn.LR.name, []).append(float(self.scheduler.get_last_lr()[0]))
+            if forward is not None:
+                first_forward = within_responses(forward.placed(mini.data["responses"].shape), mini.data)
         # nothing reads the gradients after the last step: freed now, their memory (the size of the
         # fp32 weights) serves generation, the weight export and a checkpoint's buffers instead
         self.optimizer.zero_grad(set_to_none=True)
-        return metrics
+        return UpdateResult(metrics, first_forward)
+
+    def _accumulate_gradients(
+        self,
+        mini: MiniBatch,
+        settings: LossSettings,
+        correction: CorrectionSettings | None,
+        forward: RowStats | None,
+    ) -> dict[str, list[float]]:
+        """Backward of every micro-batch of ``mini``; with ``forward`` (an ``old_from_forward``
+        mini-batch) the forward's own log-probs are the old ones, and are kept there."""
+        step_metrics: dict[str, list[float]] = {}
+        with self._compute_precision():
+            for micro in micro_batches(mini.data, self.max_token_len):
+                log_probs, entropy = self._forward(micro, settings.temperature, settings.entropy_coeff != 0)
+                if forward is not None:
+                    micro["old_log_probs"] = log_probs.detach()
+                    forward.add(micro[ROWS], log_probs, entropy)
+                loss, micro_metrics = actor_loss(
+                    log_probs, entropy, micro, settings, mini.global_token_count, mini.global_seq_count, correction
+                )
+                loss.backward()
+                for key, value in micro_metrics.items():
+                    step_metrics.setdefault(key, []).append(value)
+        return step_metrics
 
     def _all_reduce_gradients(self) -> None:
         if self.world_size == 1:

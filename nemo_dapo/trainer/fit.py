@@ -38,11 +38,14 @@ from nemo_dapo.trainer.preemption import Preempted, PreemptionSignals, record_pr
 from nemo_dapo.trainer.sinks import SinkContext
 from nemo_dapo.trainer.stages import (
     add_advantages,
+    add_forward_scores,
     add_old_log_prob_extras,
+    add_old_policy_scores,
     add_overlong_filter,
     add_rewards,
-    add_rollout_correction,
     batch_metrics,
+    old_policy_metrics,
+    rows_scored_by_update,
     score_batch,
 )
 from nemo_dapo.trainer.tracking import StageTimer, Tracker
@@ -206,17 +209,17 @@ class DAPOTrainer:
         return metrics
 
     def train_on_batch(self, batch: RolloutBatch, timer: StageTimer) -> dict[str, float]:
-        """old_log_prob -> ref -> advantages -> update_actor: shared by the sync and async loops."""
+        """old_log_prob -> ref -> advantages -> update_actor: shared by the sync and async loops.
+
+        Where exact (:func:`~nemo_dapo.trainer.stages.rows_scored_by_update`), the first
+        mini-batch's old log-probs come from its own training forward: the old_log_prob pass
+        scores the other rows only, and the old policy's metrics wait for the update's values."""
         metrics: dict[str, float] = {}
         bypass = self.correction.bypass_mode
+        from_update = rows_scored_by_update(batch, self.cfg, self.correction)
         if not bypass:
             with timer("old_log_prob"):
-                out = self.policy.compute_log_prob(batch, self.cfg.rollout.temperature)
-            batch.add("old_log_probs", out["log_probs"])
-            metrics.update(add_old_log_prob_extras(batch, out))
-            metrics[mn.ENTROPY_OLD.name] = float(
-                (out["entropy"] * batch["response_mask"]).sum() / batch["response_mask"].sum().clamp(min=1)
-            )
+                metrics.update(self._score_old_policy(batch, from_update))
         if self.ref_policy is not None:
             with timer("ref"):
                 ref = self.ref_policy.compute_log_prob(batch, self.cfg.rollout.temperature)
@@ -224,21 +227,36 @@ class DAPOTrainer:
         with timer("adv"):
             metrics.update(add_rewards(batch, self.cfg, self.kl_controller))
             metrics.update(add_overlong_filter(batch, self.cfg))
-            if not bypass:
-                metrics.update(add_rollout_correction(batch, self.correction))
+            if not bypass and from_update is None:
+                metrics.update(old_policy_metrics(batch, self.correction))
             add_advantages(batch, self.cfg)
         with timer("update_actor"):
-            metrics.update(
-                self.policy.update(
-                    batch,
-                    self.loss_settings,
-                    self.cfg.actor.ppo_mini_batch_size,
-                    self.cfg.actor.ppo_epochs,
-                    self.correction if bypass else None,
-                )
+            result = self.policy.update(
+                batch,
+                self.loss_settings,
+                self.cfg.actor.ppo_mini_batch_size,
+                self.cfg.actor.ppo_epochs,
+                self.correction if bypass else None,
+                first_old_from_forward=from_update is not None,
             )
+        metrics.update(result.metrics)
+        if from_update is not None:
+            add_forward_scores(batch, from_update, result.first_forward)
+            metrics.update(old_policy_metrics(batch, self.correction))
         metrics.update(batch_metrics(batch, self.cfg))
         return metrics
+
+    def _score_old_policy(self, batch: RolloutBatch, skip: torch.Tensor | None) -> dict[str, float]:
+        """The old_log_prob pass over the rows not in ``skip`` (all rows when None)."""
+        temperature = self.cfg.rollout.temperature
+        if skip is None:
+            out = self.policy.compute_log_prob(batch, temperature)
+            add_old_policy_scores(batch, out, None)
+            return add_old_log_prob_extras(batch, out)
+        rest = torch.tensor(sorted(set(range(len(batch))) - set(skip.tolist())), dtype=torch.long)
+        out = self.policy.compute_log_prob(batch.select(rest), temperature) if len(rest) else {}
+        add_old_policy_scores(batch, out, rest)
+        return {}
 
     def _finish_step_metrics(self, batch: RolloutBatch, metrics: dict, timer: StageTimer, step_start: float) -> None:
         response_tokens = int(batch["response_mask"].sum())

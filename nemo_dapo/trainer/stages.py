@@ -14,7 +14,7 @@ from nemo_dapo.algo.correction import CorrectionSettings, apply_rollout_correcti
 from nemo_dapo.algo.kl import apply_kl_in_reward
 from nemo_dapo.algo.metrics import data_metrics
 from nemo_dapo.config.schema import Config
-from nemo_dapo.policy.inputs import loss_mask
+from nemo_dapo.policy.inputs import loss_mask, mini_batch_rows
 from nemo_dapo.policy.routing import ROUTED_EXPERTS, split_routing
 from nemo_dapo.reward.manager import RewardManager
 
@@ -73,6 +73,59 @@ def add_old_log_prob_extras(batch: RolloutBatch, out: dict[str, torch.Tensor]) -
         return {}
     own = mismatch_metrics(out["own_log_probs"], batch["rollout_log_probs"], loss_mask(batch).float())
     return {mn.NO_REPLAY_PREFIX + name.removeprefix("rollout_corr/"): value for name, value in own.items()}
+
+
+def rows_scored_by_update(batch: RolloutBatch, cfg: Config, correction: CorrectionSettings) -> torch.Tensor | None:
+    """The rows whose old log-probs the update's first forward gives (``actor.old_log_prob_from_forward``),
+    or None where that would not be exact.
+
+    The first optimizer step of a batch runs its forward on the weights the old_log_prob pass
+    would use, so the log-probs it computes are the old ones. Nothing may read them earlier: a
+    second epoch, the KL in the reward, IS weights and rejection sampling (applied before the
+    loss), MoE routing replay (r2 records its routing in that pass) all keep the separate pass.
+    """
+    exact = (
+        cfg.actor.old_log_prob_from_forward
+        and cfg.actor.ppo_epochs == 1
+        and not correction.bypass_mode
+        and not cfg.algorithm.use_kl_in_reward
+        and not (correction.rollout_is or correction.rollout_rs)
+        and cfg.actor.megatron.router_replay == "none"
+    )
+    return mini_batch_rows(batch, cfg.actor.ppo_mini_batch_size)[0] if exact else None
+
+
+def add_old_policy_scores(batch: RolloutBatch, scored: dict[str, torch.Tensor], rows: torch.Tensor | None) -> None:
+    """``old_log_probs`` and ``old_entropy`` of the whole batch from ``scored``, the old_log_prob
+    pass over ``rows`` (None: all rows); the other rows stay zero until :func:`add_forward_scores`."""
+    if rows is None:
+        batch.add("old_log_probs", scored["log_probs"])
+        batch.add("old_entropy", scored["entropy"])
+        return
+    for name, key in (("old_log_probs", "log_probs"), ("old_entropy", "entropy")):
+        values = torch.zeros(batch["responses"].shape)
+        if len(rows):
+            values[rows] = scored[key]
+        batch.add(name, values)
+
+
+def add_forward_scores(batch: RolloutBatch, rows: torch.Tensor, forward: dict[str, torch.Tensor] | None) -> None:
+    """The update's first forward (its ``first_forward``) fills in the old log-probs and entropy
+    of its ``rows``."""
+    if forward is None:
+        raise RuntimeError("the policy's update returned no first_forward for rows it was to score")
+    for name, key in (("old_log_probs", "log_probs"), ("old_entropy", "entropy")):
+        values = batch[name].clone()
+        values[rows] = forward[key][:, : values.shape[1]]
+        batch.add(name, values, overwrite=True)  # completes the field the old_log_prob pass began
+
+
+def old_policy_metrics(batch: RolloutBatch, settings: CorrectionSettings) -> dict[str, float]:
+    """The old policy's entropy and its gap to the engines (``rollout_corr/*``), with decoupled
+    correction's weights and rejection (:func:`add_rollout_correction`)."""
+    mask = batch["response_mask"]
+    entropy = float((batch["old_entropy"] * mask).sum() / mask.sum().clamp(min=1))
+    return {mn.ENTROPY_OLD.name: entropy, **add_rollout_correction(batch, settings)}
 
 
 def add_rollout_correction(batch: RolloutBatch, settings: CorrectionSettings) -> dict[str, float]:

@@ -32,7 +32,7 @@ from nemo_dapo.algo.logprob import chunk_tokens_for
 from nemo_dapo.config.schema import MegatronConfig, OptimConfig
 from nemo_dapo.logs import configure_logging
 from nemo_dapo.policy.actor_loss import actor_loss
-from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, require_trainable
+from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, UpdateResult, require_trainable
 from nemo_dapo.policy.lr_schedule import lr_lambda
 from nemo_dapo.policy.megatron import model as mm
 from nemo_dapo.policy.megatron.convert import ModelShape
@@ -40,7 +40,14 @@ from nemo_dapo.policy.megatron.cpu_compat import enable_cpu_compat
 from nemo_dapo.policy.megatron.export import iter_hf_weights
 from nemo_dapo.policy.megatron.router_loss import load_balancing_metric, per_routed_token
 from nemo_dapo.policy.megatron.vocab import DeferredOutputLayer
-from nemo_dapo.policy.microbatch import ROWS, micro_batches, place_rows, prompt_width, uniform_micro_batches
+from nemo_dapo.policy.microbatch import (
+    ROWS,
+    RowStats,
+    micro_batches,
+    prompt_width,
+    uniform_micro_batches,
+    within_responses,
+)
 from nemo_dapo.policy.packing import (
     PACKED_IDS,
     context_parallel_share,
@@ -433,21 +440,20 @@ class MegatronPolicyWorker:
             from nemo_dapo.policy.megatron.router_replay import actions
 
             self.replay.start(getattr(actions(), replay_action) if replay_action else None)
-        log_prob_parts, entropy_parts = [], []
+        stats = RowStats()
 
         def collect(micro, hidden):
-            rows = micro[ROWS].cpu()  # uniform micro-batches end with filler rows: not among ROWS
-            log_probs, entropy = self._response_stats(micro, hidden, temperature)
-            log_prob_parts.append((rows, log_probs[: len(rows)].cpu()))
-            entropy_parts.append((rows, entropy[: len(rows)].cpu()))
+            # uniform micro-batches end with filler rows, which are not among ROWS
+            stats.add(micro[ROWS], *self._response_stats(micro, hidden, temperature))
             return hidden.new_zeros(()), torch.tensor(0, dtype=torch.int), {}
 
         self._run_schedule(micros, collect, forward_only=True)
-        shape = batch["responses"].shape
-        log_probs = self._from_last_stage(place_rows(shape, log_prob_parts))
-        entropy = self._from_last_stage(place_rows(shape, entropy_parts))
         mask = batch["response_mask"].float()
-        return {"log_probs": log_probs * mask, "entropy": entropy * mask}
+        return {key: value * mask for key, value in self._placed_on_every_stage(stats, batch).items()}
+
+    def _placed_on_every_stage(self, stats: RowStats, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``stats`` in ``batch``'s row order, on every pipeline stage (collective)."""
+        return {key: self._from_last_stage(value) for key, value in stats.placed(batch["responses"].shape).items()}
 
     def _recorded_routing(self, batch: dict[str, torch.Tensor], micros: list) -> torch.Tensor:
         """What the recording pass picked, as the batch's [B, P + R, L, K] ``routed_experts``."""
@@ -475,20 +481,26 @@ class MegatronPolicyWorker:
 
     def update(
         self, mini_batches: list[MiniBatch], settings: LossSettings, correction: CorrectionSettings | None = None
-    ) -> dict[str, list[float]]:
+    ) -> UpdateResult:
         require_trainable(self.trainable, "update")
         self._set_mode(train=True)
         metrics: dict[str, list[float]] = {}
+        first_forward = None
         for mini in mini_batches:
-            step_metrics = self._train_step(mini, settings, correction)
+            forward = RowStats() if mini.old_from_forward else None
+            step_metrics = self._train_step(mini, settings, correction, forward)
             for key, values in step_metrics.items():
                 metrics.setdefault(key, []).append(mn.combine_parts(key, values))
-        return metrics
+            if forward is not None:
+                first_forward = within_responses(self._placed_on_every_stage(forward, mini.data), mini.data)
+        return UpdateResult(metrics, first_forward)
 
     def _train_step(
-        self, mini: MiniBatch, settings: LossSettings, correction: CorrectionSettings | None
+        self, mini: MiniBatch, settings: LossSettings, correction: CorrectionSettings | None, forward: RowStats | None
     ) -> dict[str, list[float]]:
-        """One optimizer step: gradients of every micro-batch summed, clipped, AdamW at this step's lr."""
+        """One optimizer step: gradients of every micro-batch summed, clipped, AdamW at this step's lr.
+        With ``forward`` (an ``old_from_forward`` mini-batch) the forward's own log-probs are the
+        old ones, and are kept there (on the last pipeline stage, which computes the loss)."""
         assert self.optimizer is not None, "update() checked trainable"
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
@@ -499,6 +511,9 @@ class MegatronPolicyWorker:
             log_probs, entropy = self._response_stats(
                 micro, hidden, settings.temperature, entropy_grad=settings.entropy_coeff != 0
             )
+            if forward is not None:
+                micro["old_log_probs"] = log_probs.detach()
+                forward.add(micro[ROWS], log_probs, entropy)
             loss, micro_metrics = actor_loss(
                 log_probs, entropy, micro, settings, mini.global_token_count, mini.global_seq_count, correction
             )
