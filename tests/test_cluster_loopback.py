@@ -79,7 +79,13 @@ def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(ray_cluster, tiny_
     batch.add("old_log_probs", old)
     batch.add("advantages", torch.linspace(-1, 1, len(batch))[:, None] * batch["response_mask"])
     m1 = policy1.update(batch, LossSettings(), prompts_per_mini_batch=4, ppo_epochs=1).metrics
-    m2 = policy2.update(batch, LossSettings(), prompts_per_mini_batch=4, ppo_epochs=1).metrics
+    # DP=2 takes the old log-probs from its forward (zeros given: read, they would change the loss);
+    # the replicas' values come back in row order, equal to the old_log_prob pass's
+    fused = batch.select(range(len(batch)))
+    fused.add("old_log_probs", torch.zeros_like(old), overwrite=True)
+    result = policy2.update(fused, LossSettings(), prompts_per_mini_batch=4, ppo_epochs=1, first_old_from_forward=True)
+    assert (result.first_forward["log_probs"] - old).abs().max().item() < 1e-5
+    m2 = result.metrics
     assert m1["actor/pg_loss"] == pytest.approx(m2["actor/pg_loss"], abs=1e-6)
     assert m1["actor/grad_norm"] == pytest.approx(m2["actor/grad_norm"], rel=1e-5)
     w1 = {name: t for ref in policy1.export_weights(1 << 30) for name, t in ray.get(ref)}
