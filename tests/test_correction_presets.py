@@ -76,12 +76,14 @@ def test_preset_runs_one_step(name, components, tiny_tokenizer, tmp_path):
         assert "timing_s/old_log_prob" in metrics
 
 
+@pytest.mark.parametrize("prompts_per_mini_batch", [4, 8])
 def test_old_log_probs_from_the_update_train_the_step_the_old_log_prob_pass_does(
-    components, tiny_tokenizer, tmp_path, monkeypatch
+    components, tiny_tokenizer, tmp_path, monkeypatch, prompts_per_mini_batch
 ):
     """actor.old_log_prob_from_forward (the default) on a real step: one batch trained from one saved
     state with and without it gives the same old log-probs, metrics of the old policy, loss and
-    gradient norm, while the old_log_prob pass scores only the rows of the later mini-batches."""
+    gradient norm, while the old_log_prob pass scores only the rows of the later mini-batches
+    (with one mini-batch, 8 prompts, it does not run)."""
     from nemo_dapo.algo.batch import group_rows
     from nemo_dapo.trainer.fit import DAPOTrainer
     from nemo_dapo.trainer.tracking import StageTimer
@@ -99,7 +101,7 @@ def test_old_log_probs_from_the_update_train_the_step_the_old_log_prob_pass_does
                         f"trainer.output_dir={tmp_path / flag}",
                         "data.train_batch_size=8",
                         "data.gen_batch_size=12",
-                        "actor.ppo_mini_batch_size=4",
+                        f"actor.ppo_mini_batch_size={prompts_per_mini_batch}",
                         f"actor.old_log_prob_from_forward={flag}",
                     ],
                 )
@@ -120,8 +122,8 @@ def test_old_log_probs_from_the_update_train_the_step_the_old_log_prob_pass_does
         policy.load(str(tmp_path / "start"))
         trained = batch.select(range(len(batch)))
         runs[flag] = (trainer.train_on_batch(trained, StageTimer()), trained)
-    first_rows = sum(len(rows) for rows in list(group_rows(batch["uid"]).values())[:4])
-    assert scored_rows == [len(batch) - first_rows, len(batch)]
+    first_rows = sum(len(rows) for rows in list(group_rows(batch["uid"]).values())[:prompts_per_mini_batch])
+    assert scored_rows == [len(batch) - first_rows] * (first_rows < len(batch)) + [len(batch)]
     (fused, fused_batch), (passed, passed_batch) = runs["true"], runs["false"]
     assert (fused_batch["old_log_probs"] - passed_batch["old_log_probs"]).abs().max().item() < 1e-5
     old_policy = [key for key in passed if key.startswith("rollout_corr/")] + ["actor/entropy_old"]
