@@ -95,17 +95,20 @@ def rows_scored_by_update(batch: RolloutBatch, cfg: Config, correction: Correcti
     return mini_batch_rows(batch, cfg.actor.ppo_mini_batch_size)[0] if exact else None
 
 
+# The batch fields of the old policy's scores, and the keys a log-prob pass returns them under.
+OLD_POLICY_FIELDS = {"old_log_probs": "log_probs", "old_entropy": "entropy"}
+
+
 def add_old_policy_scores(batch: RolloutBatch, scored: dict[str, torch.Tensor], rows: torch.Tensor | None) -> None:
     """``old_log_probs`` and ``old_entropy`` of the whole batch from ``scored``, the old_log_prob
     pass over ``rows`` (None: all rows); the other rows stay zero until :func:`add_forward_scores`."""
-    if rows is None:
-        batch.add("old_log_probs", scored["log_probs"])
-        batch.add("old_entropy", scored["entropy"])
-        return
-    for name, key in (("old_log_probs", "log_probs"), ("old_entropy", "entropy")):
-        values = torch.zeros(batch["responses"].shape)
-        if len(rows):
-            values[rows] = scored[key]
+    for name, key in OLD_POLICY_FIELDS.items():
+        if rows is None:
+            values = scored[key]
+        else:
+            values = torch.zeros(batch["responses"].shape)
+            if len(rows):
+                values[rows] = scored[key]
         batch.add(name, values)
 
 
@@ -114,7 +117,7 @@ def add_forward_scores(batch: RolloutBatch, rows: torch.Tensor, forward: dict[st
     of its ``rows``."""
     if forward is None:
         raise RuntimeError("the policy's update returned no first_forward for rows it was to score")
-    for name, key in (("old_log_probs", "log_probs"), ("old_entropy", "entropy")):
+    for name, key in OLD_POLICY_FIELDS.items():
         values = batch[name].clone()
         values[rows] = forward[key][:, : values.shape[1]]
         batch.add(name, values, overwrite=True)  # completes the field the old_log_prob pass began
