@@ -138,6 +138,7 @@ def run_single_process(cfg) -> dict:
         cfg.actor.optim,
         dtype=cfg.model.dtype,
         attn_implementation=cfg.actor.attn_implementation,
+        shared_prompt_forward=cfg.actor.shared_prompt_forward,
         max_token_len=cfg.actor.max_token_len_per_micro_batch,
         seed=cfg.trainer.seed,
         num_threads=cfg.trainer.cpu_threads_per_worker,

@@ -70,3 +70,15 @@ def test_uniform_micro_batches_name_their_real_rows_only():
     assert [row for m in micros for row in m[ROWS].tolist()] == [0, 1, 2]
     for micro in micros:  # filler rows after the real ones contribute no response token
         assert micro["response_mask"][len(micro[ROWS]) :].sum() == 0
+
+
+def test_a_shared_prompt_counts_once_in_the_budget():
+    """Two prompts of 5 tokens, 3 samples each with 2-token answers, 20 tokens per micro-batch: row
+    by row, 7 tokens a row fit 2 rows (3 micro-batches); sharing, each prompt's 3 rows cost
+    5 + 3 x 2 = 11 tokens, so each group forms one micro-batch (both together: 22 > 20)."""
+    batch = batch_of([5] * 6, [2] * 6)
+    batch["input_ids"][:, :6] = torch.tensor([7, 7, 7, 9, 9, 9])[:, None] * batch["attention_mask"][:, :6]
+    assert len(micro_batches(batch, 20)) == 3
+    micros = micro_batches(batch, 20, share_prompts=True)
+    assert [m[ROWS].tolist() for m in micros] == [[0, 1, 2], [3, 4, 5]]
+    assert len(micro_batches(dict(batch, routed_experts=torch.zeros(6, 18, 1, 1)), 20, share_prompts=True)) == 3

@@ -80,7 +80,7 @@ EAGER_MAX_SEQUENCE = 512
 
 def resolve_auto(cfg: Config) -> Config:
     """The settings whose ``auto`` depends on the machine or the run, made concrete."""
-    return resolve_auto_attention(resolve_auto_dtype(cfg))
+    return resolve_auto_prompt_sharing(resolve_auto_attention(resolve_auto_dtype(cfg)))
 
 
 def resolve_auto_attention(cfg: Config) -> Config:
@@ -92,6 +92,13 @@ def resolve_auto_attention(cfg: Config) -> Config:
     cpu_torch = cfg.actor.backend == "torch" and cfg.trainer.n_gpus_per_node == 0
     eager = cpu_torch and sequence <= EAGER_MAX_SEQUENCE
     return replace(cfg, actor=replace(cfg.actor, attn_implementation="eager" if eager else "sdpa"))
+
+
+def resolve_auto_prompt_sharing(cfg: Config) -> Config:
+    """``actor.shared_prompt_forward=null``: on where it is implemented (the torch backend)."""
+    if cfg.actor.shared_prompt_forward is not None:
+        return cfg
+    return replace(cfg, actor=replace(cfg.actor, shared_prompt_forward=cfg.actor.backend == "torch"))
 
 
 def resolve_auto_dtype(cfg: Config) -> Config:

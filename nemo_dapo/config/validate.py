@@ -124,6 +124,12 @@ def _check_actor(cfg: Config, problems: _Problems) -> None:
         "chooses the torch backend's attention; the megatron backend has its own (set it to sdpa)",
     )
     problems.require(
+        not actor.shared_prompt_forward or actor.backend == "torch",
+        "actor.shared_prompt_forward",
+        actor.shared_prompt_forward,
+        "is implemented by the torch backend only; the megatron backend runs every row whole (set it to false or null)",
+    )
+    problems.require(
         actor.max_token_len_per_micro_batch > 0,
         "actor.max_token_len_per_micro_batch",
         actor.max_token_len_per_micro_batch,

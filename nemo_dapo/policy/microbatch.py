@@ -18,11 +18,15 @@ FULL_WIDTH_KEYS = ("input_ids", "attention_mask", "position_ids", "routed_expert
 ROWS = "rows"  # in a micro-batch: the batch rows of its real (non-filler) rows, in order
 
 
-def token_budget_split(widths: list[tuple[int, int]], max_tokens: int) -> list[list[int]]:
+def token_budget_split(
+    widths: list[tuple[int, int]], max_tokens: int, prompt_keys: list[int] | None = None
+) -> list[list[int]]:
     """Consecutive groups of rows (given longest first as ``(prompt, response)`` lengths) whose
     padded size, rows x (longest prompt + longest response), fits ``max_tokens``: the fewest
     groups, and among those the fewest padded tokens. A single row longer than the budget still
-    forms its own group.
+    forms its own group. With ``prompt_keys`` (each row's distinct prompt) a prompt shared by
+    rows of a group counts once, as the shared prompt forward computes it
+    (:mod:`~nemo_dapo.policy.shared_prompt`).
 
     Why not greedy: filling each group in turn makes as few groups, but puts a long row (a
     response that ran to the length limit) with as many short rows as fit and pads them all to
@@ -35,9 +39,11 @@ def token_budget_split(widths: list[tuple[int, int]], max_tokens: int) -> list[l
     cut = [rows] * (rows + 1)  # where the first group of rows i..end ends
     for start in range(rows - 1, -1, -1):
         prompt = response = 0
+        distinct: set[int] = set()
         for end in range(start + 1, rows + 1):
             prompt, response = max(prompt, widths[end - 1][0]), max(response, widths[end - 1][1])
-            size = (end - start) * (prompt + response)
+            distinct.add(end - 1 if prompt_keys is None else prompt_keys[end - 1])
+            size = len(distinct) * prompt + (end - start) * response
             if size > max_tokens and end > start + 1:
                 break  # a longer group only grows
             count, padded = best[end]
@@ -74,15 +80,33 @@ def trim_padding(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, t
     return out
 
 
-def micro_batches(batch: dict[str, torch.Tensor], max_tokens: int) -> list[dict[str, torch.Tensor]]:
+def prompt_groups(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each row's index among the batch's distinct prompts (the same tokens and the same padding)."""
+    width = prompt_width(batch)
+    prompts = torch.cat([batch["input_ids"][:, :width], batch["attention_mask"][:, :width]], dim=1)
+    return torch.unique(prompts, dim=0, return_inverse=True)[1]
+
+
+def shares_prompts(batch: dict[str, torch.Tensor], share: bool) -> bool:
+    """Whether ``batch``'s rows go through the decoder with each distinct prompt once, asked by
+    ``share``: not with MoE routing to replay, where each row follows its own recorded routes,
+    prompt included."""
+    return share and "routed_experts" not in batch
+
+
+def micro_batches(
+    batch: dict[str, torch.Tensor], max_tokens: int, share_prompts: bool = False
+) -> list[dict[str, torch.Tensor]]:
     """Rows longest first, cut by token budget (:func:`token_budget_split`): similar lengths share a
-    micro-batch."""
+    micro-batch. ``share_prompts``: the budget counts each distinct prompt of a micro-batch once."""
     attention = batch["attention_mask"]
     width = prompt_width(batch)
     prompts = attention[:, :width].sum(dim=1).tolist()
     responses = attention[:, width:].sum(dim=1).clamp(min=1).tolist()  # trim_padding keeps one column at least
     order = torch.argsort(attention.sum(dim=1), descending=True, stable=True).tolist()
-    groups = token_budget_split([(prompts[row], responses[row]) for row in order], max_tokens)
+    keys = prompt_groups(batch).tolist() if shares_prompts(batch, share_prompts) else None
+    widths = [(prompts[row], responses[row]) for row in order]
+    groups = token_budget_split(widths, max_tokens, None if keys is None else [keys[row] for row in order])
     return [trim_padding(batch, [order[i] for i in group]) for group in groups]
 
 

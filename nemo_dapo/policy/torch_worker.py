@@ -24,7 +24,8 @@ from nemo_dapo.logs import configure_logging
 from nemo_dapo.policy.actor_loss import actor_loss
 from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, UpdateResult, require_trainable
 from nemo_dapo.policy.lr_schedule import lr_lambda
-from nemo_dapo.policy.microbatch import ROWS, RowStats, micro_batches, prompt_width, within_responses
+from nemo_dapo.policy.microbatch import ROWS, RowStats, micro_batches, within_responses
+from nemo_dapo.policy.shared_prompt import hidden_before_responses
 from nemo_dapo.policy.weights import Bucket, bucketize
 from nemo_dapo.threads import use_cpu_threads
 
@@ -53,10 +54,12 @@ class TorchPolicyWorker:
         workers_per_node: int | None = None,
         logits_chunk_tokens: int | None = None,
         trainable: bool = True,
+        shared_prompt_forward: bool = True,
     ) -> None:
         """``dtype`` is the compute precision: the parameters, their gradients and the optimizer stay
         fp32 (the master copy), matmuls run in ``dtype`` under autocast, and the log-prob and entropy
-        reductions are fp32 whatever ``dtype`` is."""
+        reductions are fp32 whatever ``dtype`` is. ``shared_prompt_forward``: each distinct prompt of
+        a micro-batch through the decoder once (:mod:`~nemo_dapo.policy.shared_prompt`)."""
         from transformers import AutoModelForCausalLM
 
         configure_logging()
@@ -83,6 +86,7 @@ class TorchPolicyWorker:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.optim_cfg, total_steps))
         self.max_token_len = max_token_len
+        self.shared_prompt_forward = shared_prompt_forward
 
     def ready(self) -> bool:
         return True
@@ -100,15 +104,12 @@ class TorchPolicyWorker:
         """Log-probs and entropy of the response tokens (inside :meth:`_compute_precision`); the
         entropy carries gradients only with ``entropy_grad`` (an entropy bonus in the loss).
 
-        The decoder runs once; the output layer only at the response positions, in chunks
+        The decoder runs once (each distinct prompt once, :func:`hidden_before_responses`); the
+        output layer only at the response positions, in chunks
         (:func:`~nemo_dapo.algo.logprob.chunked_token_stats`), so no ``[tokens, vocab]`` logits of
         the whole micro-batch are ever alive."""
-        hidden = self.model.base_model(
-            input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], position_ids=micro["position_ids"]
-        ).last_hidden_state
-        width = prompt_width(micro)
         return chunked_token_stats(
-            hidden[:, width - 1 : -1],
+            hidden_before_responses(self.model.base_model, micro, self.shared_prompt_forward),
             micro["responses"],
             self.model.get_output_embeddings(),
             functools.partial(token_stats, temperature=temperature, entropy_grad=entropy_grad),
@@ -120,7 +121,7 @@ class TorchPolicyWorker:
         self.model.eval()
         stats = RowStats()
         with self._compute_precision():
-            for micro in micro_batches(batch, self.max_token_len):
+            for micro in micro_batches(batch, self.max_token_len, self.shared_prompt_forward):
                 stats.add(micro[ROWS], *self._forward(micro, temperature))
         mask = batch["response_mask"].float()
         return {key: value * mask for key, value in stats.placed(batch["responses"].shape).items()}
@@ -163,7 +164,7 @@ class TorchPolicyWorker:
         mini-batch) the forward's own log-probs are the old ones, and are kept there."""
         step_metrics: dict[str, list[float]] = {}
         with self._compute_precision():
-            for micro in micro_batches(mini.data, self.max_token_len):
+            for micro in micro_batches(mini.data, self.max_token_len, self.shared_prompt_forward):
                 log_probs, entropy = self._forward(micro, settings.temperature, settings.entropy_coeff != 0)
                 if forward is not None:
                     micro["old_log_probs"] = log_probs.detach()

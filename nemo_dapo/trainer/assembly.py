@@ -76,6 +76,7 @@ def _policy_workers(
 
         worker_cls = TorchPolicyWorker
         kwargs["attn_implementation"] = cfg.actor.attn_implementation
+        kwargs["shared_prompt_forward"] = cfg.actor.shared_prompt_forward
     gpus = 1 if cfg.trainer.n_gpus_per_node > 0 else 0
     slots = shared.training_slots(cfg.actor.num_workers) if shared else None
     return WorkerGroup(
