@@ -374,10 +374,10 @@ class ActorConfig:
         help="Run each distinct prompt of a micro-batch through the decoder once, and its samples' "
         "responses on that prompt's keys and values, instead of every row whole: a GRPO group's "
         "rollout.n samples share one prompt. The same log-probs and gradients (float summation order "
-        "aside) for fewer tokens: on the smollm2_cpu preset's batches (8 prompts x 8 samples, "
-        "39-token prompts, answers of ~8 tokens) one update 5.8-7.3 s -> 3.2-3.9 s, one log-prob pass "
-        "1.5-2.1 s -> 0.8-0.9 s. Rows with MoE routing to replay run whole. null: on for the torch "
-        "backend; the megatron backend runs rows whole (true is refused there).",
+        "aside) for fewer tokens: on the smollm2_cpu preset (39-token prompts, answers of ~8 tokens) "
+        "the update 2.2 -> 1.2 s per 1000 trained tokens and the old_log_prob pass -45% "
+        "(bench/step_breakdown.py, docs/benchmarks.md). Rows with MoE routing to replay run whole. "
+        "null: on for the torch backend; the megatron backend runs rows whole (true is refused there).",
     )
     max_token_len_per_micro_batch: int = setting(
         16384,

@@ -40,7 +40,7 @@ def hidden_before_responses(decoder: torch.nn.Module, micro: dict[str, torch.Ten
         return decoder(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state[:, width - 1 : -1]
     first, inverse = groups
     # one embedding lookup for both passes: the backward of each lookup fills a dense
-    # [vocab, hidden] gradient (113 MB at SmolLM2's 49k vocabulary), and two cost as much as a layer
+    # [vocab, hidden] gradient (113 MB at SmolLM2's 49k vocabulary)
     embeds = decoder.get_input_embeddings()(ids)
     prompt = decoder(
         inputs_embeds=embeds[first, :width],
