@@ -2,14 +2,15 @@
 tokens/s and peak memory of the tiny preset (or any preset) on this machine, side by side with
 the same loop in a single process.
 
-    .venv/bin/python bench/step_breakdown.py [--config tiny_cpu] [--steps 30] [--no-baseline] [key=value ...]
+    .venv/bin/python bench/step_breakdown.py [--config tiny_cpu] [--steps 30] [--no-baseline] [--seeds 1,2,3] [key=value ...]
 
 Runs the real trainer for ``--steps`` steps (first 3 dropped as warm-up), samples the memory
 of the whole process tree (driver, Ray, vLLM, policy workers) every 2 s, then the baseline of
 :mod:`_single_process` (HF ``generate`` + the same trainer, loss and optimizer in one process)
 on the same config; prints both and their ratio and writes ``step_breakdown.json``. Memory is
 the proportional set size summed over the tree: resident sizes would count pages the processes
-share (Ray's object store, the mapped model files) once per process.
+share (Ray's object store, the mapped model files) once per process. ``--seeds`` runs both sides
+once per seed and reports the ratio of mean step times.
 """
 
 from __future__ import annotations
@@ -114,26 +115,49 @@ def print_report(name: str, report: dict) -> None:
     )
 
 
-def main() -> None:
-    parser = bench_parser(__doc__)
-    parser.add_argument("--no-baseline", action="store_true", help="skip the single-process loop")
-    args = parser.parse_args()
-    output = Path("outputs/bench_step_breakdown")
-    report = {
-        "config": args.config,
-        "overrides": args.overrides,
-        "ours": measured_run(run_training, args.config, output, args.steps, args.overrides),
-    }
+def side_by_side(config: str, output: Path, steps: int, extra: list[str], baseline: bool) -> dict:
+    """Our run and, unless ``baseline`` is false, the single-process loop on the same config."""
+    report = {"ours": measured_run(run_training, config, output, steps, extra)}
     print_report("nemo-dapo (Ray + vLLM)", report["ours"])
-    if not args.no_baseline:
+    if baseline:
         from _single_process import run_single_process
 
-        report["single_process"] = measured_run(
-            run_single_process, args.config, output / "single_process", args.steps, args.overrides
-        )
+        report["single_process"] = measured_run(run_single_process, config, output / "single_process", steps, extra)
         print_report("single process (HF generate, same loop)", report["single_process"])
         report["step_ratio"] = report["ours"]["step_s"] / report["single_process"]["step_s"]
         print(f"our step / single-process step = {report['step_ratio']:.2f}")
+    return report
+
+
+def over_seeds(runs: dict[int, dict]) -> dict:
+    """The ratio of mean step times over seeds. Each side samples its own trajectory (a rambling
+    sample costs HF ``generate`` the whole batch's decoding), so one seed's ratio moves with it."""
+    ours = statistics.mean(r["ours"]["step_s"] for r in runs.values())
+    single = statistics.mean(r["single_process"]["step_s"] for r in runs.values())
+    return {"ours_step_s_mean": ours, "single_process_step_s_mean": single, "step_ratio_of_means": ours / single}
+
+
+def main() -> None:
+    parser = bench_parser(__doc__)
+    parser.add_argument("--no-baseline", action="store_true", help="skip the single-process loop")
+    parser.add_argument("--seeds", default="", help="comma-separated trainer.seed values, each run on both sides")
+    args = parser.parse_args()
+    output = Path("outputs/bench_step_breakdown")
+    report = {"config": args.config, "overrides": args.overrides}
+    if not args.seeds:
+        report.update(side_by_side(args.config, output, args.steps, args.overrides, not args.no_baseline))
+    else:
+        seeds = [int(seed) for seed in args.seeds.split(",")]
+        runs = {}
+        for seed in seeds:
+            print(f"--- trainer.seed={seed}")
+            extra = [*args.overrides, f"trainer.seed={seed}"]
+            runs[seed] = side_by_side(args.config, output / f"seed_{seed}", args.steps, extra, not args.no_baseline)
+        report["seeds"] = runs
+        if not args.no_baseline:
+            report.update(over_seeds(runs))
+            print(f"over seeds {seeds}: our step / single-process step = {report['step_ratio_of_means']:.2f}")
+    output.mkdir(parents=True, exist_ok=True)
     (output / "step_breakdown.json").write_text(json.dumps(report, indent=1))
 
 
