@@ -16,9 +16,11 @@ once per seed and reports the ratio of mean step times.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import statistics
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -79,8 +81,20 @@ def summarise(metrics_file: Path, skip: int) -> dict:
     }
 
 
-def measured_run(run, config: str, output: Path, steps: int, extra: list[str]) -> dict:
-    """``run(cfg)`` for ``steps`` steps into ``output``, with its timings and peak memory."""
+def measured_run(side: str, config: str, output: Path, steps: int, extra: list[str]) -> dict:
+    """One side (``ours`` or ``single_process``) for ``steps`` steps into ``output``, in a fresh
+    process: a run in this one would inherit the memory and threads a previous run left behind
+    (a run after a single-process run read 4-5 GiB more at its peak)."""
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+        return pool.submit(_measured_here, side, config, output, steps, extra).result()
+
+
+def _measured_here(side: str, config: str, output: Path, steps: int, extra: list[str]) -> dict:
+    if side == "ours":
+        run = run_training
+    else:
+        from _single_process import run_single_process as run
     overrides = [
         f"trainer.total_training_steps={steps}",
         "trainer.test_freq=0",
@@ -117,12 +131,10 @@ def print_report(name: str, report: dict) -> None:
 
 def side_by_side(config: str, output: Path, steps: int, extra: list[str], baseline: bool) -> dict:
     """Our run and, unless ``baseline`` is false, the single-process loop on the same config."""
-    report = {"ours": measured_run(run_training, config, output, steps, extra)}
+    report = {"ours": measured_run("ours", config, output, steps, extra)}
     print_report("nemo-dapo (Ray + vLLM)", report["ours"])
     if baseline:
-        from _single_process import run_single_process
-
-        report["single_process"] = measured_run(run_single_process, config, output / "single_process", steps, extra)
+        report["single_process"] = measured_run("single_process", config, output / "single_process", steps, extra)
         print_report("single process (HF generate, same loop)", report["single_process"])
         report["step_ratio"] = report["ours"]["step_s"] / report["single_process"]["step_s"]
         print(f"our step / single-process step = {report['step_ratio']:.2f}")
