@@ -1,8 +1,8 @@
 """GPU smoke test of the Megatron policy worker: a few DAPO updates of a ~0.5B Qwen2-shaped model.
 
-Ran on one H200 (2026-11-30) with ``--impl local`` in bf16: 40.6k tokens/s per update, 12.2% MFU,
-98 GiB peak (see the README). The TransformerEngine spec and FP8 (``--impl auto`` where TE is
-installed) have NOT run yet: treat their first run's failures as bugs to fix, not as results.
+Ran on one H200 (2026-12-04) with ``--impl local`` in bf16: 47.8k tokens/s per update, 14.3% MFU,
+32.5 GiB peak; packed 35.4k (docs/benchmarks.md). The TransformerEngine spec and FP8 (``--impl
+auto`` where TE is installed) have NOT run yet: treat their first run's failures as bugs to fix.
 
 What it does, on ONE GPU (an H200 is what it is sized for; <= 8 minutes, never in CI):
 
@@ -18,7 +18,9 @@ What it does, on ONE GPU (an H200 is what it is sized for; <= 8 minutes, never i
    loaded, the same update replayed must give the same loss and gradient norm;
 6. checks that packed micro-batches (THD: TransformerEngine's attention, or the local spec's SDPA
    row by row) give the padded ones' log-probs on rows of different lengths; ``--packing`` also
-   trains packed. Packing and the local spec's SDPA attention have not run on a GPU yet.
+   trains packed, ``--varied-lengths`` on responses of random lengths (as real rollouts are);
+7. times where an asynchronous save's blocking call goes (a second call, the HF copy, a
+   synchronous save).
 
 MFU = 6 * N * tokens_per_s / peak, where N counts every parameter (embeddings included, tied
 once) and attention-score FLOPs are left out, so it is the usual "6N" model-FLOPs estimate. The
@@ -28,7 +30,8 @@ compares directly with a BF16 run's. Only the update (forward + backward + optim
 the old-log-prob forward is timed separately (``logprob_s``). Step 0 is warm-up and left out.
 
 Rows are unpadded on purpose: the TransformerEngine spec masks attention causally only (see the
-worker's docstring), and FP8 GEMMs need token counts divisible by 16.
+worker's docstring), and FP8 GEMMs need token counts divisible by 16; ``--varied-lengths`` pads
+on the right only, after every real token, where causal masking hides it.
 
 Exit status: 0 when every step ran and produced finite numbers, non-zero otherwise; 2 when no GPU.
 """
@@ -172,7 +175,33 @@ def check_async_checkpoint(worker, folder: str, args, vocab: int, settings) -> d
     )
     if gap > 1e-2 or worker.steps_done != args.steps + 1:
         die(f"the replayed update after loading differs (grad norm gap {gap:.2e}, steps_done {worker.steps_done})")
-    return {"async_save_call_s": save_call_s, "async_save_wait_s": finish_wait_s, "replay_grad_norm_gap": gap}
+    return {
+        "async_save_call_s": save_call_s,
+        "async_save_wait_s": finish_wait_s,
+        "replay_grad_norm_gap": gap,
+        **time_save_parts(worker, folder),
+    }
+
+
+def time_save_parts(worker, folder: str) -> dict:
+    """Where an asynchronous save's blocking call spends its time: a second async call (one-time
+    set-up gone), the synchronous Hugging Face copy it writes, and a fully synchronous save."""
+    from nemo_dapo.policy.megatron.checkpoint import _save_hf_weights  # the part the call does inline
+
+    parts = {}
+    for name, action in (
+        ("async_save_call_again_s", lambda: worker.save(folder + "_again", asynchronous=True)),
+        ("async_save_finish_again_s", lambda: worker.finish_save(blocking=True)),
+        ("hf_copy_s", lambda: _save_hf_weights(worker, folder + "_hf")),
+        ("sync_save_s", lambda: worker.save(folder + "_sync", asynchronous=False)),
+    ):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        action()
+        torch.cuda.synchronize()
+        parts[name] = time.perf_counter() - t0
+    print("checkpoint parts: " + ", ".join(f"{k} {v:.1f}s" for k, v in parts.items()), flush=True)
+    return parts
 
 
 def varied_lengths(batch: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -221,6 +250,48 @@ def check_cpu_shims_inactive() -> None:
         die("device='cuda' is redirected to the CPU (CudaToCpuMode leaked into a GPU process)")
 
 
+def timed_updates(worker, args, n_params: int, vocab: int, settings) -> list[dict]:
+    """``--steps`` DAPO updates, each after its old-log-prob pass; per-step timings and health.
+
+    With ``--varied-lengths`` the responses are cut to random lengths as real rollouts are, so
+    padded and packed micro-batches compute different numbers of tokens; tokens/s and MFU count
+    the rows' real tokens either way."""
+    results = []
+    for step in range(args.steps):
+        batch = synthetic_batch(args.rows, args.prompt, args.response, vocab, seed=step)
+        if args.varied_lengths:
+            batch = varied_lengths(batch, seed=step)
+        torch.cuda.synchronize()
+        t_lp = time.perf_counter()
+        old = worker.compute_log_prob(batch)
+        torch.cuda.synchronize()
+        t_upd = time.perf_counter()
+        metrics = dapo_update(worker, batch, old, settings)
+        torch.cuda.synchronize()
+        t_end = time.perf_counter()
+        update_s = t_end - t_upd
+        tokens = int(batch["attention_mask"].sum())
+        tokens_s = tokens / update_s
+        row = {
+            "step": step,
+            "tokens": tokens,
+            "logprob_s": t_upd - t_lp,
+            "update_s": update_s,
+            "update_tokens_per_s": tokens_s,
+            "mfu": 6 * n_params * tokens_s / args.peak_flops,
+            "mean_old_log_prob": float(old["log_probs"].sum() / batch["response_mask"].sum()),
+            "pg_loss": metrics["actor/pg_loss"][0],
+            "grad_norm": metrics["actor/grad_norm"][0],
+            "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+        }
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        bad = [k for k in ("mean_old_log_prob", "pg_loss", "grad_norm") if not math.isfinite(row[k])]
+        if bad:
+            die(f"step {step}: non-finite {bad}")
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="DAPO updates; the first is warm-up, not timed")
@@ -232,6 +303,9 @@ def main() -> None:
     parser.add_argument("--impl", choices=["auto", "local", "transformer_engine"], default="auto")
     parser.add_argument("--no-fp8", action="store_true", help="bf16 even with TransformerEngine")
     parser.add_argument("--packing", action="store_true", help="train with sequence packing (THD on TE)")
+    parser.add_argument(
+        "--varied-lengths", action="store_true", help="train on responses cut to random lengths (multiples of 16)"
+    )
     parser.add_argument("--peak-flops", type=float, default=H200_BF16_DENSE_PEAK)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
@@ -294,38 +368,8 @@ def main() -> None:
     check_cpu_shims_inactive()
 
     vocab = QWEN2_05B["vocab_size"]
-    tokens_per_step = args.rows * (args.prompt + args.response)
     settings = LossSettings()  # DAPO clip-higher (0.2 / 0.28), token-mean
-    results = []
-    for step in range(args.steps):
-        batch = synthetic_batch(args.rows, args.prompt, args.response, vocab, seed=step)
-        torch.cuda.synchronize()
-        t_lp = time.perf_counter()
-        old = worker.compute_log_prob(batch)
-        torch.cuda.synchronize()
-        t_upd = time.perf_counter()
-        metrics = dapo_update(worker, batch, old, settings)
-        torch.cuda.synchronize()
-        t_end = time.perf_counter()
-        update_s = t_end - t_upd
-        tokens_s = tokens_per_step / update_s
-        row = {
-            "step": step,
-            "logprob_s": t_upd - t_lp,
-            "update_s": update_s,
-            "update_tokens_per_s": tokens_s,
-            "mfu": 6 * n_params * tokens_s / args.peak_flops,
-            "mean_old_log_prob": float(old["log_probs"].sum() / batch["response_mask"].sum()),
-            "pg_loss": metrics["actor/pg_loss"][0],
-            "grad_norm": metrics["actor/grad_norm"][0],
-            "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-        }
-        results.append(row)
-        print(json.dumps(row), flush=True)
-        bad = [k for k in ("mean_old_log_prob", "pg_loss", "grad_norm") if not math.isfinite(row[k])]
-        if bad:
-            die(f"step {step}: non-finite {bad}")
-
+    results = timed_updates(worker, args, n_params, vocab, settings)
     replay = check_async_checkpoint(worker, os.path.join(work, "checkpoint"), args, vocab, settings)
     padding_gap = check_padding_is_masked(worker, synthetic_batch(args.rows, args.prompt, args.response, vocab, 99))
     packing_gap = check_packing_matches_padding(
@@ -338,15 +382,15 @@ def main() -> None:
     print(f"streamed export of {exported / 2**30:.2f} GiB of HF weights in {export_s:.2f}s", flush=True)
 
     timed = results[1:] or results
-    update_s = sum(r["update_s"] for r in timed) / len(timed)
-    tokens_s = tokens_per_step / update_s
+    tokens_s = sum(r["tokens"] for r in timed) / sum(r["update_s"] for r in timed)
     summary = {
         "device": device_name,
         "layer_spec": impl,
         "fp8": fp8,
         "packing": args.packing,
+        "varied_lengths": args.varied_lengths,
         "n_params": n_params,
-        "tokens_per_step": tokens_per_step,
+        "tokens_per_step": sum(r["tokens"] for r in timed) / len(timed),
         "timed_steps": len(timed),
         "update_tokens_per_s": tokens_s,
         "mfu": 6 * n_params * tokens_s / args.peak_flops,
