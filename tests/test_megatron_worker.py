@@ -578,11 +578,16 @@ def test_overlapped_gradient_reduce_and_parameter_gather_give_the_same_updates(t
 
 
 def train_step(worker, seed: int) -> dict:
-    """One update on batch ``seed`` with the worker's own current log-probs as the old ones."""
+    """One update on batch ``seed`` (each DP replica its share of the rows) with the worker's own
+    current log-probs as the old ones."""
     from nemo_dapo.policy.base import LossSettings, MiniBatch
 
     batch = make_batch(seed)
-    full = add_training_fields(batch, worker.compute_log_prob(batch)["log_probs"])
+    dp_rank, dp_size = worker.data_parallel_layout()
+    rows = len(batch["input_ids"]) // dp_size
+    whole = add_training_fields(batch, torch.zeros_like(batch["responses"], dtype=torch.float))
+    full = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in whole.items()}
+    full["old_log_probs"] = worker.compute_log_prob(full)["log_probs"]
     return worker.update(
         [MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))], LossSettings()
     ).metrics
@@ -636,18 +641,27 @@ def resume_run(tmp_path, model_dir, world_size: int, layout: dict, resume: bool,
     return {**ranks[0], "weights": {k: t for r in ranks for k, t in r["weights"].items()}}
 
 
+FULLY_RESHARDABLE = {"optimizer_checkpoint": "fully_reshardable"}
+
+
 @pytest.mark.parametrize(
     "model, layout, asynchronous",
     [
-        ("tiny_model_dir", {"tensor_model_parallel_size": 2}, False),
-        ("tiny_model_dir", {"tensor_model_parallel_size": 2}, True),
-        ("four_layers", {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, False),
+        ("tiny_model_dir", {"tensor_model_parallel_size": 2, **FULLY_RESHARDABLE}, False),
+        ("tiny_model_dir", {"tensor_model_parallel_size": 2, **FULLY_RESHARDABLE}, True),
+        (
+            "four_layers",
+            {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2, **FULLY_RESHARDABLE},
+            False,
+        ),
+        ("tiny_model_dir", {}, True),
         ("tiny_model_dir", {"context_parallel_size": 2, "sequence_packing": True}, False),
     ],
 )
 def test_save_at_two_ranks_load_at_one_continues_like_uninterrupted_run(tmp_path, request, model, layout, asynchronous):
-    """Saved at TP=2 (in the background, too), at PP=2 with interleaved chunks, or at CP=2 (the
-    distributed optimizer sharded over DP x CP); loaded on one rank (resharded)."""
+    """Saved at TP=2 (in the background, too) or at PP=2 with interleaved chunks with the optimizer
+    fully reshardable; at DP=2 or at CP=2 (the distributed optimizer sharded over DP x CP) with
+    each rank's optimizer shard as it is (the default); loaded on one rank (resharded)."""
     model_dir = request.getfixturevalue(model)
     straight = resume_run(tmp_path, model_dir, 2, layout, resume=False, asynchronous=asynchronous)
     resumed = resume_run(tmp_path, model_dir, 1, {}, resume=True)
@@ -660,6 +674,17 @@ def test_save_at_two_ranks_load_at_one_continues_like_uninterrupted_run(tmp_path
     # a wrong Adam step count after resume changes the bias correction: whole-step differences (~lr)
     assert max(d.max().item() for d in diffs) < 0.1 * LR
     assert sum(d.sum().item() for d in diffs) / sum(d.numel() for d in diffs) < 1e-3 * LR
+
+
+def test_dp_reshardable_checkpoint_refuses_another_tp_and_names_the_fix(tmp_path, tiny_model_dir):
+    """The default optimizer format loads only at its TP / PP: a load at another fails at once with
+    the setting to use, not deep inside megatron-core (and the same DP-sharded state writes less)."""
+    resume_run(tmp_path, tiny_model_dir, 2, {"tensor_model_parallel_size": 2}, resume=False)
+    with pytest.raises(Exception) as failure:
+        resume_run(tmp_path, tiny_model_dir, 1, {}, resume=True)
+    message = str(failure.value)
+    assert "CheckpointLayoutError" in message and "actor.megatron.tensor_model_parallel_size 2 -> 1" in message
+    assert "actor.megatron.optimizer_checkpoint=fully_reshardable" in message
 
 
 def run_save_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, checkpoint: str) -> None:

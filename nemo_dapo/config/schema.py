@@ -262,6 +262,16 @@ class MegatronConfig:
         help="Layer implementation: local (CPU or GPU), transformer_engine (GPU; FP8 and sequence_parallel need it).",
     )
     use_distributed_optimizer: bool = setting(True, help="Shard fp32 master weights and Adam moments over DP (ZeRO-1).")
+    optimizer_checkpoint: str = setting(
+        "dp_reshardable",
+        choices=("dp_reshardable", "fully_reshardable"),
+        help="How checkpoints store the distributed optimizer. dp_reshardable: every rank writes its own "
+        "shard, nothing is gathered; resumes at any DP (and CP) size, at the saved TP, PP, virtual stages, "
+        "EP, ddp_bucket_size and overlap_grad_reduce. fully_reshardable: gathered per parameter on the first "
+        "rank of each DP group; resumes at any layout, but the gather holds training up at every save "
+        "(one H200, 411M parameters: an async save's call 7.8 s against 2.2 s; docs/benchmarks.md). "
+        "The weights load at any layout either way.",
+    )
     overlap_grad_reduce: bool = setting(
         False, help="Start each bucket's gradient reduce-scatter inside the last backward."
     )

@@ -1,10 +1,14 @@
 """Save / load a Megatron policy worker with ``dist_checkpointing`` (torch_dist format).
 
-The model and the distributed optimizer are saved as sharded tensors in a layout-independent
-form (optimizer sharding type ``fully_reshardable``), so a checkpoint written at one TP / PP /
-DP layout loads at another. The step counter goes into the common state; RNG states are per
-rank, beside the checkpoint (absent ranks keep theirs, as in the torch worker). A gathered
-Hugging Face copy of the weights (``model/``) is written too, as by the torch worker.
+The model is saved as sharded tensors in a layout-independent form, so its weights load at any
+TP / PP / DP layout. The distributed optimizer is saved as ``actor.megatron.optimizer_checkpoint``
+says: ``dp_reshardable`` (each rank's own shard; loads at another DP size only) or
+``fully_reshardable`` (gathered per parameter; loads at any layout, at the cost of that gather at
+every save). The format and the layout it depends on go into the checkpoint's content metadata,
+so a load reads the format from the checkpoint and refuses, with the fix, a layout it cannot
+take. The step counter goes into the common state; RNG states are per rank, beside the
+checkpoint (absent ranks keep theirs, as in the torch worker). A gathered Hugging Face copy of
+the weights (``model/``) is written too, as by the torch worker.
 
 Asynchronous saves write the sharded state from a forked process (megatron-core's async
 ``dist_checkpointing``): the fork holds the state as it was when the save began, training goes
@@ -21,25 +25,65 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nemo_dapo.errors import InputError
 from nemo_dapo.policy.megatron.cpu_compat import (
     init_fallback_adam_state,
     skip_step_when_restoring_adam_state,
     unshare_adam_steps,
 )
 
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+FORMAT_KEY = "distrib_optim_sharding_type"  # megatron-core's name for the optimizer's format
+# What a dp_reshardable optimizer shard's bucket layout depends on, besides the DP size
+BUCKET_LAYOUT = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "ddp_bucket_size",
+    "overlap_grad_reduce",
+)
 
 
-def _sharded_state(worker, is_loading: bool) -> dict:
+class CheckpointLayoutError(InputError, ValueError):
+    """A checkpoint whose optimizer state this worker's layout cannot load."""
+
+
+def _sharded_state(worker, is_loading: bool, optimizer_format: str) -> dict:
     """Model chunks (tensor keys use model-wide layer indices, so any PP / virtual-stage layout
     loads any other), the optimizer over all of them, and the step counter."""
     chunk_states = {f"model{i}": model.sharded_state_dict() for i, model in enumerate(worker.models)}
     model_state = chunk_states["model0"] if len(chunk_states) == 1 else chunk_states
     init_fallback_adam_state(worker.optimizer)  # a load template, or a save before the first step
     optimizer_state = worker.optimizer.sharded_state_dict(
-        model_state, is_loading=is_loading, metadata=OPTIMIZER_METADATA
+        model_state, is_loading=is_loading, metadata={FORMAT_KEY: optimizer_format}
     )
     return {"model": model_state, "optimizer": optimizer_state, "steps_done": worker.steps_done}
+
+
+def _content_metadata(worker) -> dict:
+    return {
+        FORMAT_KEY: worker.layout.optimizer_checkpoint,
+        "layout": {name: getattr(worker.layout, name) for name in BUCKET_LAYOUT},
+    }
+
+
+def _loadable_format(worker, metadata: dict | None, path: str) -> str:
+    """The optimizer format of the checkpoint at ``path``; raises when this layout cannot load it.
+
+    Checkpoints written before the format was recorded are ``fully_reshardable``."""
+    if not metadata:
+        return "fully_reshardable"
+    saved, here = metadata["layout"], _content_metadata(worker)["layout"]
+    differ = {name: (saved[name], here[name]) for name in BUCKET_LAYOUT if saved[name] != here[name]}
+    if metadata[FORMAT_KEY] == "dp_reshardable" and differ:
+        changes = ", ".join(f"actor.megatron.{name} {old} -> {new}" for name, (old, new) in differ.items())
+        raise CheckpointLayoutError(
+            f"{path}: its optimizer state was saved with actor.megatron.optimizer_checkpoint=dp_reshardable, "
+            f"which loads only at the layout it was saved at, and this run changes {changes}. Resume at the "
+            "saved layout (the DP size may differ); to change the layout, resume there once with "
+            "actor.megatron.optimizer_checkpoint=fully_reshardable, save, then load that checkpoint."
+        )
+    return metadata[FORMAT_KEY]
 
 
 def save_checkpoint(worker, path: str, asynchronous: bool = False) -> None:
@@ -52,7 +96,10 @@ def save_checkpoint(worker, path: str, asynchronous: bool = False) -> None:
     dist.barrier()
     worker.gather_params()
     request = dist_checkpointing.save(
-        _sharded_state(worker, is_loading=False), weights_dir, async_sharded_save=asynchronous
+        _sharded_state(worker, is_loading=False, optimizer_format=worker.layout.optimizer_checkpoint),
+        weights_dir,
+        async_sharded_save=asynchronous,
+        content_metadata=_content_metadata(worker),
     )
     if asynchronous:
         worker.async_saves.schedule_async_request(request)
@@ -108,12 +155,19 @@ def finish_async_saves(worker, blocking: bool) -> bool:
 def load_checkpoint(worker, path: str) -> None:
     from megatron.core import dist_checkpointing
 
-    loaded = dist_checkpointing.load(_sharded_state(worker, is_loading=True), os.path.join(path, "megatron"))
+    weights_dir = os.path.join(path, "megatron")
+    optimizer_format = _loadable_format(worker, dist_checkpointing.load_content_metadata(weights_dir), path)
+    loaded = dist_checkpointing.load(
+        _sharded_state(worker, is_loading=True, optimizer_format=optimizer_format), weights_dir
+    )
     model_state = loaded["model"]
     for i, model in enumerate(worker.models):
         model.load_state_dict(model_state if len(worker.models) == 1 else model_state[f"model{i}"])
     skip_step_when_restoring_adam_state()
-    worker.optimizer.load_state_dict(loaded["optimizer"])
+    # megatron-core 0.16 restores a dp_reshardable state with grad mode on; with fp32 weights the
+    # main parameters are views of the weights, and copying into them then fails
+    with torch.no_grad():
+        worker.optimizer.load_state_dict(loaded["optimizer"])
     unshare_adam_steps(worker.optimizer)
     worker.steps_done = int(loaded["steps_done"])
     rng_file = os.path.join(path, f"rng_rank{worker.rank}.pt")
