@@ -656,15 +656,18 @@ FULLY_RESHARDABLE = {"optimizer_checkpoint": "fully_reshardable"}
         ),
         ("tiny_model_dir", {}, True),
         ("tiny_model_dir", {"context_parallel_size": 2, "sequence_packing": True}, False),
+        ("tiny_model_dir", {"tensor_model_parallel_size": 2, "use_distributed_optimizer": False}, False),
     ],
 )
 def test_save_at_two_ranks_load_at_one_continues_like_uninterrupted_run(tmp_path, request, model, layout, asynchronous):
     """Saved at TP=2 (in the background, too) or at PP=2 with interleaved chunks with the optimizer
     fully reshardable; at DP=2 or at CP=2 (the distributed optimizer sharded over DP x CP) with
-    each rank's optimizer shard as it is (the default); loaded on one rank (resharded)."""
+    each rank's optimizer shard as it is (the default); with the plain optimizer at TP=2, whose
+    state is per parameter whatever the format; loaded on one rank (resharded)."""
     model_dir = request.getfixturevalue(model)
     straight = resume_run(tmp_path, model_dir, 2, layout, resume=False, asynchronous=asynchronous)
-    resumed = resume_run(tmp_path, model_dir, 1, {}, resume=True)
+    same_optimizer = {k: v for k, v in layout.items() if k == "use_distributed_optimizer"}
+    resumed = resume_run(tmp_path, model_dir, 1, same_optimizer, resume=True)
     assert straight["steps_done"] == resumed["steps_done"] == 2
     assert resumed["metrics"]["actor/lr"] == pytest.approx(straight["metrics"]["actor/lr"])
     assert resumed["metrics"]["actor/grad_norm"][0] == pytest.approx(

@@ -61,9 +61,11 @@ def _sharded_state(worker, is_loading: bool, optimizer_format: str) -> dict:
 
 
 def _content_metadata(worker) -> dict:
+    """The optimizer's format (a plain optimizer's state is per parameter: it reshards freely)."""
+    layout = worker.layout
     return {
-        FORMAT_KEY: worker.layout.optimizer_checkpoint,
-        "layout": {name: getattr(worker.layout, name) for name in BUCKET_LAYOUT},
+        FORMAT_KEY: layout.optimizer_checkpoint if layout.use_distributed_optimizer else "fully_reshardable",
+        "layout": {name: getattr(layout, name) for name in BUCKET_LAYOUT},
     }
 
 
