@@ -185,14 +185,15 @@ def check_async_checkpoint(worker, folder: str, args, vocab: int, settings) -> d
 
 def time_save_parts(worker, folder: str) -> dict:
     """Where an asynchronous save's blocking call spends its time: a second async call (one-time
-    set-up gone), the synchronous Hugging Face copy it writes, and a fully synchronous save."""
-    from nemo_dapo.policy.megatron.checkpoint import _save_hf_weights  # the part the call does inline
+    set-up gone), the Hugging Face copy alone (an async save writes it from a thread; timed here
+    inline), and a fully synchronous save."""
+    from nemo_dapo.policy.megatron.checkpoint import _save_hf_weights
 
     parts = {}
     for name, action in (
         ("async_save_call_again_s", lambda: worker.save(folder + "_again", asynchronous=True)),
         ("async_save_finish_again_s", lambda: worker.finish_save(blocking=True)),
-        ("hf_copy_s", lambda: _save_hf_weights(worker, folder + "_hf")),
+        ("hf_copy_s", lambda: _save_hf_weights(worker, folder + "_hf", asynchronous=False)),
         ("sync_save_s", lambda: worker.save(folder + "_sync", asynchronous=False)),
     ):
         torch.cuda.synchronize()

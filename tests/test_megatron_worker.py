@@ -6,6 +6,7 @@ the CPU compatibility patches never touch the pytest process.
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -605,20 +606,30 @@ def run_resume_rank(
     asynchronous: bool,
 ) -> None:
     """Uninterrupted (save after step 1, then step 2) or resumed (load, then step 2) run; an
-    asynchronous save is still being written while step 2 changes the weights."""
+    asynchronous save is still being written while step 2 changes the weights, and its HF copy
+    holds the weights of the save's start."""
+    from safetensors.torch import load_file
+
     torch.set_num_threads(1)
     worker = megatron_worker(rank, world_size, rendezvous, model_dir, max_token_len=40, **layout)
+    saved: dict = {}  # the weights this rank exports at the save, if any
     if resume:
         worker.load(checkpoint)
     else:
         train_step(worker, seed=0)
+        saved = exported(worker)
         worker.save(checkpoint, asynchronous=asynchronous)
         # the global metadata is written when the background writes are finalised
         assert os.path.exists(os.path.join(checkpoint, "megatron", ".metadata")) != asynchronous
     metrics = train_step(worker, seed=1)
     assert worker.finish_save(blocking=True)
+    weights = exported(worker)  # collective: every rank takes part
+    if saved:
+        written = {k: t for f in Path(checkpoint, "model").glob("*.safetensors") for k, t in load_file(f).items()}
+        assert all(torch.equal(written[name], tensor) for name, tensor in saved.items())
+        assert not all(torch.equal(written[name], tensor) for name, tensor in weights.items())
     torch.save(
-        {"metrics": metrics, "weights": exported(worker), "steps_done": worker.steps_done},
+        {"metrics": metrics, "weights": weights, "steps_done": worker.steps_done},
         os.path.join(out_dir, f"{'resumed' if resume else 'straight'}{rank}.pt"),
     )
 

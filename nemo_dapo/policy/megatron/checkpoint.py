@@ -11,8 +11,9 @@ checkpoint (absent ranks keep theirs, as in the torch worker). A gathered Huggin
 the weights (``model/``) is written too, as by the torch worker.
 
 Asynchronous saves write the sharded state from a forked process (megatron-core's async
-``dist_checkpointing``): the fork holds the state as it was when the save began, training goes
-on, and the checkpoint is complete once :func:`finish_async_saves` reports every rank done.
+``dist_checkpointing``) and the Hugging Face copy from a thread, off a host copy of the weights:
+both hold the state as it was when the save began, training goes on, and the checkpoint is
+complete once :func:`finish_async_saves` reports every rank done.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -46,6 +48,30 @@ BUCKET_LAYOUT = (
 
 class CheckpointLayoutError(InputError, ValueError):
     """A checkpoint whose optimizer state this worker's layout cannot load."""
+
+
+class BackgroundWrites:
+    """Files written by one thread while training goes on; :meth:`finish` raises a write's error."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hf-copy")
+        self._pending: list[Future] = []
+
+    def submit(self, write, *args) -> None:
+        self._pending.append(self._pool.submit(write, *args))
+
+    def finish(self, blocking: bool) -> bool:
+        """Whether every write is done (waiting for them when ``blocking``)."""
+        if blocking:
+            wait(self._pending)
+        finished: list[Future] = []
+        pending: list[Future] = []
+        for future in self._pending:  # one look at each: a write ending now is in one list, not both
+            (finished if future.done() else pending).append(future)
+        self._pending = pending
+        for future in finished:
+            future.result()
+        return not pending
 
 
 def _sharded_state(worker, is_loading: bool, optimizer_format: str) -> dict:
@@ -106,21 +132,23 @@ def save_checkpoint(worker, path: str, asynchronous: bool = False) -> None:
     if asynchronous:
         worker.async_saves.schedule_async_request(request)
     torch.save(worker.rng_state(), os.path.join(path, f"rng_rank{worker.rank}.pt"))
-    _save_hf_weights(worker, os.path.join(path, "model"))
+    _save_hf_weights(worker, os.path.join(path, "model"), asynchronous)
     dist.barrier()
 
 
-def _save_hf_weights(worker, folder: str) -> None:
+def _save_hf_weights(worker, folder: str, asynchronous: bool) -> None:
     """A Hugging Face copy of the weights beside the sharded state, for export and serving (collective).
 
     Each pipeline stage's exporting rank writes its own safetensors shard (never the whole model on
-    one rank); rank 0 writes the index, as ``save_pretrained`` does for a sharded model.
+    one rank); rank 0 writes the index, as ``save_pretrained`` does for a sharded model. The
+    weights are copied to host memory first (no second copy of a stage on its GPU; a tied lm_head
+    gets storage of its own, which safetensors needs), so an asynchronous save writes the shard
+    from a thread while the next update changes the weights.
     """
     from safetensors.torch import save_file
 
-    # clone: a tied lm_head shares the embedding's storage, which safetensors refuses
     weights = {
-        name: tensor.detach().contiguous().clone()
+        name: tensor.detach().to("cpu", copy=True).contiguous()
         for bucket in worker.export_weights(1 << 62)
         for name, tensor in bucket
     }
@@ -134,7 +162,9 @@ def _save_hf_weights(worker, folder: str) -> None:
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     os.makedirs(folder, exist_ok=True)
-    if weights:
+    if weights and asynchronous:
+        worker.background_writes.submit(save_file, weights, os.path.join(folder, files[exporters.index(worker.rank)]))
+    elif weights:
         save_file(weights, os.path.join(folder, files[exporters.index(worker.rank)]))
     if worker.rank == 0:
         worker.hf_config.save_pretrained(folder)
@@ -148,10 +178,12 @@ def _save_hf_weights(worker, folder: str) -> None:
 
 
 def finish_async_saves(worker, blocking: bool) -> bool:
-    """Collective: whether every rank's background writes are done (then finalised: metadata
-    written, errors raised on all ranks); ``blocking`` waits for them."""
+    """Collective: whether this rank's background writes are done (the sharded state's finalised:
+    metadata written, errors raised on all ranks; the HF copy's errors raised here); ``blocking``
+    waits for them."""
     worker.async_saves.maybe_finalize_async_calls(blocking=blocking)
-    return worker.async_saves.get_num_unfinalized_calls() == 0
+    hf_copy_done = worker.background_writes.finish(blocking)
+    return worker.async_saves.get_num_unfinalized_calls() == 0 and hf_copy_done
 
 
 def load_checkpoint(worker, path: str) -> None:

@@ -584,6 +584,13 @@ class MegatronPolicyWorker:
 
         return AsyncCallsQueue()
 
+    @functools.cached_property
+    def background_writes(self):
+        """The thread writing the HF copy of an asynchronous checkpoint."""
+        from nemo_dapo.policy.megatron.checkpoint import BackgroundWrites
+
+        return BackgroundWrites()
+
     def finish_save(self, blocking: bool = True) -> bool:
         from nemo_dapo.policy.megatron.checkpoint import finish_async_saves
 
