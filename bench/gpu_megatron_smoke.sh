@@ -6,7 +6,8 @@
 #
 # One GPU (sized for one H200), at most 8 minutes (SMOKE_TIMEOUT_S seconds), never in CI. Prints
 # per-step tokens/s, MFU (6N estimate against the H200's 989 TFLOP/s dense BF16 peak) and peak GPU
-# memory; fails loudly when no GPU is visible. Extra arguments go to the Python script (e.g. --no-fp8, --steps 3).
+# memory; fails loudly when no GPU is visible. Extra arguments go to the Python script (e.g.
+# --no-fp8, --steps 3).
 # Results land in ${OUT:-.}/gpu_megatron_smoke.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."

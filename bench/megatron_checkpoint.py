@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gpu_megatron_smoke import dapo_update, synthetic_batch
 from weight_sync import build_model
 
 FORMATS = ("fully_reshardable", "dp_reshardable")
@@ -40,22 +41,11 @@ def _timed(action) -> float:
 
 
 def one_step(worker) -> None:
-    """One update on random rows, so the optimizer holds real Adam moments."""
-    from nemo_dapo.policy.base import LossSettings, MiniBatch
+    """One update on random rows (the GPU smoke's), so the optimizer holds real Adam moments."""
+    from nemo_dapo.policy.base import LossSettings
 
-    rows, width, response = 4, 64, 32
-    ids = torch.randint(0, 400, (rows, width), generator=torch.Generator().manual_seed(worker.rank))
-    batch = {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "position_ids": torch.arange(width).expand(rows, -1).clone(),
-        "responses": ids[:, -response:],
-        "response_mask": torch.ones(rows, response, dtype=torch.long),
-    }
-    batch["old_log_probs"] = worker.compute_log_prob(batch)["log_probs"]
-    batch["advantages"] = torch.linspace(-1, 1, rows)[:, None] * batch["response_mask"]
-    total_rows = rows * worker.data_parallel_layout()[1]
-    worker.update([MiniBatch(batch, float(total_rows * response), float(total_rows))], LossSettings())
+    batch = synthetic_batch(rows=4, prompt=32, response=32, vocab=400, seed=worker.rank)
+    dapo_update(worker, batch, worker.compute_log_prob(batch), LossSettings())
 
 
 def _remove_on_rank0(rank: int, path: str) -> None:

@@ -162,10 +162,12 @@ def _save_hf_weights(worker, folder: str, asynchronous: bool) -> None:
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     os.makedirs(folder, exist_ok=True)
-    if weights and asynchronous:
-        worker.background_writes.submit(save_file, weights, os.path.join(folder, files[exporters.index(worker.rank)]))
-    elif weights:
-        save_file(weights, os.path.join(folder, files[exporters.index(worker.rank)]))
+    if weights:
+        shard = os.path.join(folder, files[exporters.index(worker.rank)])
+        if asynchronous:
+            worker.background_writes.submit(save_file, weights, shard)
+        else:
+            save_file(weights, shard)
     if worker.rank == 0:
         worker.hf_config.save_pretrained(folder)
         if len(shards) > 1:
