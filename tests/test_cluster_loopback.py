@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from nemo_dapo.config.schema import OptimConfig
+from nemo_dapo.digest import digest_files
 from nemo_dapo.policy.base import LossSettings
 from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.trainer.batching import build_rollout_batch
@@ -37,16 +38,22 @@ def policy_group(model_dir, dp):
     )
 
 
-def rollout_group(model_dir):
+def rollout_group(model_dir, tp=1):
     from nemo_dapo.cluster.groups import RolloutGroup
     from nemo_dapo.cluster.worker_group import WorkerGroup
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
-    return RolloutGroup(
-        WorkerGroup(
-            VLLMRolloutWorker, 1, name="rollout", worker_kwargs={"model_path": str(model_dir), "max_model_len": 128}
+    kwargs = {"model_path": str(model_dir), "max_model_len": 128, "tensor_parallel_size": tp}
+    return RolloutGroup(WorkerGroup(VLLMRolloutWorker, 1, name=f"rollout_tp{tp}", worker_kwargs=kwargs))
+
+
+def chat_prompts(tokenizer, questions):
+    return [
+        tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
         )
-    )
+        for q in questions
+    ]
 
 
 def test_placement_that_cannot_fit_fails_clearly(ray_cluster, tiny_model_dir):
@@ -57,21 +64,13 @@ def test_placement_that_cannot_fit_fails_clearly(ray_cluster, tiny_model_dir):
         WorkerGroup(TorchPolicyWorker, 9, name="too_big", placement_timeout_s=3, worker_kwargs={})
 
 
-def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(ray_cluster, tiny_model_dir, tiny_tokenizer):
+def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(ray_cluster, tiny_model_dir, tiny_tokenizer, tmp_path):
     import ray
 
     rollout = rollout_group(tiny_model_dir)
     policy1 = policy_group(tiny_model_dir, dp=1)
     policy2 = policy_group(tiny_model_dir, dp=2)
-    questions = ["12+3", "45-7", "99+9", "3-8"]
-    ids = [
-        tiny_tokenizer.encode(
-            tiny_tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
-            )
-        )
-        for q in questions
-    ]
+    ids = chat_prompts(tiny_tokenizer, ["12+3", "45-7", "99+9", "3-8"])
     generations = rollout.generate(ids, SamplingSettings(n=4, max_tokens=12))
     batch = build_rollout_batch(ids, generations, {}, "g", tiny_tokenizer.pad_token_id, 0)
     old = policy1.compute_log_prob(batch, 1.0)["log_probs"]
@@ -100,7 +99,43 @@ def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(ray_cluster, tiny_
     )
     gap = (fresh["rollout_log_probs"] - policy2.compute_log_prob(fresh, 1.0)["log_probs"]) * fresh["response_mask"]
     assert gap.abs().max().item() < 1e-4
+    # a checkpoint's digests, computed by the two ranks, each over its share: those of this process
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for name, size in {"a.bin": 3 << 20, "b.bin": 2 << 20, "c.bin": 1 << 20, "empty": 0}.items():
+        (folder / name).write_bytes(torch.randint(0, 256, (size,), dtype=torch.uint8).numpy().tobytes())
+    names = ["a.bin", "b.bin", "c.bin", "empty"]
+    assert policy2.digest_files(folder, names) == digest_files(folder, names)
     listeners = our_listeners()
     assert len(listeners) >= 3  # Ray's GCS, raylet, workers... the check sees real sockets
     assert [who for ip, who in listeners if not is_loopback(ip)] == []
     assert is_loopback("::ffff:127.0.0.1") and not is_loopback("0.0.0.0") and not is_loopback("::")
+
+
+def test_a_tp2_engine_takes_the_streamed_weights(ray_cluster, tiny_model_dir, tiny_tokenizer):
+    """A TP=2 engine runs its ranks in processes of their own, so every bucket of a weight sync
+    crosses vLLM's executor (as bytes): after the sync it samples from the updated policy, each
+    token's log-prob the policy's own."""
+    rollout = rollout_group(tiny_model_dir, tp=2)
+    policy = policy_group(tiny_model_dir, dp=1)
+    ids = chat_prompts(tiny_tokenizer, ["12+3", "45-7"])
+
+    def gap() -> float:
+        fresh = build_rollout_batch(
+            ids, rollout.generate(ids, SamplingSettings(n=4, max_tokens=12)), {}, "g", tiny_tokenizer.pad_token_id, 0
+        )
+        diff = fresh["rollout_log_probs"] - policy.compute_log_prob(fresh, 1.0)["log_probs"]
+        return (diff * fresh["response_mask"]).abs().max().item()
+
+    assert gap() < 1e-4
+    batch = build_rollout_batch(
+        ids, rollout.generate(ids, SamplingSettings(n=4, max_tokens=12)), {}, "g", tiny_tokenizer.pad_token_id, 0
+    )
+    batch.add("old_log_probs", policy.compute_log_prob(batch, 1.0)["log_probs"])
+    batch.add("advantages", torch.linspace(-1, 1, len(batch))[:, None] * batch["response_mask"])
+    policy.update(batch, LossSettings(), prompts_per_mini_batch=2, ppo_epochs=1)
+    assert gap() > 1e-3  # the engine still samples from the weights before the update
+    rollout.update_weights(policy.export_weights(1 << 14), version=1)
+    assert gap() < 1e-4
+    rollout.workers.shutdown()
+    policy.workers.shutdown()

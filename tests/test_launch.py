@@ -156,7 +156,11 @@ def test_the_batch_script_requeues_preemptions_and_a_few_crashes_never_an_invali
             "TORCHX_MAX_RETRIES": "20",
         }
         ended = subprocess.run(
-            ["bash", "-c", f"{policy}\nexitcode={code}\n{requeue}"], env=env, capture_output=True, text=True
+            ["bash", "-c", f"source slurm/requeue_policy.sh\n{policy}\nexitcode={code}\n{requeue}"],
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd=REPO,
         )
         assert ended.returncode == code, ended.stderr
         return (log.read_text() if log.exists() else "") != before

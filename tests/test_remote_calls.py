@@ -2,7 +2,6 @@
 once, both naming the group, the call, the ranks and where their logs are. Its own Ray cluster:
 the groups of other modules must not hold the CPUs these workers are placed on."""
 
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,17 +15,18 @@ def ray_cluster():
     shutdown_ray()
 
 
-def test_a_silent_or_dead_worker_fails_the_call_naming_group_call_and_rank(ray_cluster):
+def test_a_silent_or_dead_worker_fails_the_call_naming_group_call_and_rank(ray_cluster, tmp_path):
     from nemo_dapo.cluster.worker_group import WorkerGroup
     from nemo_dapo.errors import RemoteCallError
     from tests.flaky_worker import Napper
 
     def stores() -> set[Path]:
-        return set(Path(tempfile.gettempdir()).glob("nemo_dapo_stuck_*"))
+        return set(tmp_path.glob("nemo_dapo_*.store"))
 
     before = stores()
     stuck, crashed = (
-        WorkerGroup(Napper, 2, name=name, num_cpus_per_worker=0.5, call_timeout_s=3) for name in ("stuck", "crashed")
+        WorkerGroup(Napper, 2, name=name, num_cpus_per_worker=0.5, call_timeout_s=3, rendezvous_dir=str(tmp_path))
+        for name in ("stuck", "crashed")
     )
     try:
         assert stuck.call_all("nap", 0.1) == [0, 1] and stores() > before
@@ -41,5 +41,5 @@ def test_a_silent_or_dead_worker_fails_the_call_naming_group_call_and_rank(ray_c
     finally:
         stuck.shutdown()
         crashed.shutdown()
-    # the groups' rendezvous folders go with them
+    # the groups' rendezvous files (in the folder every rank sees) go with them
     assert stores() == before

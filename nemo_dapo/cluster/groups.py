@@ -7,8 +7,9 @@ actors on a laptop CPU or 128 GPU processes on a Slurm cluster.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -17,6 +18,7 @@ from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.cluster.worker_group import WorkerGroup
+from nemo_dapo.digest import digest_files, shares_by_size
 from nemo_dapo.errors import RemoteCallError
 from nemo_dapo.policy.base import LossSettings, UpdateResult
 from nemo_dapo.policy.inputs import mini_batches_per_rank, shard, worker_inputs
@@ -118,6 +120,13 @@ class PolicyGroup:
 
     def load(self, path: str) -> None:
         self.workers.call_all("load", path)
+
+    def digest_files(self, folder: Path, names: Sequence[str]) -> dict[str, str]:
+        """A checkpoint's file digests, computed by the ranks in parallel on their own nodes, each
+        over a share of about equal bytes (every rank sees the output folder)."""
+        shares = shares_by_size(folder, names, self.world_size)
+        found = self.workers.run_each(digest_files, [(str(folder), share) for share in shares])
+        return {name: digest for part in found for name, digest in part.items()}
 
 
 @dataclass

@@ -72,11 +72,12 @@ def reserve(bundles: list[dict], strategy: str, name: str, timeout_s: float, uni
 
 
 def own_slots(
-    name: str, num_workers: int, num_cpus: float, num_gpus: float, timeout_s: float
+    name: str, num_workers: int, num_cpus: float, num_gpus: float, timeout_s: float, strategy: str = "PACK"
 ) -> tuple[Any, list[Slot]]:
-    """A group's own placement group (the separate layout): one whole bundle per worker, PACKed."""
+    """A group's own placement group (the separate layout): one whole bundle per worker, placed by
+    ``strategy`` (``trainer.placement_strategy``: PACK fills a node first, SPREAD one per node)."""
     bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
-    group = reserve([bundle] * num_workers, "PACK", name, timeout_s)
+    group = reserve([bundle] * num_workers, strategy, name, timeout_s)
     return group, [Slot(group, rank, num_cpus, num_gpus) for rank in range(num_workers)]
 
 

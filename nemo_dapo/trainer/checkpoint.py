@@ -1,21 +1,24 @@
 """Atomic, verifiable checkpoints with retention and ``resume: auto | disable | <path>``.
 
-A checkpoint is written into a temporary folder, sealed with a manifest (size and sha256 of
+A checkpoint is written into a temporary folder, sealed with a manifest (size and digest of
 every file), then renamed into place; the ``latest`` pointer is replaced last. A crash at any
 instant therefore leaves the previous complete checkpoint loadable, and a damaged one is
-detected by its manifest rather than by a confusing error deep inside a loader.
+detected by its manifest rather than by a confusing error deep inside a loader. The digests are
+computed by a :data:`Hasher`: the trainer's spreads the files over the training ranks
+(:mod:`nemo_dapo.digest`), the default hashes them here.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from nemo_dapo.digest import ALGORITHM, digest_files, legacy_sha256
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -32,12 +35,8 @@ class CheckpointWriteError(CheckpointError):
     gone and the previous checkpoint is still ``latest``; the message names the path and the cause."""
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+# (folder, file names relative to it) -> {name: digest}
+Hasher = Callable[[Path, Sequence[str]], dict[str, str]]
 
 
 def _fsync_tree(root: Path) -> None:
@@ -47,38 +46,46 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(handle.fileno())
 
 
-def write_manifest(folder: Path) -> None:
-    files = {
-        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
-    }
-    (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+def write_manifest(folder: Path, hasher: Hasher = digest_files) -> None:
+    names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    digests = hasher(folder, names)
+    files = {name: {"bytes": (folder / name).stat().st_size, "digest": digests[name]} for name in names}
+    (folder / MANIFEST).write_text(json.dumps({"algorithm": ALGORITHM, "files": files}, indent=1))
 
 
-def verify(folder: str | Path) -> Path:
-    """Raise :class:`CheckpointError` unless every file of the manifest is present and intact."""
+def verify(folder: str | Path, hasher: Hasher = digest_files) -> Path:
+    """Raise :class:`CheckpointError` unless every file of the manifest is present and intact: sizes
+    first (cheap), then the digests, all files in one ``hasher`` call."""
     folder = Path(folder)
     manifest = folder / MANIFEST
     if not manifest.is_file():
         raise CheckpointError(f"{folder}: no {MANIFEST}; the checkpoint was never completed (crash during save?)")
     try:
-        files = json.loads(manifest.read_text())["files"]
+        record = json.loads(manifest.read_text())
+        files = record["files"]
     except (ValueError, KeyError) as err:
         raise CheckpointError(f"{manifest}: unreadable manifest ({err})") from None
     for name, expected in files.items():
         path = folder / name
         if not path.is_file():
             raise CheckpointError(f"{folder}: file {name} listed in the manifest is missing")
-        if path.stat().st_size != expected["bytes"] or _sha256(path) != expected["sha256"]:
-            raise CheckpointError(f"{folder}: file {name} is damaged (size or checksum differs from the manifest)")
+        if path.stat().st_size != expected["bytes"]:
+            raise CheckpointError(f"{folder}: file {name} is damaged (its size differs from the manifest)")
+    if record.get("algorithm", "sha256") == ALGORITHM:
+        found = hasher(folder, list(files))
+    else:  # a manifest of sha256 digests, written before BLAKE3
+        found = {name: legacy_sha256(folder / name) for name in files}
+    for name, expected in files.items():
+        if found[name] != expected.get("digest", expected.get("sha256")):
+            raise CheckpointError(f"{folder}: file {name} is damaged (its checksum differs from the manifest)")
     return folder
 
 
 class CheckpointManager:
-    def __init__(self, root: str | Path, keep_last: int = 2) -> None:
+    def __init__(self, root: str | Path, keep_last: int = 2, hasher: Hasher = digest_files) -> None:
         self.root = Path(root)
         self.keep_last = keep_last
+        self.hasher = hasher
 
     def step_folders(self) -> list[tuple[int, Path]]:
         """Completed-by-name checkpoint folders, newest first."""
@@ -109,7 +116,7 @@ class CheckpointManager:
         ``latest`` at it and prune the oldest."""
         final = self.root / f"global_step_{staging.name.removeprefix(STAGING_PREFIX)}"
         try:
-            write_manifest(staging)
+            write_manifest(staging, self.hasher)
             _fsync_tree(staging)
         except OSError as err:  # a background write may only fail here, when its files are sealed
             self._abandon(staging, err)
@@ -152,10 +159,10 @@ class CheckpointManager:
         if resume == "disable":
             return None
         if resume != "auto":
-            return verify(resume)
+            return verify(resume, self.hasher)
         for step, path in self.step_folders():
             try:
-                return verify(path)
+                return verify(path, self.hasher)
             except CheckpointError as err:
                 log.warning("skipping checkpoint of step %d: %s", step, err)
         return None

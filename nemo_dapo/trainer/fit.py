@@ -107,7 +107,9 @@ class DAPOTrainer:
                 cfg.trainer.mlflow_tracking_uri,
             ),
         )
-        self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", cfg.checkpoint.keep_last)
+        self.checkpoints = CheckpointManager(
+            self.output_dir / "checkpoints", cfg.checkpoint.keep_last, hasher=policy.digest_files
+        )
         self.pending_checkpoint: Path | None = None  # staged, its sharded state still being written
         filtering = cfg.algorithm.filter_groups
         self.sampler = ResumableBatchSampler(

@@ -1,6 +1,7 @@
 """Build a Megatron-core GPTModel from a Hugging Face folder, and move weights in and out.
 
-Process groups: gloo over a FileStore (no listener) when there is no GPU, NCCL otherwise.
+Process groups: gloo when there is no GPU, NCCL otherwise, both over a FileStore on a folder every
+rank sees, each rank on its node's address (:mod:`nemo_dapo.network`).
 Weights enter as HF tensors (converted, pipeline-sliced, expert-sliced and TP-sharded per rank
 by :mod:`nemo_dapo.policy.megatron.convert`) and leave the same way: :func:`gather_param`
 gathers one parameter over TP (experts over expert TP and EP) for the streaming exporter.
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_dapo.config.schema import MegatronConfig
+from nemo_dapo.network import use_node_network
 from nemo_dapo.policy.megatron import convert as convert
 from nemo_dapo.policy.megatron.cpu_compat import define_router_gemm_without_te
 
@@ -60,12 +62,12 @@ def num_chunks() -> int:
 
 
 def init_distributed(rank: int, world_size: int, rendezvous: str, parallel: Parallelism, seed: int) -> None:
-    """Default group (loopback only) + Megatron's TP/PP/DP/EP groups + the model-parallel RNG."""
+    """Default group (over the FileStore at ``rendezvous``, on this node's address: loopback
+    locally) + Megatron's TP/PP/DP/EP groups + the model-parallel RNG."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    use_node_network()
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":

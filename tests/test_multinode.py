@@ -1,0 +1,322 @@
+"""The production shape on one machine: a Slurm cluster whose nodes are network namespaces.
+
+``tests/slurm/setup_netns_slurm.sh`` makes three nodes (n1..n3: their own address on a private
+bridge, hostname, /tmp and /dev/shm; the repository and the test's folders shared as a cluster
+filesystem) and a controller (ctl), with a real slurmctld, one slurmd per node and munge. Jobs of
+``slurm/dapo_tiny_cpu.sbatch --nodes=2`` then run as on a cluster: Ray's head on the first node, a
+worker raylet on the second, token authentication on, Megatron ranks on both nodes (gloo over
+their addresses), a vLLM engine with tensor_parallel_size=2, weight syncs across nodes. A node
+dies (every process of its namespace SIGKILLed) and the run survives; Slurm requeues a job whose
+node is gone; every process of a job gets SIGTERM (grace-time preemption); NeMo-Run submits
+through its local tunnel. Each job's steps are checked against an uninterrupted run's prompts.
+"""
+
+import ipaddress
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_dapo.cluster.ray_env import LOOPBACK_ENV, WORKER_ENV
+from tests.slurm_jobs import REPO, Job, ensure_packages, newest_checkpoint, resumed_step, submit
+from tests.test_train_e2e import SMALL, expected_rounds, last_per_step, records
+
+pytestmark = pytest.mark.slow
+SETUP = REPO / "tests" / "slurm" / "setup_netns_slurm.sh"
+STATE = Path(os.environ.get("NETNS_SLURM_DIR", "/var/tmp/nemo-dapo-netns"))
+NODES = {"n1": "10.77.0.2", "n2": "10.77.0.3", "n3": "10.77.0.4"}
+CLI = [sys.executable, "-m", "nemo_dapo.cli"]
+# the tiny preset, Megatron at DP=2 one rank per node, a TP=2 engine; no validation in between
+TWO_NODES = [
+    "trainer.placement_strategy=SPREAD",
+    "actor.backend=megatron",
+    "actor.num_workers=2",
+    "rollout.tensor_parallel_size=2",
+    "trainer.cpu_threads_per_worker=1",
+    "trainer.test_freq=0",
+]
+
+
+class Cluster:
+    """The namespace cluster: client commands run on its controller node, ctl."""
+
+    def __init__(self, work: Path, env: dict) -> None:
+        self.work, self.env = work, env
+        self.prefix = ("bash", str(SETUP), "exec", "ctl")
+
+    def on(self, node: str, *command: str, check: bool = True, timeout: float = 120) -> str:
+        done = subprocess.run(
+            ["bash", str(SETUP), "exec", node, *command],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            cwd=REPO,
+            timeout=timeout,
+        )
+        assert done.returncode == 0 or not check, f"{node}: {command}: {done.stderr[-2000:]}"
+        return done.stdout
+
+    def setup(self, *command: str) -> None:
+        done = subprocess.run(["bash", str(SETUP), *command], capture_output=True, text=True, env=self.env, timeout=180)
+        assert done.returncode == 0, f"{command}: {done.stderr[-2000:]}{daemon_logs()}"
+
+    def submit(self, name: str, overrides: list[str], nodes: int = 2, **env: str) -> Job:
+        folder = self.work / name
+        folder.mkdir(parents=True, exist_ok=True)
+        job_env = {**self.env, "CKPT_DIR": str(folder / "ckpt"), "LOG_DIR": str(folder / "logs"), **env}
+        return submit(
+            job_env,
+            folder / "job.out",
+            "slurm/dapo_tiny_cpu.sbatch",
+            overrides,
+            sbatch_args=[f"--nodes={nodes}"],
+            prefix=self.prefix,
+        )
+
+    def node_state(self, node: str) -> str:
+        return self.on("ctl", "sinfo", "--noheader", f"--nodes={node}", "--format=%t").strip()
+
+
+def daemon_logs() -> str:
+    return "".join(f"\n--- {p}\n{p.read_text()[-1500:]}" for p in sorted((STATE / "log").glob("*.log")))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces and slurmd need root")
+    ensure_packages("slurmctld", "slurmd", "munged", "sbatch")
+    work = tmp_path_factory.mktemp("multinode")
+    shared = ":".join(str(p) for p in (REPO, work) if str(p).startswith("/tmp/"))
+    # what a job inherits: the interpreter on PATH, nothing of this process's loopback-only network setup
+    base = {k: v for k, v in os.environ.items() if k not in LOOPBACK_ENV or k in WORKER_ENV}
+    env = {
+        **base,
+        "NETNS_NODES": str(len(NODES)),
+        "NETNS_SHARED_PATHS": shared,
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+        "PYTHON": sys.executable,
+        # a lost node is noticed by Ray within seconds (its default waits ~30 s)
+        "RAY_health_check_period_ms": "1000",
+        "RAY_health_check_failure_threshold": "3",
+    }
+    state = Cluster(work, env)
+    subprocess.run(["bash", str(SETUP), "stop"], capture_output=True, timeout=120)  # leftovers of a killed run
+    state.setup("start")
+    yield state
+    subprocess.run(["bash", str(SETUP), "stop"], capture_output=True, timeout=120)
+
+
+def metric(path: Path, step: int, name: str) -> float:
+    return next(row[name] for row in records(path) if row["step"] == step and name in row)
+
+
+def wait_for_line(job: Job, pattern: str, timeout: float = 240) -> re.Match:
+    job.wait_for(repr(pattern), lambda: re.search(pattern, job.log()), timeout=timeout)
+    return re.search(pattern, job.log())
+
+
+def listeners(cluster: Cluster, node: str) -> list[tuple[str, str]]:
+    """(address, process) of every listening TCP socket on ``node``."""
+    found = []
+    for line in cluster.on(node, "ss", "-Hltnp").splitlines():
+        fields = line.split()
+        address = fields[3].rsplit(":", 1)[0].strip("[]")
+        found.append((address, fields[-1] if len(fields) > 5 else "?"))
+    return found
+
+
+def own_addresses(cluster: Cluster, node: str) -> set[str]:
+    return {line.split()[3].split("/")[0] for line in cluster.on(node, "ip", "-o", "addr").splitlines()}
+
+
+def check_the_network_rule(cluster: Cluster, node: str) -> None:
+    """Every listener on the node's own address or loopback (a wildcard listener is reachable only
+    at the namespace's addresses: loopback, the node's address and its link-local one), and no
+    route beyond the private subnet."""
+    own = own_addresses(cluster, node)
+    assert {a for a in own if not ipaddress.ip_address(a).is_loopback and not a.startswith("fe80:")} == {NODES[node]}
+    routes = cluster.on(node, "ip", "-o", "route").splitlines()
+    assert routes == [f"10.77.0.0/24 dev eth0 proto kernel scope link src {NODES[node]} "], routes
+    wildcard = {"0.0.0.0", "*", "::"}
+    for address, who in listeners(cluster, node):
+        plain = address.removeprefix("::ffff:")
+        assert plain in wildcard or plain == NODES[node] or ipaddress.ip_address(plain).is_loopback, (address, who)
+
+
+def check_ray_refuses_a_stranger(cluster: Cluster) -> None:
+    """Ray across the nodes has token authentication: a client without the job's token is refused."""
+    probe = (
+        "import ray, sys\n"
+        "try:\n"
+        "    ray.init(address='10.77.0.2:6379', logging_level='ERROR', log_to_driver=False)\n"
+        "except Exception as err:\n"
+        "    print('refused:', type(err).__name__); sys.exit(0)\n"
+        "print('admitted'); sys.exit(1)\n"
+    )
+    env = ["env", "RAY_AUTH_MODE=token", "RAY_AUTH_TOKEN=" + "0" * 64, sys.executable, "-c", probe]
+    assert "refused" in cluster.on("ctl", "timeout", "60", *env)
+
+
+@pytest.mark.timeout(900)
+def test_dapo_spans_two_nodes_and_learns_like_one(cluster, tmp_path):
+    """Megatron DP=2 with one rank per node and a TP=2 engine: the first step's loss equals the same
+    run's on one node, held-out accuracy rises, and the network rule holds on every node."""
+    steps = 20
+    job = cluster.submit("dp2", [*TWO_NODES, f"trainer.total_training_steps={steps}", "trainer.save_freq=0"])
+    try:
+        placed = wait_for_line(job, r"actor: 2 worker\(s\) on 2 node\(s\)")
+        assert set(re.findall(r"10\.77\.0\.\d", job.log()[placed.start() : placed.end() + 60])) == {
+            NODES["n1"],
+            NODES["n2"],
+        }
+        wait_for_line(job, r"nemo_dapo: step 2: ")
+        for node in ("n1", "n2"):
+            check_the_network_rule(cluster, node)
+        check_ray_refuses_a_stranger(cluster)
+        job.wait_for("completion", lambda: job.field("JobState") == "COMPLETED", timeout=600)
+    finally:
+        job.run("scancel", job.id)
+    out = cluster.work / "dp2" / "ckpt"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["final_val_acc"] > summary["initial_val_acc"] + 0.03, summary
+    # the same layout on one node (a local Ray on loopback): the same first step, bit for bit
+    local = tmp_path / "one_node"
+    done = subprocess.run(
+        [*CLI, "train", f"trainer.output_dir={local}", *TWO_NODES, "trainer.total_training_steps=1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm"):
+        assert metric(out / "metrics.jsonl", 1, name) == metric(local / "metrics.jsonl", 1, name), name
+
+
+def run_section(log: str, restart: int) -> str:
+    """What the batch script printed in one run of the job (restart 0, 1, ...)."""
+    return log.split("dapo: restart ")[restart + 1]
+
+
+def placed_on(log: str, restart: int) -> set[str]:
+    """The nodes the actor's ranks ran on in that run."""
+    found = re.search(r"actor: \d+ worker\(s\) on \d+ node\(s\): (.*)", run_section(log, restart))
+    assert found, run_section(log, restart)[-3000:]
+    return {name for name, address in NODES.items() if address in found.group(1)}
+
+
+@pytest.mark.timeout(1500)
+def test_a_job_survives_a_stop_signal_dead_nodes_an_outside_requeue_and_sigterm(cluster):
+    """Megatron PP=2 with a stage per node. One job lives through: USR1 (checkpoint, exit 3,
+    requeue); its second node SIGKILLed (a crash: requeued, resumed on the third node); the node
+    it moved to killed and the job requeued from outside while that node is gone; SIGTERM to
+    every process (preemption with grace time: requeued before Ray is stopped, resumed from the
+    newest periodic checkpoint). It completes with every step trained once, no prompt lost or repeated."""
+    total = 16
+    overrides = [
+        *TWO_NODES,
+        "actor.num_workers=2",
+        "actor.megatron.pipeline_model_parallel_size=2",
+        f"trainer.total_training_steps={total}",
+        "trainer.save_freq=2",
+        "checkpoint.keep_last=3",
+        *SMALL,
+    ]
+    job = cluster.submit("survivor", overrides)
+    ckpt = cluster.work / "survivor" / "ckpt"
+
+    def after_new_checkpoint(restart: int) -> int:
+        """Wait until this run resumed and saved a checkpoint of its own; return its step."""
+        job.wait_for(f"resume #{restart}", lambda: len(re.findall("resumed from", job.log())) >= restart)
+        resumed = resumed_step(job.log(), restart)
+        job.wait_for("a new checkpoint", lambda: newest_checkpoint(ckpt) >= resumed + 2, timeout=240)
+        assert job.field("JobState") == "RUNNING", "the run finished before the next incident"
+        return resumed
+
+    def node_lost(node: str, restarts: int) -> None:
+        """Release the requeued job once Slurm knows the node is down (else it may place it there)."""
+        job.wait_for(f"{node} down", lambda: "down" in cluster.node_state(node), timeout=120)
+        job.release_requeued(restarts)
+
+    try:
+        # 1. USR1 to the batch shell (the time-limit warning): checkpoint, exit 3, requeue
+        job.wait_for("first checkpoint", lambda: newest_checkpoint(ckpt) >= 2, timeout=300)
+        assert placed_on(job.log(), 0) == {"n1", "n2"}
+        job.run("scancel", "--batch", "--signal=USR1", job.id)
+        job.release_requeued(restarts=1)
+        stop = json.loads((ckpt / "preemptions.jsonl").read_text().splitlines()[0])
+        assert stop["signal"] == "SIGUSR1"
+        # 2. the second node dies: the trainer fails (exit 1), the job requeues itself once
+        after_new_checkpoint(1)
+        cluster.setup("kill-node", "n2")
+        node_lost("n2", restarts=2)
+        job.wait_for("the run on n1 + n3", lambda: len(job.log().split("dapo: restart ")) > 3)
+        cluster.setup("start-node", "n2")  # the node comes back, for the next incident
+        # 3. the node the job moved to dies and the job is requeued from outside while it is gone
+        after_new_checkpoint(2)
+        assert placed_on(job.log(), 2) == {"n1", "n3"}
+        cluster.setup("kill-node", "n3")
+        job.run("scontrol", "requeue", job.id)
+        node_lost("n3", restarts=3)
+        # 4. SIGTERM to every process of the job, batch shell and Ray included
+        after_new_checkpoint(3)
+        job.run("scancel", "--full", "--signal=TERM", job.id)
+        job.release_requeued(restarts=4)
+        job.wait_for("completion", lambda: job.field("JobState") == "COMPLETED", timeout=400)
+    finally:
+        job.run("scancel", job.id)
+        cluster.setup("start-node", "n3")
+    log = job.log()
+    assert job.field("ExitCode") == "0:0" and job.field("Restarts") == "4"
+    assert resumed_step(log, 1) == stop["step"]  # USR1: nothing redone
+    assert "requeue: exit 1, a crash: requeueing (1 of 2 crash requeues)" in run_section(log, 1)
+    assert (cluster.work / "survivor" / "logs" / job.id / "crash_requeues").read_text().strip() == "1"
+    terminated = run_section(log, 3)
+    assert "SIGTERM received" in terminated
+    # the requeue comes before Ray's teardown, which the requeue itself may cut short
+    requeued = terminated.index("requeue: stopped by a signal (exit 3): requeueing")
+    assert requeued < terminated.find("ray_cluster: stopping") or "ray_cluster: stopping" not in terminated
+    assert resumed_step(log, 4) == max(s for s in range(2, total + 1, 2) if f"global_step_{s}" in terminated)
+    by_step = last_per_step(records(ckpt / "prompts.jsonl"))
+    assert sorted(by_step) == list(range(1, total + 1))
+    consumed = [i for step in sorted(by_step) for i in by_step[step]["consumed"]]
+    assert consumed == [i for r in expected_rounds(1800, 12, seed=1, count=len(consumed) // 12) for i in r]
+    assert json.loads((ckpt / "summary.json").read_text())["steps"] == total
+
+
+@pytest.mark.timeout(900)
+def test_nemo_run_submits_through_its_local_tunnel_and_the_job_completes(cluster):
+    """`nemo-dapo launch --executor slurm` on the login node (ctl): NeMo-Run packages the committed
+    code, writes its batch script and submits it with sbatch; the job starts Ray over two nodes
+    (torch policy ranks at DP=2, one per node) and completes."""
+    home = cluster.work / "nemo_run"
+    launch = [sys.executable, "-m", "nemo_dapo.cli", "launch", "--config", "tiny_cpu", "--executor", "slurm"]
+    allocation = ["--nodes", "2", "--gpus-per-node", "0", "--time", "00:20:00", "--python", sys.executable]
+    run = ["trainer.placement_strategy=SPREAD", "actor.num_workers=2", "trainer.cpu_threads_per_worker=1"]
+    printed = cluster.on(
+        "ctl",
+        "env",
+        f"NEMORUN_HOME={home}",
+        *launch,
+        *allocation,
+        *run,
+        "trainer.total_training_steps=3",
+        *SMALL,
+        timeout=300,
+    )
+    ids = cluster.on("ctl", "squeue", "--noheader", "--format=%i", "--name=nemo-dapo-tiny_cpu-train").split()
+    assert len(ids) == 1, printed
+    outputs = sorted((home / "experiments").rglob("sbatch_nemo-dapo-tiny_cpu-train_*.out"))
+    job = Job(cluster.env, outputs[-1] if outputs else home / "missing.out", ids[0], cluster.prefix)
+    try:
+        job.wait_for("completion", lambda: job.field("JobState") == "COMPLETED", timeout=600)
+    finally:
+        job.run("scancel", job.id)
+    trainer_log = "".join(p.read_text() for p in (home / "experiments").rglob("log-nemo-dapo-tiny_cpu-train_*.out"))
+    assert re.search(r"actor: 2 worker\(s\) on 2 node\(s\)", trainer_log), trainer_log[-3000:]
+    summary = json.loads((home / "experiments" / "nemo-dapo-tiny_cpu" / "outputs" / "summary.json").read_text())
+    assert summary["steps"] == 3
