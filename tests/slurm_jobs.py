@@ -1,5 +1,5 @@
-"""Batch jobs on the test clusters (tests/test_slurm.py on localhost, tests/test_multinode.py across
-network namespaces), seen through scontrol and their output file."""
+"""Batch jobs on the test cluster of network namespaces (tests/test_multinode.py), seen through
+scontrol and their output file."""
 
 import re
 import shutil

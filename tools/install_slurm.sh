@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Debian packages the Slurm tests need (tests/test_slurm.py): a single-node Slurm (slurmctld,
-# slurmd, the client commands), munge for its authentication, and shellcheck for the scripts in
-# slurm/. Idempotent and quick when everything is present; .ci/run calls it before the tests.
+# Debian packages the Slurm tests need (tests/test_multinode.py, tests/test_slurm.py): Slurm
+# (slurmctld, slurmd, the client commands), munge for its authentication, iproute2 for the network
+# namespaces its nodes live in, and shellcheck for the scripts in slurm/. Idempotent and quick when
+# everything is present; .ci/run calls it before the tests.
 set -euo pipefail
 
-packages=(slurmctld slurmd slurm-client munge shellcheck)
+packages=(slurmctld slurmd slurm-client munge iproute2 shellcheck)
 missing=()
 for package in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "ok installed" || missing+=("$package")
