@@ -173,6 +173,12 @@ def test_the_batch_script_requeues_preemptions_and_a_few_crashes_never_an_invali
     assert log.read_text().splitlines()[0] == "requeue 42"
 
 
+def test_a_cluster_path_that_nemo_run_would_rewrite_is_refused(tmp_path):
+    """NeMo-Run replaces every /nemo_run in its batch script by the job's folder."""
+    done = launch("--executor", "slurm", "--dryrun", home=tmp_path / "nemo_run")
+    assert done.returncode == 2 and "contains /nemo_run, which NeMo-Run rewrites" in done.stderr, done.stderr[-2000:]
+
+
 def test_invalid_config_fails_before_anything_is_launched(tmp_path):
     done = launch("--executor", "slurm", "--dryrun", "actor.clip_ratio_c=0.5", home=tmp_path)
     assert done.returncode == 2 and "actor.clip_ratio_c" in done.stderr, done.stderr[-2000:]

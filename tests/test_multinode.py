@@ -293,7 +293,7 @@ def test_nemo_run_submits_through_its_local_tunnel_and_the_job_completes(cluster
     """`nemo-dapo launch --executor slurm` on the login node (ctl): NeMo-Run packages the committed
     code, writes its batch script and submits it with sbatch; the job starts Ray over two nodes
     (torch policy ranks at DP=2, one per node) and completes."""
-    home = cluster.work / "nemo_run"
+    home = cluster.work / "nemorun_home"  # not .../nemo_run/...: NeMo-Run rewrites that
     launch = [sys.executable, "-m", "nemo_dapo.cli", "launch", "--config", "tiny_cpu", "--executor", "slurm"]
     allocation = ["--nodes", "2", "--gpus-per-node", "0", "--time", "00:20:00", "--python", sys.executable]
     run = ["trainer.placement_strategy=SPREAD", "actor.num_workers=2", "trainer.cpu_threads_per_worker=1"]

@@ -25,7 +25,9 @@ import sys
 from pathlib import Path
 
 from nemo_dapo.config import DEFAULT_PRESET, load_config
+from nemo_dapo.errors import InputError
 
+RUNDIR_NAME = "nemo_run"  # nemo_run.config.RUNDIR_NAME, here without importing NeMo-Run
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 PREEMPTION_SIGNAL = "USR1@600"  # 10 minutes before the time limit: enough to finish a step and save
 
@@ -82,6 +84,8 @@ def run_launch(args: argparse.Namespace) -> int:
         args.remote_job_dir = remote_job_dir(args)
         allocation_from_preset(args)
     overrides = trainer_overrides(args)
+    if args.executor == "slurm":
+        refuse_rundir_paths(args, overrides)
     load_config(args.config, overrides)
     if args.executor == "local":
         return _launch_local(args, overrides)
@@ -112,6 +116,19 @@ def remote_job_dir(args: argparse.Namespace) -> str:
     if not (args.ssh_user and args.remote_job_dir):
         raise SystemExit("nemo-dapo launch: --ssh-host needs --ssh-user and --remote-job-dir")
     return args.remote_job_dir
+
+
+def refuse_rundir_paths(args: argparse.Namespace, overrides: list[str]) -> None:
+    """NeMo-Run 0.11 replaces every ``/nemo_run`` in the batch script it writes by the job's folder
+    (its name for the code's place in a container), so a cluster path with such a part would
+    point elsewhere at run time."""
+    paths = [args.remote_job_dir, args.data_dir, args.hf_model, *overrides]
+    bad = [path for path in paths if path and f"/{RUNDIR_NAME}" in path]
+    if bad:
+        raise InputError(
+            f"nemo-dapo launch: {bad[0]} contains /{RUNDIR_NAME}, which NeMo-Run rewrites in its batch script; "
+            f"use a folder name without it (e.g. nemo-run) for NEMORUN_HOME, --remote-job-dir and the data paths"
+        )
 
 
 def experiment_name(args: argparse.Namespace) -> str:
