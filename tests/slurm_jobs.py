@@ -54,12 +54,21 @@ class Job:
             time.sleep(0.5)
 
     def release_requeued(self, restarts: int) -> None:
-        """Start the requeued job now: Slurm holds a requeued job for about two minutes (BeginTime)."""
+        """Start the requeued job now: Slurm holds a requeued job for about two minutes (BeginTime),
+        which also lets its last run's processes end; released at once, it must wait for the nodes
+        to finish that (a node still completing the old run refuses the new one's credential)."""
         self.wait_for(
             f"requeue #{restarts}",
             lambda: self.field("Restarts") == str(restarts) and self.field("JobState") == "PENDING",
         )
-        self.run("scontrol", "update", f"JobId={self.id}", "StartTime=now")
+        self.wait_for(
+            "its nodes to finish the last run",
+            lambda: not self.run("sinfo", "--noheader", "--states=completing", "--format=%N").strip(),
+        )
+        command = [*self.prefix, "scontrol", "update", f"JobId={self.id}", "StartTime=now"]
+        done = subprocess.run(command, capture_output=True, text=True, env=self.env, timeout=60)
+        # the hold may have ended on its own in between: then the job is already starting
+        assert done.returncode == 0 or "no longer pending" in done.stderr, done.stderr
 
 
 def submit(env: dict, output: Path, script: str, overrides=(), sbatch_args=(), prefix: tuple[str, ...] = ()) -> Job:
