@@ -114,8 +114,8 @@ def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(ray_cluster, tiny_
 
 def test_a_tp2_engine_takes_the_streamed_weights(ray_cluster, tiny_model_dir, tiny_tokenizer):
     """A TP=2 engine runs its ranks in processes of their own, so every bucket of a weight sync
-    crosses vLLM's executor (as bytes): after the sync it samples from the updated policy, each
-    token's log-prob the policy's own."""
+    crosses vLLM's executor: after the sync it samples from the updated policy, each token's
+    log-prob the policy's own."""
     rollout = rollout_group(tiny_model_dir, tp=2)
     policy = policy_group(tiny_model_dir, dp=1)
     ids = chat_prompts(tiny_tokenizer, ["12+3", "45-7"])

@@ -18,7 +18,6 @@ from typing import Any, cast
 from nemo_dapo.logs import configure_logging, verbose
 from nemo_dapo.network import use_node_network
 from nemo_dapo.rollout.base import Generation, SamplingSettings
-from nemo_dapo.rollout.weight_receiver import pack_bucket
 from nemo_dapo.threads import cpu_tensor_parallel_threads, use_cpu_threads
 
 log = logging.getLogger(__name__)
@@ -85,8 +84,6 @@ class VLLMRolloutWorker:
         self.routing = "native" if native else "capture" if return_routing else None
         self.rank = rank
         self._version = 0
-        # TP > 1: the ranks are other processes, and the executor serialises what it sends them
-        self._pack_buckets = tensor_parallel_size > 1
         self._on_cpu = current_platform.is_cpu()
         self.sleep_mode = enable_sleep_mode and current_platform.is_sleep_mode_available()
         self._asleep: set[str] = set()  # the sleeping memory tags (weights, kv_cache)
@@ -190,7 +187,7 @@ class VLLMRolloutWorker:
         that skipped some layers would re-initialise them). ``buckets`` is consumed lazily."""
         self.llm.collective_rpc("start_bucket_reload")
         for bucket in buckets:
-            self.llm.collective_rpc("reload_bucket", args=(pack_bucket(bucket) if self._pack_buckets else bucket,))
+            self.llm.collective_rpc("reload_bucket", args=(bucket,))
         self.llm.collective_rpc("finish_bucket_reload")
         # cached prompt KV was computed by the old weights: drop it, or new samples attend to stale keys
         if not self.llm.reset_prefix_cache():

@@ -1,11 +1,11 @@
 """The weight path into a running vLLM engine, on every one of its workers (tensor-parallel ranks).
 
 vLLM mixes :class:`WeightReceiver` into each of its worker processes (``worker_extension_cls``),
-and the engine drives it with three ``collective_rpc`` calls per update: begin, one call per
+and the engine drives it with three ``collective_rpc`` calls per update: start, one call per
 bucket, finish. A bucket is loaded as it arrives, so no process holds the whole model on the way.
-With ``tensor_parallel_size > 1`` the workers are other processes and vLLM's executor serialises
-each call's arguments: a bucket then travels as safetensors bytes (:func:`pack_bucket`), which the
-executor carries as a plain byte string; an in-process worker (TP = 1) takes the tensors as they are.
+With ``tensor_parallel_size > 1`` the workers are other processes and vLLM's executor pickles
+each call's arguments: a bucket (a list of tensors) travels that way, where a generator over all
+buckets could not.
 
 The reload is vLLM's layer-wise in-place reload (what ``reload_weights`` runs for an iterator):
 parameters keep their storage, so captured CUDA graphs stay valid, and each layer is processed
@@ -17,27 +17,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
-
-def pack_bucket(bucket: Sequence[tuple[str, torch.Tensor]]) -> bytes:
-    """A bucket as bytes an executor can carry to another process (safetensors format). Tensors
-    that share memory (tied embeddings) are written once each, as safetensors requires."""
-    from safetensors.torch import save
-
-    tensors, seen = {}, set()
-    for name, tensor in bucket:
-        tensor = tensor.contiguous()
-        tensors[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
-        seen.add(tensor.data_ptr())
-    return save(tensors)
-
-
-def unpack_bucket(bucket: bytes | Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    if isinstance(bucket, bytes | bytearray | memoryview):
-        from safetensors.torch import load
-
-        return list(load(bytes(bucket)).items())
-    return list(bucket)
 
 
 def repack_cpu_moe_experts(model: torch.nn.Module) -> int:
@@ -62,11 +41,10 @@ class WeightReceiver:
 
         initialize_layerwise_reload(self._model())
 
-    def reload_bucket(self, bucket) -> int:
-        """Load one bucket (bytes from :func:`pack_bucket`, or (name, tensor) pairs in process)."""
-        weights = unpack_bucket(bucket)
-        self._model().load_weights(weights)
-        return len(weights)
+    def reload_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """Load one bucket of (Hugging Face name, tensor) pairs."""
+        self._model().load_weights(bucket)
+        return len(bucket)
 
     def finish_bucket_reload(self) -> int:
         """Process the layers that wait for the end (attention), drop state derived from the old
