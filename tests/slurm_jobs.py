@@ -54,13 +54,16 @@ class Job:
             time.sleep(0.5)
 
     def release_requeued(self, restarts: int) -> None:
-        """Start the requeued job now: Slurm holds a requeued job for about two minutes (BeginTime),
-        which also lets its last run's processes end; released at once, it must wait for the nodes
-        to finish that (a node still completing the old run refuses the new one's credential)."""
+        """Start the requeued job now: Slurm may hold a requeued job for about two minutes
+        (BeginTime), which also lets its last run's processes end; released at once, it must wait
+        for its nodes to finish that (a node still completing the old run refuses the new one's
+        credential). A job Slurm started again on its own is left as it is."""
         self.wait_for(
             f"requeue #{restarts}",
-            lambda: self.field("Restarts") == str(restarts) and self.field("JobState") == "PENDING",
+            lambda: self.field("Restarts") == str(restarts) and self.field("JobState") in ("PENDING", "RUNNING"),
         )
+        if self.field("JobState") == "RUNNING":
+            return
         self.wait_for(
             "its nodes to finish the last run",
             lambda: not self.run("sinfo", "--noheader", "--states=completing", "--format=%N").strip(),

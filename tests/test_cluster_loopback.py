@@ -110,6 +110,8 @@ def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(ray_cluster, tiny_
     assert len(listeners) >= 3  # Ray's GCS, raylet, workers... the check sees real sockets
     assert [who for ip, who in listeners if not is_loopback(ip)] == []
     assert is_loopback("::ffff:127.0.0.1") and not is_loopback("0.0.0.0") and not is_loopback("::")
+    for group in (rollout, policy1, policy2):  # the CPUs they hold go back to the next test
+        group.workers.shutdown()
 
 
 def test_a_tp2_engine_takes_the_streamed_weights(ray_cluster, tiny_model_dir, tiny_tokenizer):
