@@ -122,8 +122,9 @@ class HFGenerate:
             self.generator.load_state_dict(self.model.state_dict())
 
 
-def run_single_process(cfg) -> dict:
-    """``nemo-dapo train`` with the single-process policy and HF generation; returns the summary."""
+def run_single_process(cfg, save_to=None) -> dict:
+    """``nemo-dapo train`` with the single-process policy and HF generation; returns the summary.
+    ``save_to``: a folder for the final weights (Hugging Face format)."""
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
     from nemo_dapo.trainer.assembly import load_data, resolve_paths, reward_manager
     from nemo_dapo.trainer.fit import DAPOTrainer
@@ -149,4 +150,8 @@ def run_single_process(cfg) -> dict:
         # no held-out set: the trainer validates after its last step, and HF `generate` keeping the
         # scores of all 800 held-out samples at once took the process to 19 GiB
         trainer = DAPOTrainer(cfg, InProcessPolicy(worker), rollout, tokenizer, data.train, None, reward)
-        return trainer.fit()
+        summary = trainer.fit()
+    if save_to is not None:
+        worker.model.save_pretrained(save_to)
+        tokenizer.save_pretrained(save_to)
+    return summary

@@ -9,7 +9,7 @@ import sys
 from importlib import import_module
 
 from nemo_dapo.config import DEFAULT_PRESET, list_presets, load_config, to_yaml
-from nemo_dapo.errors import InputError, RemoteCallError
+from nemo_dapo.errors import InputError, RemoteCallError, TrainingDiverged
 from nemo_dapo.trainer.checkpoint import CheckpointWriteError
 from nemo_dapo.trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
 
@@ -63,14 +63,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
     tokenizer = (
         args.tokenizer or resolve_paths(from_yaml((Path(args.checkpoint) / "config.yaml").read_text())).model.path
     )
-    print(export_hf(args.checkpoint, tokenizer, args.output))
+    print(export_hf(args.checkpoint, tokenizer, args.output, overwrite=args.overwrite))
     return 0
 
 
 def _cmd_import_gguf(args: argparse.Namespace) -> int:
     from nemo_dapo.model.gguf_import import import_gguf
 
-    print(import_gguf(args.gguf_file, args.output))
+    print(import_gguf(args.gguf_file, args.output, overwrite=args.overwrite))
     return 0
 
 
@@ -98,6 +98,9 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
     return 0
 
 
+OVERWRITE_HELP = "write into a non-empty folder, replacing the files written (other files are kept)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nemo-dapo", description="DAPO reinforcement learning for LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -121,10 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a checkpoints/global_step_N folder")
     export.add_argument("output", help="folder to write")
     export.add_argument("--tokenizer", help="folder holding the tokenizer files (default: the base model's)")
+    export.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     export.set_defaults(fn=_cmd_export)
     gguf = sub.add_parser("import-gguf", help="a local GGUF file (Llama / Qwen2 / Qwen3) -> Hugging Face folder")
     gguf.add_argument("gguf_file", help="the .gguf file (any quantization; weights are dequantized to fp32)")
     gguf.add_argument("output", help="folder to write (config, safetensors, tokenizer, provenance.json)")
+    gguf.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     gguf.set_defaults(fn=_cmd_import_gguf)
     sub.add_parser("selfcheck", help="check the DAPO math against hand-computed values").set_defaults(fn=_cmd_selfcheck)
     config = sub.add_parser("config", help="print the resolved, validated config, or explain a setting")
@@ -165,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
             "command again (checkpoint.resume=auto) to continue from the last one",
             file=sys.stderr,
         )
+        return 1
+    except TrainingDiverged as err:  # the last checkpoint predates the non-finite steps
+        print(f"nemo-dapo: {err}", file=sys.stderr)
         return 1
     except Preempted as stop:  # a checkpoint was saved: the batch script requeues the job
         print(f"nemo-dapo: {stop}", file=sys.stderr)

@@ -19,3 +19,8 @@ class ConfigError(InputError, ValueError):
 class RemoteCallError(RuntimeError):
     """A worker that died, or gave no answer in time, during a call the driver waits on. The
     message names the group, the call, the ranks and where their logs are."""
+
+
+class TrainingDiverged(RuntimeError):
+    """Optimizer steps with a non-finite gradient, ``trainer.max_nonfinite_steps`` training steps in
+    a row: the run stops before checkpointing them. The message says which steps and what to look at."""

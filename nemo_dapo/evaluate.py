@@ -35,9 +35,8 @@ def evaluate(
     repeat every problem 32 times for avg@32 at n=1; ``--unique --n 32`` is the same estimate
     without generating the repeats' prompts 32 times over."""
     apply_loopback_env()
-    from transformers import AutoTokenizer
-
     from nemo_dapo.data import RLDataset
+    from nemo_dapo.model.tokenizer import load_tokenizer
     from nemo_dapo.reward.manager import RewardManager
     from nemo_dapo.rollout.base import SamplingSettings
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
@@ -55,7 +54,7 @@ def evaluate(
             prompt_budget,
             response_budget,
         )
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer = load_tokenizer(model)
     dataset = RLDataset(data, tokenizer, max_prompt_length=prompt_budget, truncation="left")
     items = [dataset[i] for i in range(len(dataset))]
     if unique:

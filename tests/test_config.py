@@ -131,3 +131,39 @@ def test_preset_loop_detected(tmp_path, monkeypatch):
     monkeypatch.setenv("NEMO_DAPO_CONF_DIR", str(tmp_path))
     with pytest.raises(ConfigError, match="loop"):
         load_config("a")
+
+
+def test_a_hub_name_as_model_path_is_refused_before_anything_runs(tmp_path, capsys):
+    """No hub is reachable from a training job: a name that is neither a folder nor a built-in
+    fails at start-up naming model.path and how to download it, not after training."""
+    from nemo_dapo.cli import main
+
+    code = main(["train", "model.path=Qwen/Qwen2.5-32B", f"trainer.output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "model.path=Qwen/Qwen2.5-32B: not a model folder here" in err, err[-2000:]
+    assert "huggingface-cli download Qwen/Qwen2.5-32B" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("sync_step", [1, 3])
+def test_the_async_schedule_spans_every_local_update(sync_step):
+    """An async trainer step is parameter_sync_step local updates: the learning-rate schedule spans
+    all of them (its last optimizer step at the schedule's end) and an epoch counts them all."""
+    from nemo_dapo.config.topology import total_optimizer_steps, total_training_steps
+    from nemo_dapo.policy.lr_schedule import lr_lambda
+
+    overrides = ["trainer.mode=async", f"trainer.parameter_sync_step={sync_step}", "trainer.total_training_steps=null"]
+    overrides += [
+        "actor.optim.lr_schedule=cosine",
+        "actor.optim.min_lr_ratio=0.1",
+        "algorithm.filter_groups.enable=false",
+    ]
+    cfg = load_config("tiny_cpu", overrides)
+    dataset = 1800
+    steps = total_training_steps(cfg, dataset)
+    assert steps == dataset // (cfg.data.train_batch_size * sync_step)  # one epoch
+    mini_batches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
+    optimizer_steps = total_optimizer_steps(cfg, dataset)
+    assert optimizer_steps == steps * sync_step * mini_batches  # what the trainer takes
+    factor = lr_lambda(cfg.actor.optim, optimizer_steps)
+    assert factor(optimizer_steps - 1) == pytest.approx(0.1, abs=0.02) and factor(optimizer_steps // 2) > 0.3

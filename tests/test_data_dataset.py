@@ -158,6 +158,14 @@ BAD_JSONL_ROWS = {
         {**good_row(), "reward_model": {"ground_truth": 42}},
         r"field 'reward_model\.ground_truth' must be a string, got int",
     ),
+    "empty ground truth": (
+        {**good_row(), "reward_model": {"ground_truth": ""}},
+        r"field 'reward_model\.ground_truth' is empty \(''\); every row needs the answer",
+    ),
+    "whitespace ground truth": (
+        {**good_row(), "reward_model": {"ground_truth": " \n"}},
+        r"field 'reward_model\.ground_truth' is empty",
+    ),
     "missing data_source": (without(good_row(), "data_source"), r"field 'data_source' is missing"),
     "extra_info is a list": ({**good_row(), "extra_info": [1]}, r"field 'extra_info' must be an object"),
     "row is not an object": (["not", "a", "row"], r"expected an object"),

@@ -1,8 +1,8 @@
-"""A rollout engine that dies (SIGKILL) or stops answering (SIGSTOP) while generating is replaced on
-its slot, given the policy's current weights, and its prompts are generated again (the sync
-trainer), or reissued through the data plane (the async trainer); one failure past
-``rollout.max_restarts`` stops with the engine, the call and the logs named. Real Ray actors,
-real vLLM engines, a real torch policy."""
+"""A rollout engine that dies (SIGKILL) or stops answering (SIGSTOP) while generating, or stops
+taking weights during a weight sync, is replaced on its slot, given the policy's current weights,
+and its prompts are generated again (the sync trainer), or reissued through the data plane (the
+async trainer); one failure past ``rollout.max_restarts`` stops with the engine, the call and the
+logs named. Real Ray actors, real vLLM engines, a real torch policy."""
 
 import os
 import signal
@@ -55,7 +55,7 @@ def groups(ray_cluster, tiny_model_dir):
         timeout_key="rollout.timeout_s",
         start_timeout_s=300,
     )
-    rollout = RolloutGroup(engines, max_restarts=3)
+    rollout = RolloutGroup(engines, max_restarts=4)
     rollout.set_weight_source(lambda: (policy.export_weights(1 << 16), 1))
     yield policy, rollout
     rollout.workers.shutdown()
@@ -113,6 +113,14 @@ def test_replaced_engines_generate_with_the_current_weights(groups, tiny_tokeniz
         assert engine_pid(rollout, rank) != pid
     assert rollout.restarts == 2 and rollout.workers.restarts == [1, 1]
 
+    # a weight sync with engine 0 stopped: past the deadline it leaves the sync and is replaced,
+    # engine 1 syncs; the replacement takes the weights before it generates
+    pid = engine_pid(rollout, 0)
+    os.kill(pid, signal.SIGSTOP)
+    rollout.update_weights(policy.export_weights(1 << 16), version=1)
+    assert rollout.restarts == 3 and engine_pid(rollout, 0) != pid
+    assert_same(rollout.generate(ids, GREEDY), current)
+
     # async trainer: the dead engine's prompts go back to the data plane as pending, next attempt
     queue = PromptQueue(DataPlane(), rollout)
     items = [{"prompt_ids": p, "ground_truth": "0", "data_source": "arith", "index": i} for i, p in enumerate(ids)]
@@ -135,6 +143,6 @@ def test_replaced_engines_generate_with_the_current_weights(groups, tiny_tokeniz
     with pytest.raises(
         RemoteCallError,
         match=r"rollout\.generate: a worker died .* their logs: /\S+/logs .*Rollout engine 0 failed while "
-        r"generating, after 3 engine restart\(s\) in this run \(rollout\.max_restarts=3\)",
+        r"generating, after 4 engine restart\(s\) in this run \(rollout\.max_restarts=4\)",
     ):
         rollout.collect(request)

@@ -792,3 +792,43 @@ def test_cpu_compat_workaround(compat_results, check):
     if torch.cuda.is_available():
         pytest.skip("the CPU compatibility layer is inactive with a GPU")
     assert compat_results[check] == "ok", compat_results[check]
+
+
+def nonfinite_then_finite(worker) -> dict:
+    """One update whose advantages are NaN, then one whose are not: metrics and weights of each."""
+    from nemo_dapo.policy.base import LossSettings, MiniBatch
+
+    batch = make_batch()
+    full = add_training_fields(batch, worker.compute_log_prob(batch)["log_probs"])
+    counts = float(batch["response_mask"].sum()), float(len(batch["input_ids"]))
+    start = exported(worker)
+    poisoned = {**full, "advantages": full["advantages"] * float("nan")}
+    skipped = worker.update([MiniBatch(poisoned, *counts)], LossSettings()).metrics
+    after_skip = exported(worker)
+    taken = worker.update([MiniBatch(full, *counts)], LossSettings()).metrics
+    return {"start": start, "skipped": skipped, "after_skip": after_skip, "taken": taken, "end": exported(worker)}
+
+
+def run_nonfinite_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    worker = megatron_worker(rank, world_size, rendezvous, model_dir, max_token_len=40)
+    result = nonfinite_then_finite(worker)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("backend", ["torch", "megatron"])
+def test_a_non_finite_gradient_skips_the_step_on_both_backends(backend, tmp_path, tiny_model_dir):
+    """bf16 and fp32 have no loss scaler to skip an Inf/NaN step: the workers do, alike, leaving the
+    weights (and the torch worker's Adam state) as they were, and say so in actor/skipped_steps."""
+    if backend == "megatron":
+        spawn(run_nonfinite_rank, 1, str(tmp_path / "rdv"), str(tiny_model_dir), str(tmp_path))
+        result = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    else:
+        from nemo_dapo.policy.torch_worker import TorchPolicyWorker
+
+        worker = TorchPolicyWorker(0, 1, "", str(tiny_model_dir), optim_settings(), max_token_len=40)
+        result = nonfinite_then_finite(worker)
+    assert result["skipped"]["actor/skipped_steps"] == [1.0] and result["taken"]["actor/skipped_steps"] == [0.0]
+    assert all(torch.equal(result["after_skip"][k], v) for k, v in result["start"].items())  # nothing moved
+    assert any(not torch.equal(result["end"][k], v) for k, v in result["start"].items())  # the next step did
+    assert torch.isfinite(torch.cat([t.flatten().float() for t in result["end"].values()])).all()

@@ -167,3 +167,33 @@ def test_invalid_batches(manager, lengths, error, match):
 def test_invalid_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RewardManager("math_dapo", **kwargs)
+
+
+@pytest.mark.parametrize("metric", ["acc", "score", "seq_reward", "seq_final_reward", "overlong_reward"])
+def test_every_filter_metric_works_on_a_scored_round(metric, tiny_tokenizer):
+    """A round as the trainer makes it (engine generations -> batch -> score_batch), then dynamic
+    sampling on each metric the schema names: groups whose members differ in it are kept."""
+    from nemo_dapo.algo.sampling import GroupAccumulator
+    from nemo_dapo.rollout.base import Generation
+    from nemo_dapo.trainer.batching import build_rollout_batch
+    from nemo_dapo.trainer.stages import score_batch
+
+    def answer(text: str, pad_to: int = 0) -> list[int]:
+        ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+        return ids + tiny_tokenizer.encode(" x", add_special_tokens=False) * max(pad_to - len(ids), 0)
+
+    right, wrong, long_wrong = answer("Answer: 4"), answer("Answer: 5"), answer("Answer: 5", pad_to=MAX_LEN)
+    groups = [[right, wrong], [wrong, long_wrong], [right, right]]  # differ in acc; in length only; not at all
+    generations = [
+        Generation(token_ids=g, log_probs=[[0.0] * len(ids) for ids in g], finish_reasons=["stop"] * 2) for g in groups
+    ]
+    prompts = [tiny_tokenizer.encode("2+2")] * 3
+    fields = {"ground_truth": ["4"] * 3, "data_source": ["math"] * 3, "prompt_index": [0, 1, 2]}
+    batch = build_rollout_batch(prompts, generations, fields, "r", tiny_tokenizer.pad_token_id, 0)
+    with RewardManager("math_dapo", max_response_length=MAX_LEN, overlong_enable=True, buffer_len=BUFFER) as reward:
+        score_batch(batch, reward, tiny_tokenizer)
+    accumulator = GroupAccumulator(target_groups=1, max_num_gen_batches=2, metric=metric)
+    accumulator.add_round(batch)
+    kept = accumulator.pop_batch()
+    expected = {"acc": {0}, "score": {0, 1}, "seq_reward": {0, 1}, "seq_final_reward": {0, 1}, "overlong_reward": {1}}
+    assert set(kept["prompt_index"]) <= expected[metric] and len(kept) == 2 * 1

@@ -357,3 +357,16 @@ def test_moe_run_with_routing_replay_logs_router_agreement(workdir, moe_dir, mod
     if mode == "sync":
         assert all(row["moe/router_agreement/mean"] > 0.9 for row in rows)
         assert all(row["rollout_corr/logprob_abs_diff_mean"] < 1e-3 for row in rows)
+
+
+def test_running_a_finished_run_again_leaves_its_summary_and_export_as_they_are(workdir):
+    out = workdir / "run"
+    first = train(out, "trainer.total_training_steps=2", *SMALL)
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = (out / "summary.json").read_bytes()
+    exported = {p.name: p.stat().st_mtime_ns for p in (out / "hf_export").iterdir()}
+    again = train(out, "trainer.total_training_steps=2", *SMALL)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "the run is already complete (step 2 of 2)" in again.stderr
+    assert (out / "summary.json").read_bytes() == summary
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "hf_export").iterdir()} == exported

@@ -71,6 +71,11 @@ PG_CLIPFRAC = metric("actor/pg_clipfrac", Reduce.MEAN, "fraction of tokens whose
 PG_CLIPFRAC_LOWER = metric("actor/pg_clipfrac_lower", Reduce.MEAN, "fraction of tokens the dual clip capped")
 PPO_KL = metric("actor/ppo_kl", Reduce.MEAN, "mean old_lp - lp over the update's tokens")
 GRAD_NORM = metric("actor/grad_norm", Reduce.MEAN, "gradient norm before clipping")
+SKIPPED_STEPS = metric(
+    "actor/skipped_steps",
+    Reduce.MEAN,
+    "fraction of the optimizer steps skipped for a non-finite gradient (weights and optimizer state untouched)",
+)
 LR = metric("actor/lr", Reduce.MEAN, "learning rate of the optimizer step")
 MOE_LOAD_BALANCING_LOSS = metric(
     "actor/moe_load_balancing_loss", Reduce.MEAN, "MoE router load-balancing loss per layer and micro-batch"

@@ -37,14 +37,14 @@ def group_keep_mask(group_ids: Sequence[Hashable], metric: torch.Tensor) -> tupl
 def filter_metric(batch: RolloutBatch, metric: str) -> torch.Tensor:
     """The per-sequence value the filter looks at.
 
-    ``seq_reward``: sum of token scores; ``seq_final_reward``: sum of final token rewards
-    (after KL / shaping); any other name is read from the batch (``acc``, ``score``, or a
-    reward extra field).
+    ``seq_reward``: sum of token scores (shaping included); ``seq_final_reward``: the final
+    reward, which is the same sum: the filter runs before the KL-in-reward term can be computed
+    (it needs the old and reference log-probs of the kept rows), and the config refuses
+    ``seq_final_reward`` together with ``algorithm.use_kl_in_reward``. Any other name is read from
+    the batch (``acc``, ``score``, or a reward extra field).
     """
-    if metric == "seq_reward":
+    if metric in ("seq_reward", "seq_final_reward"):
         return batch["token_level_scores"].sum(dim=-1)
-    if metric == "seq_final_reward":
-        return batch["token_level_rewards"].sum(dim=-1)
     if metric not in batch:
         raise KeyError(
             f"algorithm.filter_groups.metric={metric!r} is not in the batch; available: "

@@ -7,6 +7,7 @@ actors on a laptop CPU or 128 GPU processes on a Slurm cluster.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,10 +203,10 @@ class RolloutGroup:
             pending = [self._send(request, s.rank, s.start, s.stop) for s in failed] if regenerate else []
         return results
 
-    def _replace(self, rank: int, error: RemoteCallError) -> None:
+    def _replace(self, rank: int, error: RemoteCallError, stage: str = "while generating") -> None:
         if self.restarts >= self.max_restarts:
             raise RemoteCallError(
-                f"{error}. Rollout engine {rank} failed while generating, after {self.restarts} engine "
+                f"{error}. Rollout engine {rank} failed {stage}, after {self.restarts} engine "
                 f"restart(s) in this run (rollout.max_restarts={self.max_restarts})"
             ) from error
         self.restarts += 1
@@ -234,18 +235,31 @@ class RolloutGroup:
 
     def update_weights(self, bucket_refs: Iterable, version: int, ranks: list[int] | None = None) -> None:
         """Stream weight buckets (object refs) into the engines (``ranks``; all by default) as they
-        come, through a bounded queue per engine: no process holds the whole model on the way."""
+        come, through a bounded queue per engine: no process holds the whole model on the way.
+
+        The sync has the group's call deadline: an engine that dies, or takes no bucket for that
+        long, is replaced as a failed generation is (it gets the weights before it next generates)
+        while the others sync on; past ``max_restarts`` the run stops naming the engine."""
         ranks = list(range(self.workers.world_size)) if ranks is None else ranks
-        queues = [self._weight_queues()[r] for r in ranks]
-        engines = [self.workers.workers[r] for r in ranks]
-        pending = [engine.receive_weights.remote(queue, version) for engine, queue in zip(engines, queues)]
+        syncing = {
+            rank: (
+                self._weight_queues()[rank],
+                self.workers.workers[rank].receive_weights.remote(self._weight_queues()[rank], version),
+            )
+            for rank in ranks
+        }
         for ref in bucket_refs:
-            self._push(queues, pending, [ref])  # wrapped: the engine fetches the bucket itself
-        self._push(queues, pending, None)
-        versions = self.workers.gather(pending, "receive_weights")
-        if set(versions) != {version}:
-            raise RuntimeError(f"rollout engines report weight versions {versions}, expected {version}")
-        self._cold.difference_update(ranks)
+            self._push(syncing, [ref], version)  # wrapped: the engine fetches the bucket itself
+        self._push(syncing, None, version)
+        live = list(syncing)
+        outcomes = self.workers.settle([syncing[r][1] for r in live], "receive_weights", live)
+        for rank, outcome in zip(live, outcomes):
+            if isinstance(outcome, RemoteCallError):
+                self._replace(rank, outcome, "during a weight sync")
+            elif outcome != version:
+                raise RuntimeError(f"rollout engine {rank} reports weight version {outcome}, expected {version}")
+            else:
+                self._cold.discard(rank)
 
     @staticmethod
     def _new_queue():
@@ -258,21 +272,37 @@ class RolloutGroup:
             self._queues = [self._new_queue() for _ in self.workers.workers]
         return self._queues
 
-    @staticmethod
-    def _push(queues: list, pending: list, item) -> None:
-        """Put ``item`` on every queue; if an engine stopped reading (it failed), raise its error."""
+    def _push(self, syncing: dict, item, version: int) -> None:
+        """Put ``item`` on every syncing engine's queue; an engine that failed or stopped taking
+        buckets for the call deadline is replaced and leaves the sync (``syncing`` shrinks)."""
         import ray
         from ray.util.queue import Full
 
-        for queue in queues:
+        deadline = self.workers.call_deadline
+        for rank in list(syncing):
+            queue, pending = syncing[rank]
+            waited = time.monotonic()
             while True:
                 try:
                     queue.put(item, timeout=1.0)
                     break
-                except Full as full:
-                    done, _ = ray.wait(pending, timeout=0)
-                    if done:
-                        ray.get(done)
-                        raise RuntimeError(
-                            "a rollout engine finished its weight update before all buckets arrived"
-                        ) from full
+                except Full:
+                    done, _ = ray.wait([pending], timeout=0)
+                    stuck = deadline.seconds is not None and time.monotonic() - waited > deadline.seconds
+                    if done or stuck:
+                        error = self.workers.settle([pending], "receive_weights", [rank])[0] if done else None
+                        del syncing[rank]
+                        self._replace(rank, self._sync_failure(rank, version, error), "during a weight sync")
+                        break
+
+    def _sync_failure(self, rank: int, version: int, error) -> RemoteCallError:
+        """Why engine ``rank`` left the weight sync: its own error, or its silence past the deadline."""
+        if isinstance(error, RemoteCallError):
+            return error
+        if error is not None:  # it returned before the last bucket: a bug, not a failure to recover from
+            raise RuntimeError(f"rollout engine {rank} finished its weight update (version {version}) early")
+        deadline = self.workers.call_deadline
+        return RemoteCallError(
+            f"{self.workers.name}.receive_weights: rank(s) [{rank}] took no weight bucket within "
+            f"{deadline.seconds:g} s ({deadline.key}) during the weight sync to version {version}"
+        )

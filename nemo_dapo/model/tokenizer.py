@@ -110,3 +110,24 @@ def build_tokenizer(
     )
     tokenizer.save_pretrained(str(output_dir))
     return tokenizer
+
+
+def load_tokenizer(model_path: str):
+    """The model folder's tokenizer, with a pad token: batches are padded (the masks make the pad
+    value irrelevant), and tokenizers such as Llama 3's or Mistral's declare none. Those pad with
+    their EOS token, chosen here once for the whole run and said in the log."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            from nemo_dapo.errors import InputError
+
+            raise InputError(f"{model_path}: the tokenizer has neither a pad nor an EOS token; add a pad token to it")
+        tokenizer.pad_token = tokenizer.eos_token
+        logging.getLogger(__name__).info(
+            "the tokenizer of %s has no pad token: padding with its EOS token %r", model_path, tokenizer.eos_token
+        )
+    return tokenizer

@@ -28,6 +28,7 @@ from nemo_dapo.policy.lr_schedule import lr_lambda
 from nemo_dapo.policy.microbatch import ROWS, RowStats, micro_batches, within_responses
 from nemo_dapo.policy.shared_prompt import hidden_before_responses
 from nemo_dapo.policy.weights import Bucket, bucketize
+from nemo_dapo.safe_load import load_state
 from nemo_dapo.threads import use_cpu_threads
 
 
@@ -142,9 +143,11 @@ class TorchPolicyWorker:
             step_metrics = self._accumulate_gradients(mini, settings, correction, forward)
             self._all_reduce_gradients()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.clip_grad)
-            if torch.isfinite(grad_norm):
+            finite = bool(torch.isfinite(grad_norm))  # the same on every rank: the gradients are reduced
+            if finite:
                 self.optimizer.step()
             self.scheduler.step()
+            metrics.setdefault(mn.SKIPPED_STEPS.name, []).append(0.0 if finite else 1.0)
             for key, values in step_metrics.items():
                 metrics.setdefault(key, []).append(mn.combine_parts(key, values))
             metrics.setdefault(mn.GRAD_NORM.name, []).append(float(grad_norm))
@@ -237,12 +240,12 @@ class TorchPolicyWorker:
             self.model.load_state_dict(saved.state_dict())
         except RuntimeError as err:
             raise RuntimeError(f"checkpoint {path} does not match the model: {err}") from None
-        state = torch.load(os.path.join(path, "optim.pt"), weights_only=False)
+        state = load_state(os.path.join(path, "optim.pt"))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         rng_file = os.path.join(path, f"rng_rank{self.rank}.pt")
         if os.path.exists(rng_file):  # absent when resuming with more ranks than were saved
-            rng = torch.load(rng_file, weights_only=False)
+            rng = load_state(rng_file)
             torch.set_rng_state(rng["torch"])
             np.random.set_state(rng["numpy"])
             random.setstate(rng["python"])

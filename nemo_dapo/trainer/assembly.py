@@ -227,11 +227,10 @@ class RunData:
 
 def load_data(cfg: Config) -> RunData:
     """The tokenizer and the training / held-out prompts (rows checked, overlong prompts dropped)."""
-    from transformers import AutoTokenizer
-
     from nemo_dapo.data import RLDataset
+    from nemo_dapo.model.tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.path)
 
     def dataset(files: list[str]) -> RLDataset:
         return RLDataset(
@@ -297,7 +296,8 @@ def run_training(cfg: Config) -> dict:
             trainer = DAPOTrainer(*common, ref_policy=ref)
         summary = trainer.fit()
         export_dir = Path(cfg.trainer.output_dir) / "hf_export"
-        export_hf(trainer.checkpoints.step_folders()[0][1], cfg.model.path, export_dir)
+        if not summary.get("already_complete"):
+            export_hf(trainer.checkpoints.step_folders()[0][1], cfg.model.path, export_dir, overwrite=True)
         summary["hf_export"] = str(export_dir)
         return summary
     finally:
@@ -306,18 +306,26 @@ def run_training(cfg: Config) -> dict:
         shutdown_ray()
 
 
-def export_hf(checkpoint: str | Path, tokenizer_source: str | Path, output_dir: str | Path) -> Path:
-    """A servable Hugging Face folder: the checkpoint's weights + the tokenizer files."""
+def export_hf(
+    checkpoint: str | Path, tokenizer_source: str | Path, output_dir: str | Path, overwrite: bool = False
+) -> Path:
+    """A servable Hugging Face folder: the checkpoint's weights + the tokenizer files. A non-empty
+    ``output_dir`` is refused unless ``overwrite``, which replaces only the files written."""
     import shutil
 
+    from nemo_dapo.folders import check_target, place
     from nemo_dapo.trainer.checkpoint import verify
 
-    checkpoint, output_dir = verify(checkpoint), Path(output_dir)
-    shutil.rmtree(output_dir, ignore_errors=True)
-    shutil.copytree(checkpoint / "policy" / "model", output_dir)
+    output_dir = Path(output_dir)
+    check_target(output_dir, overwrite, "the exported model")
+    checkpoint = verify(checkpoint)
+    staging = output_dir.parent / f".{output_dir.name}.{os.getpid()}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(checkpoint / "policy" / "model", staging)
     for source in Path(tokenizer_source).iterdir():
         if source.is_file() and (
             source.name.startswith("tokenizer") or source.name in ("chat_template.jinja", "special_tokens_map.json")
         ):
-            shutil.copy2(source, output_dir / source.name)
+            shutil.copy2(source, staging / source.name)
+    place(staging, output_dir)
     return output_dir

@@ -16,6 +16,7 @@ import time
 from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.algo.metrics import staleness_metrics
+from nemo_dapo.safe_load import load_state
 from nemo_dapo.trainer.batching import build_rollout_batch
 from nemo_dapo.trainer.data_plane import DataPlane
 from nemo_dapo.trainer.fit import DAPOTrainer
@@ -112,8 +113,7 @@ class AsyncDAPOTrainer(DAPOTrainer):
         return {**super().trainer_state(), **self.queue.snapshot()}
 
     def load_checkpoint(self, path) -> None:
-        import torch
 
         super().load_checkpoint(path)
-        self.reissued = self.queue.restore(torch.load(path / "trainer_state.pt", weights_only=False), self.global_step)
+        self.reissued = self.queue.restore(load_state(path / "trainer_state.pt"), self.global_step)
         log.info("reissued %d in-flight prompts after restore", self.reissued)

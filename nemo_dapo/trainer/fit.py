@@ -30,8 +30,10 @@ from nemo_dapo.algo.sampling import GroupAccumulator
 from nemo_dapo.config import Config, correction_settings, to_yaml
 from nemo_dapo.config.topology import cluster_gpus, prompts_per_round, total_training_steps
 from nemo_dapo.data import ResumableBatchSampler
+from nemo_dapo.errors import TrainingDiverged
 from nemo_dapo.policy.base import LossSettings
 from nemo_dapo.rollout.base import SamplingSettings
+from nemo_dapo.safe_load import load_state
 from nemo_dapo.trainer.batching import build_rollout_batch
 from nemo_dapo.trainer.checkpoint import CheckpointManager
 from nemo_dapo.trainer.preemption import Preempted, PreemptionSignals, record_preemption
@@ -130,6 +132,7 @@ class DAPOTrainer:
         self.global_step = 0
         self.weight_version = 0
         self.generated_samples = 0
+        self.nonfinite_in_a_row = 0  # training steps in a row with a skipped optimizer step
         self.initial_val: dict[str, float] = {}
         self.total_steps = total_training_steps(cfg, len(train_data))
         self.rollout.set_weight_source(self._current_weights)  # for an engine replaced mid-run
@@ -353,7 +356,7 @@ class DAPOTrainer:
 
     def load_checkpoint(self, path: Path) -> None:
         self.policy.load(str(path / "policy"))
-        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        state = load_state(path / "trainer_state.pt")
         self.global_step = state["global_step"]
         self.sampler.load_state_dict(state["sampler"])
         self._sampler_iter = None
@@ -380,6 +383,9 @@ class DAPOTrainer:
         resume_from = self.checkpoints.resolve_resume(self.cfg.checkpoint.resume)
         if resume_from is not None:
             self.load_checkpoint(resume_from)
+            finished = self._finished_summary()
+            if finished is not None:
+                return finished
         elif self.cfg.trainer.val_before_train:
             self.initial_val = self.validate()
             self.tracker.log(self.initial_val, self.global_step)
@@ -394,6 +400,7 @@ class DAPOTrainer:
                 last_val = self.validate()
                 metrics.update(last_val)
             self.tracker.log(metrics, self.global_step)
+            self._count_skipped_steps(metrics.get(mn.SKIPPED_STEPS.name, 0.0))
             if self._due(self.cfg.trainer.save_freq) or done:
                 self.save_checkpoint()
             bar.update(1)
@@ -418,6 +425,45 @@ class DAPOTrainer:
         self.tracker.close()
         record_preemption(self.output_dir, self.global_step, signal_name)
         raise Preempted(self.global_step, signal_name)
+
+    def _count_skipped_steps(self, skipped: float) -> None:
+        """Warn about a step whose optimizer skipped a non-finite gradient; stop the run after
+        ``trainer.max_nonfinite_steps`` such steps in a row, before a checkpoint of them."""
+        if skipped == 0:
+            self.nonfinite_in_a_row = 0
+            return
+        self.nonfinite_in_a_row += 1
+        limit = self.cfg.trainer.max_nonfinite_steps
+        log.warning(
+            "step %d: %.0f%% of its optimizer steps skipped: the gradient was not finite (NaN or Inf); "
+            "weights and optimizer state are as before them (%d such step(s) in a row, the run stops at %s)",
+            self.global_step,
+            100 * skipped,
+            self.nonfinite_in_a_row,
+            limit if limit > 0 else "none (trainer.max_nonfinite_steps <= 0)",
+        )
+        if 0 < limit <= self.nonfinite_in_a_row:
+            raise TrainingDiverged(
+                f"steps {self.global_step - limit + 1}-{self.global_step}: every one skipped an optimizer step for a "
+                f"non-finite gradient (trainer.max_nonfinite_steps={limit}); stopped without checkpointing them. "
+                "Look at actor/grad_norm, the learning rate, the data of these steps (prompts.jsonl) and "
+                "model.dtype; resume from the last checkpoint with checkpoint.resume=auto"
+            )
+
+    def _finished_summary(self) -> dict | None:
+        """The run this checkpoint ends was complete, with its summary written: that summary
+        (marked ``already_complete``), left as it is, like the run's export; None otherwise."""
+        done = self.global_step >= self.total_steps or self._budget_spent()
+        summary_file = self.output_dir / "summary.json"
+        if not (done and summary_file.is_file()):
+            return None
+        log.info(
+            "the run is already complete (step %d of %d): summary.json and hf_export are left as they are",
+            self.global_step,
+            self.total_steps,
+        )
+        self.tracker.close()
+        return {**json.loads(summary_file.read_text()), "already_complete": True}
 
     def _due(self, freq: int) -> bool:
         return freq > 0 and self.global_step % freq == 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import time
 from contextlib import contextmanager
 
@@ -11,8 +10,9 @@ from nemo_dapo.trainer.sinks import SINKS, SinkContext
 
 
 class Tracker:
-    """Writes every step's finite metrics to ``<output_dir>/metrics.jsonl`` and to the sinks
-    named in ``trainer.loggers`` (:mod:`~nemo_dapo.trainer.sinks`)."""
+    """Writes every step's metrics to ``<output_dir>/metrics.jsonl`` and to the sinks named in
+    ``trainer.loggers`` (:mod:`~nemo_dapo.trainer.sinks`). A NaN or Inf is written as such: it
+    tells that something went wrong (``NaN`` / ``Infinity`` in the JSON lines, as Python writes them)."""
 
     def __init__(self, loggers: list[str], context: SinkContext) -> None:
         context.output_dir.mkdir(parents=True, exist_ok=True)
@@ -20,11 +20,11 @@ class Tracker:
         self._jsonl = open(context.output_dir / "metrics.jsonl", "a", encoding="utf-8")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        finite = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-        self._jsonl.write(json.dumps({"step": step, "time": time.time(), **finite}) + "\n")
+        values = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        self._jsonl.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
         self._jsonl.flush()
         for sink in self.sinks:
-            sink.log(finite, step)
+            sink.log(values, step)
 
     def close(self) -> None:
         for sink in self.sinks:

@@ -33,6 +33,7 @@ from nemo_dapo.policy.megatron.cpu_compat import (
     skip_step_when_restoring_adam_state,
     unshare_adam_steps,
 )
+from nemo_dapo.safe_load import check_distributed_checkpoint, load_state
 
 FORMAT_KEY = "distrib_optim_sharding_type"  # megatron-core's name for the optimizer's format
 # What a dp_reshardable optimizer shard's bucket layout depends on, besides the DP size
@@ -192,6 +193,7 @@ def load_checkpoint(worker, path: str) -> None:
     from megatron.core import dist_checkpointing
 
     weights_dir = os.path.join(path, "megatron")
+    check_distributed_checkpoint(weights_dir)  # before torch unpickles anything of it
     optimizer_format = _loadable_format(worker, dist_checkpointing.load_content_metadata(weights_dir), path)
     loaded = dist_checkpointing.load(
         _sharded_state(worker, is_loading=True, optimizer_format=optimizer_format), weights_dir
@@ -208,7 +210,7 @@ def load_checkpoint(worker, path: str) -> None:
     worker.steps_done = int(loaded["steps_done"])
     rng_file = os.path.join(path, f"rng_rank{worker.rank}.pt")
     if os.path.exists(rng_file):
-        rng = torch.load(rng_file, weights_only=False)
+        rng = load_state(rng_file)
         torch.set_rng_state(rng["torch"])
         np.random.set_state(rng["numpy"])
         random.setstate(rng["python"])

@@ -531,7 +531,8 @@ class MegatronPolicyWorker:
             self._run_schedule(micros, loss_fn, forward_only=False)
         for group in self.optimizer.param_groups:
             group["lr"] = self.optim_cfg.lr * self.lr_factor(self.steps_done)
-        _, grad_norm, _ = self.optimizer.step()
+        finite = self._gradients_finite()
+        grad_norm = self.optimizer.step()[1] if finite else float("nan")  # skipped: nothing changes
         self.steps_done += 1
         step_metrics = {**self._share_metrics(step_metrics), **load_balancing_metric(self.config, len(micros))}
         if self.replay is not None:
@@ -539,8 +540,22 @@ class MegatronPolicyWorker:
             step_metrics[mn.ROUTER_AGREEMENT["mean"].name] = [agreement["mean"]]
             step_metrics[mn.ROUTER_AGREEMENT["min"].name] = [agreement["min"]]
         step_metrics[mn.GRAD_NORM.name] = [float(grad_norm)]
+        step_metrics[mn.SKIPPED_STEPS.name] = [0.0 if finite else 1.0]
         step_metrics[mn.LR.name] = [self.optim_cfg.lr * self.lr_factor(self.steps_done)]
         return step_metrics
+
+    def _gradients_finite(self) -> bool:
+        """Whether every rank's reduced gradients are finite, agreed by all ranks (one flag reduced
+        over the world): in bf16 and fp32 no loss scaler skips an Inf/NaN step, so this does, as
+        the torch worker does."""
+        bad = torch.zeros(1, device=self.device)
+        for chunk in self.chunks:
+            grads = (getattr(p, "main_grad", p.grad) for p in chunk.parameters() if p.requires_grad)
+            if any(g is not None and not torch.isfinite(g).all() for g in grads):
+                bad.fill_(1.0)
+                break
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return bad.item() == 0
 
     def _share_metrics(self, step_metrics: dict[str, list[float]]) -> dict[str, list[float]]:
         """Loss metrics exist on the last pipeline stage only; give every stage the same values."""
