@@ -20,7 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-from _common import bench_parser
+from _common import bench_parser, fresh_folder
 
 from nemo_dapo.config import load_config
 from nemo_dapo.trainer.assembly import run_training
@@ -83,7 +83,7 @@ def run_row(config: str, settings: dict, seed: int, budget: int, output: Path, e
         f"trainer.output_dir={output}",
         *extra,
     ]
-    (output / "metrics.jsonl").unlink(missing_ok=True)
+    fresh_folder(output)
     started = time.time()
     summary = run_training(load_config(config, overrides))
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]

@@ -12,7 +12,7 @@ import json
 import statistics
 from pathlib import Path
 
-from _common import bench_parser
+from _common import bench_parser, fresh_folder
 
 from nemo_dapo.config import load_config
 from nemo_dapo.trainer.assembly import run_training
@@ -20,7 +20,7 @@ from nemo_dapo.trainer.assembly import run_training
 
 def measure(config: str, mode: str, steps: int, overrides: list[str], root: Path) -> dict:
     output = root / mode
-    (output / "metrics.jsonl").unlink(missing_ok=True)
+    fresh_folder(output)
     cfg = load_config(
         config,
         [

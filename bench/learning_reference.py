@@ -30,6 +30,8 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from _common import fresh_folder
+
 ROOT = Path("outputs/bench_learning")
 REPO = Path(__file__).resolve().parents[1]
 STEP_METRICS = {  # ours -> what the table calls it
@@ -112,7 +114,7 @@ def held_out(model: Path, config: str) -> float:
 
 
 def one_run(config: str, system: str, punishment: str, seed: int, steps: int, extra: list[str]) -> dict:
-    output = (ROOT / f"{system}_punish-{punishment}_seed{seed}").resolve()
+    output = fresh_folder(ROOT / f"{system}_punish-{punishment}_seed{seed}").resolve()
     overrides = overrides_for(config, extra, steps, seed, punishment, output)
     final = run_trl(config, overrides, output) if system == "trl" else run_ours(config, overrides, system, output)
     return {

@@ -26,7 +26,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import psutil
-from _common import bench_parser
+from _common import bench_parser, fresh_folder
 
 from nemo_dapo.config import load_config
 from nemo_dapo.trainer.assembly import run_training
@@ -106,7 +106,7 @@ def _measured_here(side: str, config: str, output: Path, steps: int, extra: list
         f"trainer.output_dir={output}",
         *extra,
     ]
-    (output / "metrics.jsonl").unlink(missing_ok=True)
+    fresh_folder(output)
     memory = TreeMemory()
     memory.start()
     started = time.time()

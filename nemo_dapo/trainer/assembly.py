@@ -13,6 +13,8 @@ from nemo_dapo.config import Config
 from nemo_dapo.config.topology import is_colocated, needs_reference, policy_groups, total_optimizer_steps
 from nemo_dapo.config.validate import combination_notes, raise_problems, separate_groups_problems
 from nemo_dapo.model.builtin import resolve_builtin
+from nemo_dapo.trainer.checkpoint import CheckpointManager
+from nemo_dapo.trainer.run_folder import RunFolder, refuse_mixing
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -261,13 +263,25 @@ def reward_manager(cfg: Config) -> RewardManager:
 
 
 def run_training(cfg: Config) -> dict:
-    from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
+    """``nemo-dapo train``: claim the output folder, start the workers, train, export."""
     from nemo_dapo.logs import configure_logging
-    from nemo_dapo.trainer.fit import DAPOTrainer
     from nemo_dapo.trainer.sinks import missing_packages
 
     configure_logging(cfg.trainer.log_level)  # before Ray starts: its workers inherit the level
     raise_problems(missing_packages(cfg.trainer.loggers))
+    folder = RunFolder(cfg.trainer.output_dir)  # held until the run ends: one run per folder
+    try:
+        checkpoints = CheckpointManager(Path(cfg.trainer.output_dir) / "checkpoints").step_folders()
+        refuse_mixing(checkpoints, cfg.checkpoint.resume, cfg.trainer.output_dir)
+        return _run_claimed(cfg)
+    finally:
+        folder.release()
+
+
+def _run_claimed(cfg: Config) -> dict:
+    from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
+    from nemo_dapo.trainer.fit import DAPOTrainer
+
     cfg = resolve_paths(cfg)
     for note in combination_notes(cfg):
         log.info(note)
