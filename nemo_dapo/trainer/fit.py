@@ -36,6 +36,7 @@ from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.safe_load import load_state
 from nemo_dapo.trainer.batching import build_rollout_batch
 from nemo_dapo.trainer.checkpoint import CheckpointManager
+from nemo_dapo.trainer.health import LearningHealth
 from nemo_dapo.trainer.preemption import Preempted, PreemptionSignals, record_preemption
 from nemo_dapo.trainer.sinks import SinkContext
 from nemo_dapo.trainer.stages import (
@@ -133,6 +134,7 @@ class DAPOTrainer:
         self.weight_version = 0
         self.generated_samples = 0
         self.nonfinite_in_a_row = 0  # training steps in a row with a skipped optimizer step
+        self.health = LearningHealth()
         self.initial_val: dict[str, float] = {}
         self.total_steps = total_training_steps(cfg, len(train_data))
         self.rollout.set_weight_source(self._current_weights)  # for an engine replaced mid-run
@@ -400,6 +402,8 @@ class DAPOTrainer:
                 last_val = self.validate()
                 metrics.update(last_val)
             self.tracker.log(metrics, self.global_step)
+            for warning in self.health.observe(self.global_step, metrics):
+                log.warning(warning)
             self._count_skipped_steps(metrics.get(mn.SKIPPED_STEPS.name, 0.0))
             if self._due(self.cfg.trainer.save_freq) or done:
                 self.save_checkpoint()
