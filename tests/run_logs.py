@@ -5,13 +5,13 @@ import struct
 from pathlib import Path
 
 
-def wandb_history(run_file: Path) -> dict[int, dict]:
-    """The history rows of an offline ``run-*.wandb`` file: a LevelDB-style log (7-byte file
-    header, 32 KiB blocks of records with 7-byte headers: crc, length, FULL/FIRST/MIDDLE/LAST)
-    of protobuf ``Record`` messages."""
+def wandb_records(run_file: Path):
+    """The protobuf ``Record`` messages of an offline ``run-*.wandb`` file: a LevelDB-style log
+    (7-byte file header, 32 KiB blocks of records with 7-byte headers: crc, length,
+    FULL/FIRST/MIDDLE/LAST)."""
     from wandb.proto import wandb_internal_pb2
 
-    data, block, pos, pending, rows = run_file.read_bytes(), 32768, 7, b"", {}
+    data, block, pos, pending = run_file.read_bytes(), 32768, 7, b""
     assert data[:4] == b":W&B"
     while pos + 7 <= len(data):
         room = block - pos % block
@@ -25,11 +25,27 @@ def wandb_history(run_file: Path) -> dict[int, dict]:
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
             pending = b""
-            if record.WhichOneof("record_type") == "history":
-                items = record.history.item
-                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
-                rows[row["_step"]] = row
-    return rows
+            yield record
+
+
+def _items(items) -> dict:
+    return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
+
+
+def wandb_history(run_file: Path) -> dict[int, dict]:
+    """The history rows of an offline W&B run file, by step."""
+    rows = (_items(r.history.item) for r in wandb_records(run_file) if r.WhichOneof("record_type") == "history")
+    return {row["_step"]: row for row in rows}
+
+
+def wandb_config(run_file: Path) -> dict:
+    """The run's config: what ``wandb.init`` got (the run record), then later updates."""
+    config: dict = {}
+    for record in wandb_records(run_file):
+        kind = record.WhichOneof("record_type")
+        if kind in ("run", "config"):
+            config.update(_items((record.run.config if kind == "run" else record.config).update))
+    return config
 
 
 def mlflow_history(output: Path, run_id: str, name: str) -> dict[int, float]:

@@ -11,7 +11,7 @@ import pytest
 from nemo_dapo.trainer.sinks import SinkContext, flat_settings, missing_packages, mlflow_metric_name
 from nemo_dapo.trainer.tracking import Tracker
 from tests.listeners import is_loopback, our_listeners
-from tests.run_logs import mlflow_history, wandb_history
+from tests.run_logs import mlflow_history, wandb_config, wandb_history
 
 wandb = pytest.importorskip("wandb")
 mlflow = pytest.importorskip("mlflow")
@@ -46,7 +46,7 @@ def test_wandb_offline_and_mlflow_read_back_and_resume_continues_the_runs(tmp_pa
     tracker = open_tracker(tmp_path)  # the run resumed from a checkpoint, in the same output folder
     tracker.log(STEPS[2], 3)
     tracker.close()
-    assert json.loads((tmp_path / "logger_runs.json").read_text()) == first
+    assert json.loads((tmp_path / "logger_runs.json").read_text()) == {**first, "wandb_last_step": 3}
 
     # MLflow: one run, all three steps, '@' spelled out, the non-finite value kept as NaN (visible)
     run_id = first["mlflow"]
@@ -94,3 +94,29 @@ def test_a_missing_logger_package_is_named_with_its_extra(monkeypatch):
     (problem,) = missing_packages(["console", "wandb", "mlflow"])
     assert problem.startswith("trainer.loggers: 'wandb' needs the wandb package: pip install 'nemo-dapo[loggers]'")
     assert missing_packages(["console", "tensorboard"]) == []
+
+
+def test_steps_redone_after_a_crash_go_to_a_new_wandb_run_linked_to_the_first(tmp_path, quiet_wandb):
+    """The job logged steps 1-3 and died; it resumes from its step-2 checkpoint and redoes step 3:
+    W&B would drop a step it already has, so the redone steps go to a new run naming the first."""
+    tracker = open_tracker(tmp_path)
+    for step, metrics in enumerate(STEPS, start=1):
+        tracker.log(metrics, step)
+    tracker.close()
+    first = json.loads((tmp_path / "logger_runs.json").read_text())["wandb"]
+    tracker = open_tracker(tmp_path)
+    redone = {"actor/pg_loss": 0.25}
+    tracker.log(redone, 3)
+    tracker.log({"actor/pg_loss": 0.375}, 4)
+    tracker.close()
+    second = json.loads((tmp_path / "logger_runs.json").read_text())["wandb"]
+    assert second != first
+
+    def run_file(run_id: str) -> Path:
+        (path,) = (tmp_path / "wandb").glob(f"offline-run-*/run-{run_id}.wandb")
+        return path
+
+    old, new = wandb_history(run_file(first)), wandb_history(run_file(second))
+    assert {step: row["actor/pg_loss"] for step, row in old.items()} == {1: 0.5, 2: -0.125, 3: 0.0625}
+    assert {step: row["actor/pg_loss"] for step, row in new.items()} == {3: 0.25, 4: 0.375}
+    assert wandb_config(run_file(second))["resumed_from"] == {"wandb_run": first, "step": 3}

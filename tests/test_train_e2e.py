@@ -6,6 +6,7 @@ Every run is a real subprocess (its own Ray, vLLM engine and torch worker), as a
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -359,13 +360,31 @@ def test_moe_run_with_routing_replay_logs_router_agreement(workdir, moe_dir, mod
         assert all(row["rollout_corr/logprob_abs_diff_mean"] < 1e-3 for row in rows)
 
 
-def test_running_a_finished_run_again_leaves_its_summary_and_export_as_they_are(workdir):
+def without_pad_token(model_dir: Path, copy: Path) -> Path:
+    """A copy of the model whose tokenizer declares no pad token, as Llama 3's and Mistral's do."""
+    shutil.copytree(model_dir, copy)
+    for name in ("tokenizer_config.json", "config.json", "generation_config.json"):
+        settings = json.loads((copy / name).read_text())
+        settings.pop("pad_token_id", None)
+        if "pad_token" in settings:
+            settings["pad_token"] = None  # absent, the Qwen2 tokenizer class falls back to its own default
+        (copy / name).write_text(json.dumps(settings))
+    return copy
+
+
+def test_running_a_finished_run_again_leaves_its_summary_and_export_as_they_are(workdir, tiny_model_dir):
+    """Also: a tokenizer without a pad token trains (padded with its EOS token, said once)."""
+    model = without_pad_token(Path(tiny_model_dir), workdir / "no_pad_model")
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(model).pad_token_id is None
     out = workdir / "run"
-    first = train(out, "trainer.total_training_steps=2", *SMALL)
+    first = train(out, "trainer.total_training_steps=2", f"model.path={model}", *SMALL)
     assert first.returncode == 0, first.stderr[-3000:]
+    assert "has no pad token: padding with its EOS token '<|im_end|>'" in first.stderr
     summary = (out / "summary.json").read_bytes()
     exported = {p.name: p.stat().st_mtime_ns for p in (out / "hf_export").iterdir()}
-    again = train(out, "trainer.total_training_steps=2", *SMALL)
+    again = train(out, "trainer.total_training_steps=2", f"model.path={model}", *SMALL)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "the run is already complete (step 2 of 2)" in again.stderr
     assert (out / "summary.json").read_bytes() == summary

@@ -2,7 +2,8 @@
 MLflow. Each sink is built by name from :data:`SINKS`; ``metrics.jsonl`` is always written beside.
 
 A resumed run (same ``trainer.output_dir``) continues the W&B run and the MLflow run it started:
-their ids are kept in ``<output_dir>/logger_runs.json``. W&B and MLflow are the optional
+their ids are kept in ``<output_dir>/logger_runs.json`` (W&B: see :class:`WandbSink` for the steps
+a crashed job logged past its checkpoint). W&B and MLflow are the optional
 ``loggers`` extra (``pip install 'nemo-dapo[loggers]'``); start-up refuses them when missing.
 """
 
@@ -36,15 +37,16 @@ class SinkContext:
     wandb_mode: str | None = None
     mlflow_tracking_uri: str | None = None
 
-    def remembered_run(self, sink: str) -> str | None:
-        """The id this output folder's earlier run used with ``sink`` (None: a new run)."""
+    def remembered(self, key: str) -> Any:
+        """What this output folder's earlier run kept under ``key`` (a sink's run id, the last
+        step it logged); None: nothing kept."""
         path = self.output_dir / "logger_runs.json"
-        return json.loads(path.read_text()).get(sink) if path.is_file() else None
+        return json.loads(path.read_text()).get(key) if path.is_file() else None
 
-    def remember_run(self, sink: str, run_id: str) -> None:
+    def remember(self, key: str, value: Any) -> None:
         path = self.output_dir / "logger_runs.json"
-        runs = json.loads(path.read_text()) if path.is_file() else {}
-        path.write_text(json.dumps({**runs, sink: run_id}, indent=1) + "\n")
+        kept = json.loads(path.read_text()) if path.is_file() else {}
+        path.write_text(json.dumps({**kept, key: value}, indent=1) + "\n")
 
 
 class MetricSink(Protocol):
@@ -92,28 +94,49 @@ class TensorBoardSink:
 
 class WandbSink:
     """A W&B run in ``<output_dir>/wandb``, named after the experiment, with the whole config.
-    ``trainer.wandb_mode=offline`` needs no network (``wandb sync`` uploads it later)."""
+    ``trainer.wandb_mode=offline`` needs no network (``wandb sync`` uploads it later).
+
+    A resumed run continues the W&B run of the folder, unless that run logged steps past the
+    checkpoint it resumed from (the job died after the checkpoint): a W&B run's steps only go up,
+    so the redone steps would be dropped. Those go to a new run in the same group, named with the
+    step it starts at, whose config says which run it continues (``resumed_from``). The run opens
+    at the first logged step, when that step is known."""
 
     def __init__(self, context: SinkContext) -> None:
+        self.context = context
+        self.run: Any = None
+
+    def _open(self, first_step: int) -> None:
         import wandb
 
-        run_id = context.remembered_run("wandb")
+        context = self.context
+        earlier, last_step = context.remembered("wandb"), context.remembered("wandb_last_step")
+        continues = earlier is not None and (last_step is None or first_step > last_step)
+        config, name = context.run_config, context.experiment_name
+        if earlier is not None and not continues:
+            config = {**config, "resumed_from": {"wandb_run": earlier, "step": first_step}}
+            name = f"{name} (redone from step {first_step})"
         self.run = wandb.init(
             project=context.project_name,
-            name=context.experiment_name,
+            name=name,
+            group=context.experiment_name,
             dir=str(context.output_dir),
-            config=context.run_config,
+            config=config,
             mode=context.wandb_mode,  # type: ignore[arg-type]  # the schema allows online | offline | null
-            id=run_id,
-            resume="allow" if run_id else None,
+            id=earlier if continues else None,
+            resume="allow" if continues else None,
         )
-        context.remember_run("wandb", self.run.id)
+        context.remember("wandb", self.run.id)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.run is None:
+            self._open(step)
         self.run.log(metrics, step=step)
+        self.context.remember("wandb_last_step", step)
 
     def close(self) -> None:
-        self.run.finish()
+        if self.run is not None:
+            self.run.finish()
 
 
 def mlflow_metric_name(name: str) -> str:
@@ -136,8 +159,8 @@ class MlflowSink:
         local = f"sqlite:///{(context.output_dir / 'mlflow.db').resolve()}"
         uri = context.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or local
         self.client = MlflowClient(tracking_uri=uri)
-        self.run_id = context.remembered_run("mlflow") or self._new_run(context)
-        context.remember_run("mlflow", self.run_id)
+        self.run_id = context.remembered("mlflow") or self._new_run(context)
+        context.remember("mlflow", self.run_id)
         if not self.client.get_run(self.run_id).data.params:
             params = [Param(k, str(v)[:6000]) for k, v in flat_settings(context.run_config)]
             for start in range(0, len(params), 100):  # MLflow takes at most 100 per batch
