@@ -389,3 +389,24 @@ def test_running_a_finished_run_again_leaves_its_summary_and_export_as_they_are(
     assert "the run is already complete (step 2 of 2)" in again.stderr
     assert (out / "summary.json").read_bytes() == summary
     assert {p.name: p.stat().st_mtime_ns for p in (out / "hf_export").iterdir()} == exported
+
+
+def test_a_run_made_to_collapse_is_warned_about_once(workdir):
+    """A learning rate that wrecks the tiny model after its first update (dynamic sampling off):
+    some first-step samples are right, none after; the trainer names the collapse and its causes."""
+    out = workdir / "run"
+    done = train(
+        out,
+        "algorithm.filter_groups.enable=false",
+        "actor.optim.lr=0.5",
+        "trainer.total_training_steps=5",
+        "trainer.save_freq=0",
+        *SMALL,
+        "data.gen_batch_size=8",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    accuracy = [row["critic/acc/mean"] for row in records(out / "metrics.jsonl") if "critic/acc/mean" in row]
+    assert accuracy[0] > 0 and accuracy[1:] == [0.0] * 4
+    warnings = re.findall(r"step (\d+): no training sample was correct in the last 3 steps.*", done.stderr)
+    assert warnings == ["4"]
+    assert "algorithm.filter_groups.enable=false" in done.stderr and "actor.optim.lr" in done.stderr
