@@ -164,7 +164,7 @@ def test_unsupported_moe_layouts_are_refused():
 def test_start_up_knows_the_experts_of_a_local_model(overrides, message, moe_dir, qwen3_dir):
     """Checked before any worker is placed (the config itself loads: its model may not exist yet)."""
     from nemo_dapo.config import load_config
-    from nemo_dapo.launch.plan import startup_shape_problems
+    from nemo_dapo.config.model_checks import startup_shape_problems
 
     base = [
         "actor.backend=megatron",

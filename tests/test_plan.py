@@ -6,8 +6,8 @@ import pytest
 
 from nemo_dapo.cli import main
 from nemo_dapo.config import load_config
-from nemo_dapo.launch.architectures import KNOWN_ARCHITECTURES, resolve_architecture
-from nemo_dapo.launch.capacity import GIB
+from nemo_dapo.config.architecture import KNOWN_ARCHITECTURES, resolve_architecture
+from nemo_dapo.config.capacity import GIB
 from nemo_dapo.launch.plan import make_plan
 
 # 24 GPUs: divisible by 3, so TP=3 / EP=3 pass the config's world-size check and reach the model's shape

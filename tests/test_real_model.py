@@ -160,9 +160,9 @@ def test_import_gguf_command_reports_a_bad_file_and_exits_2(tmp_path, capsys):
 
 def test_a_cpu_micro_batch_budget_that_cannot_fit_is_refused_at_start_up(smollm2_dir):
     from nemo_dapo.config import load_config
-    from nemo_dapo.launch.architectures import resolve_architecture
-    from nemo_dapo.launch.capacity import training_memory
-    from nemo_dapo.launch.plan import cpu_memory_problems
+    from nemo_dapo.config.architecture import resolve_architecture
+    from nemo_dapo.config.capacity import training_memory
+    from nemo_dapo.config.model_checks import cpu_memory_problems
 
     preset = load_config("smollm2_cpu", [f"model.path={smollm2_dir}"])
     assert cpu_memory_problems(preset, host_gib=24) == []
@@ -176,7 +176,7 @@ def test_a_cpu_micro_batch_budget_that_cannot_fit_is_refused_at_start_up(smollm2
     compute_bytes = 2 if preset.model.dtype == "bfloat16" else 4  # model.dtype=auto: this machine's choice
     assert training_memory(huge, arch, 0).logits == pytest.approx(682 * 49152 * (compute_bytes + 8) / 2**30)
     # eager attention keeps each layer's probabilities: tokens x 9 heads x 192 positions, fp32 + the compute dtype
-    from nemo_dapo.launch.plan import eager_attention_bytes
+    from nemo_dapo.config.model_checks import eager_attention_bytes
 
     assert eager_attention_bytes(preset, arch) == 1024 * 9 * 192 * (4 + compute_bytes) * 30
     sdpa = load_config("smollm2_cpu", [f"model.path={smollm2_dir}", "actor.attn_implementation=sdpa"])

@@ -103,7 +103,7 @@ def test_impossible_replay_settings_fail_at_start_up(overrides, message):
 
 
 def test_replay_on_a_dense_model_is_refused_before_placement(tiny_model_dir):
-    from nemo_dapo.launch.plan import startup_shape_problems
+    from nemo_dapo.config.model_checks import startup_shape_problems
 
     cfg = load_config(
         "tiny_cpu", ["actor.backend=megatron", "actor.megatron.router_replay=r2", f"model.path={tiny_model_dir}"]

@@ -203,7 +203,7 @@ def launch_workers(cfg: Config, total_optimizer_steps: int) -> StartingWorkers:
     import psutil
 
     from nemo_dapo.cluster.placement import SharedGPUs
-    from nemo_dapo.launch.plan import cpu_memory_problems, startup_shape_problems
+    from nemo_dapo.config.model_checks import cpu_memory_problems, startup_shape_problems
 
     host_gib = psutil.virtual_memory().total / 2**30
     raise_problems(separate_groups_problems(cfg) + startup_shape_problems(cfg) + cpu_memory_problems(cfg, host_gib))

@@ -41,9 +41,9 @@ import math
 from dataclasses import dataclass
 
 from nemo_dapo.algo.logprob import chunk_tokens_for
+from nemo_dapo.config.architecture import Architecture
 from nemo_dapo.config.schema import Config
 from nemo_dapo.config.topology import is_colocated, needs_reference, training_world_size
-from nemo_dapo.launch.architectures import Architecture
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -1,0 +1,115 @@
+"""Start-up checks that need the model's shape: will the layouts split it, will a CPU run's workers
+fit this machine's memory. Run by ``nemo-dapo train`` before any worker is placed and by
+``nemo-dapo plan`` (:mod:`nemo_dapo.launch.plan`), which adds the GPU memory model.
+"""
+
+from __future__ import annotations
+
+from nemo_dapo.config.architecture import Architecture, resolve_architecture
+from nemo_dapo.config.capacity import DTYPE_BYTES, Layout, layout_of, training_memory
+from nemo_dapo.config.schema import Config
+
+
+def _divides(problems: list[str], size: int, count: int, what: str, key: str) -> None:
+    if count % size:
+        problems.append(f"{key}={size} does not divide the model's {count} {what}")
+
+
+def training_layout_problems(arch: Architecture, layout: Layout) -> list[str]:
+    """What Megatron cannot shard: heads and FFN widths over TP, layers over PP, experts over EP."""
+    problems: list[str] = []
+    key = "actor.megatron"
+    _divides(problems, layout.tp, arch.num_attention_heads, "attention heads", f"{key}.tensor_model_parallel_size")
+    _divides(problems, layout.tp, arch.num_kv_heads, "KV heads (query groups)", f"{key}.tensor_model_parallel_size")
+    if arch.is_moe:
+        _divides(
+            problems, layout.tp, arch.moe_intermediate_size, "expert FFN width", f"{key}.tensor_model_parallel_size"
+        )
+        _divides(problems, layout.ep, arch.num_experts, "experts", f"{key}.expert_model_parallel_size")
+    else:
+        _divides(problems, layout.tp, arch.intermediate_size, "FFN width", f"{key}.tensor_model_parallel_size")
+        if layout.ep > 1:
+            problems.append(f"{key}.expert_model_parallel_size={layout.ep}: {arch.name} is dense (no experts)")
+    _divides(
+        problems,
+        layout.pp * (layout.vpp or 1),
+        arch.num_layers,
+        "layers",
+        f"{key}.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size",
+    )
+    return problems
+
+
+def rollout_layout_problems(cfg: Config, arch: Architecture) -> list[str]:
+    """vLLM's own constraints (the GPU counts are :func:`placement_problems`)."""
+    tp, problems = cfg.rollout.tensor_parallel_size, []
+    _divides(problems, tp, arch.num_attention_heads, "attention heads", "rollout.tensor_parallel_size")
+    if arch.num_kv_heads % tp and tp % arch.num_kv_heads:
+        problems.append(
+            f"rollout.tensor_parallel_size={tp}: neither divides nor is a multiple of the model's "
+            f"{arch.num_kv_heads} KV heads"
+        )
+    return problems
+
+
+def shape_problems(cfg: Config, arch: Architecture) -> list[str]:
+    """How the training and rollout layouts split this model (heads, widths, layers, experts)."""
+    problems = training_layout_problems(arch, layout_of(cfg)) if cfg.actor.backend == "megatron" else []
+    replay = cfg.actor.megatron.router_replay
+    if replay != "none" and not arch.is_moe:
+        problems.append(
+            f"actor.megatron.router_replay={replay}: {arch.name} is dense (no experts, nothing routed); set it to none"
+        )
+    return problems + rollout_layout_problems(cfg, arch)
+
+
+def startup_shape_problems(cfg: Config) -> list[str]:
+    """:func:`shape_problems` for a run about to place its workers, when the model's shape can be
+    known (a local folder or a listed model); otherwise the workers check it as they build."""
+    try:
+        arch = resolve_architecture(cfg.model.path)
+    except (ValueError, KeyError):
+        return []
+    return shape_problems(cfg, arch)
+
+
+def cpu_memory_problems(cfg: Config, host_gib: float) -> list[str]:
+    """A CPU-mode run (``trainer.n_gpus_per_node=0``) whose workers cannot fit ``host_gib`` of memory
+    together: each policy rank's update (fp32 weights, gradients, Adam, activations of one
+    micro-batch, one logits chunk, eager attention's probabilities) plus each engine's weights and
+    KV cache. Refused before any worker starts, naming the micro-batch budget, which the
+    activations grow with."""
+    if cfg.trainer.n_gpus_per_node > 0:
+        return []
+    try:
+        arch = resolve_architecture(cfg.model.path)
+    except (ValueError, KeyError):
+        return []
+    training = training_memory(cfg, arch, reserve_gib=0.0)
+    eager = eager_attention_bytes(cfg, arch) / 2**30
+    activations = training.activations[training.recompute] + eager
+    per_rank = training.total + eager
+    engine = arch.total_params() * 4 / 2**30 + 1.0  # fp32 weights + the engines' 1 GiB KV cache on CPU
+    need = per_rank * cfg.actor.num_workers + engine * cfg.rollout.num_workers
+    if need <= HOST_MEMORY_FRACTION * host_gib:
+        return []
+    return [
+        f"actor.max_token_len_per_micro_batch={cfg.actor.max_token_len_per_micro_batch}: the workers need about "
+        f"{need:.1f} GiB ({activations:.1f} GiB of activations per policy rank) of this machine's "
+        f"{host_gib:.1f} GiB; lower it (activations grow with it) or use fewer actor.num_workers"
+    ]
+
+
+def eager_attention_bytes(cfg: Config, arch: Architecture) -> float:
+    """What ``actor.attn_implementation=eager`` keeps for the backward beyond the other activations:
+    every layer's attention probabilities, ``heads x sequence`` values per token of a micro-batch, in
+    fp32 (the softmax) and in the compute dtype (the copy the value matmul reads)."""
+    if cfg.actor.attn_implementation != "eager":
+        return 0.0
+    sequence = cfg.data.max_prompt_length + cfg.data.max_response_length
+    per_value = 4 + DTYPE_BYTES[cfg.model.dtype]
+    tokens = cfg.actor.max_token_len_per_micro_batch
+    return tokens * arch.num_attention_heads * sequence * per_value * arch.num_layers
+
+
+HOST_MEMORY_FRACTION = 0.85  # the rest: driver, Ray, the reward pool, the page cache
