@@ -296,24 +296,16 @@ def test_recompute_fields():
 
 def test_widths_are_padded_for_sequence_parallelism_and_fp8():
     """SP splits columns over TP; TransformerEngine's FP8 GEMMs need token counts divisible by 16."""
-    from types import SimpleNamespace
+    from nemo_dapo.policy.megatron.inputs import width_multiple
 
-    from nemo_dapo.config.schema import MegatronConfig
-    from nemo_dapo.policy.megatron import model as mm
-    from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
-
-    def multiple(tp: int, **options) -> int:
-        worker = SimpleNamespace(parallel=mm.Parallelism(tp), layout=MegatronConfig(**options))
-        return MegatronPolicyWorker.width_multiple.fget(worker)
-
-    assert multiple(8) == 1 and multiple(8, sequence_parallel=True) == 8
-    assert multiple(1, fp8="hybrid") == 16 and multiple(6, sequence_parallel=True, fp8="hybrid") == 48
+    assert width_multiple(8, False, None) == 1 and width_multiple(8, True, None) == 8
+    assert width_multiple(1, False, "hybrid") == 16 and width_multiple(6, True, "hybrid") == 48
 
 
 def test_right_padding_to_a_multiple_changes_no_log_prob(tmp_path, tiny_model_dir):
     """Sequence parallelism pads each micro-batch to a multiple of TP: masked columns after every
     real token, positions continued, and the response slice unchanged."""
-    from nemo_dapo.policy.megatron.worker import attention_mask_4d, pad_width
+    from nemo_dapo.policy.megatron.inputs import attention_mask_4d, pad_width
 
     worker = megatron_worker(0, 1, str(tmp_path / "store"), str(tiny_model_dir))
     micro = make_batch(rows=3)

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import functools
 import os
-import random
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -28,6 +26,7 @@ from nemo_dapo.policy.lr_schedule import lr_lambda
 from nemo_dapo.policy.microbatch import ROWS, RowStats, micro_batches, within_responses
 from nemo_dapo.policy.shared_prompt import hidden_before_responses
 from nemo_dapo.policy.weights import Bucket, bucketize
+from nemo_dapo.rng import restore_rng, rng_state
 from nemo_dapo.safe_load import load_state
 from nemo_dapo.threads import use_cpu_threads
 
@@ -213,7 +212,7 @@ class TorchPolicyWorker:
         return {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            "rng": rng_state(),
         }
 
     def save(self, path: str, asynchronous: bool = False) -> None:
@@ -245,7 +244,4 @@ class TorchPolicyWorker:
         self.scheduler.load_state_dict(state["scheduler"])
         rng_file = os.path.join(path, f"rng_rank{self.rank}.pt")
         if os.path.exists(rng_file):  # absent when resuming with more ranks than were saved
-            rng = load_state(rng_file)
-            torch.set_rng_state(rng["torch"])
-            np.random.set_state(rng["numpy"])
-            random.setstate(rng["python"])
+            restore_rng(load_state(rng_file))

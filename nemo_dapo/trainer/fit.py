@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -32,6 +30,7 @@ from nemo_dapo.config.topology import cluster_gpus, prompts_per_round, total_tra
 from nemo_dapo.data import ResumableBatchSampler
 from nemo_dapo.errors import TrainingDiverged
 from nemo_dapo.policy.base import LossSettings
+from nemo_dapo.rng import restore_rng, rng_state
 from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.safe_load import load_state
 from nemo_dapo.trainer.batching import build_rollout_batch
@@ -330,7 +329,7 @@ class DAPOTrainer:
             "accumulator": self.accumulator.state_dict() if self.accumulator else None,
             "kl_coef": self.kl_controller.value,
             "initial_val": self.initial_val,
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            "rng": rng_state(),
         }
 
     def save_checkpoint(self) -> None:
@@ -366,9 +365,7 @@ class DAPOTrainer:
             self.accumulator.load_state_dict(state["accumulator"])
         self.kl_controller.value = state["kl_coef"]
         self.initial_val = state["initial_val"]
-        torch.set_rng_state(state["rng"]["torch"])
-        np.random.set_state(state["rng"]["numpy"])
-        random.setstate(state["rng"]["python"])
+        restore_rng(state["rng"])
         self.weight_version = state["weight_version"]
         self.generated_samples = state.get("generated_samples", 0)  # checkpoints from before the budget existed
         self.sync_weights()  # the engines started from the base model: give them the checkpoint's weights

@@ -20,19 +20,22 @@ from __future__ import annotations
 
 import json
 import os
-import random
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, Protocol
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from nemo_dapo.config.schema import MegatronConfig
 from nemo_dapo.errors import InputError
 from nemo_dapo.policy.megatron.cpu_compat import (
     init_fallback_adam_state,
     skip_step_when_restoring_adam_state,
     unshare_adam_steps,
 )
+from nemo_dapo.policy.weights import Bucket
+from nemo_dapo.rng import restore_rng, rng_state
 from nemo_dapo.safe_load import check_distributed_checkpoint, load_state
 
 FORMAT_KEY = "distrib_optim_sharding_type"  # megatron-core's name for the optimizer's format
@@ -45,6 +48,27 @@ BUCKET_LAYOUT = (
     "ddp_bucket_size",
     "overlap_grad_reduce",
 )
+
+
+class CheckpointedWorker(Protocol):
+    """What saving and loading read and set on a Megatron worker (``MegatronPolicyWorker``)."""
+
+    rank: int
+    layout: MegatronConfig
+    models: list  # the GPTModel chunks
+    optimizer: Any  # megatron-core's (distributed) optimizer
+    steps_done: int
+    hf_config: Any  # the model folder's transformers config, saved beside the HF copy
+
+    @property
+    def async_saves(self) -> Any: ...  # megatron-core's AsyncCallsQueue
+
+    @property
+    def background_writes(self) -> BackgroundWrites: ...
+
+    def gather_params(self) -> None: ...
+
+    def export_weights(self, bucket_bytes: int = ...) -> Iterator[Bucket]: ...
 
 
 class CheckpointLayoutError(InputError, ValueError):
@@ -75,7 +99,7 @@ class BackgroundWrites:
         return not pending
 
 
-def _sharded_state(worker, is_loading: bool, optimizer_format: str) -> dict:
+def _sharded_state(worker: CheckpointedWorker, is_loading: bool, optimizer_format: str) -> dict:
     """Model chunks (tensor keys use model-wide layer indices, so any PP / virtual-stage layout
     loads any other), the optimizer over all of them, and the step counter."""
     chunk_states = {f"model{i}": model.sharded_state_dict() for i, model in enumerate(worker.models)}
@@ -87,7 +111,7 @@ def _sharded_state(worker, is_loading: bool, optimizer_format: str) -> dict:
     return {"model": model_state, "optimizer": optimizer_state, "steps_done": worker.steps_done}
 
 
-def _content_metadata(worker) -> dict:
+def _content_metadata(worker: CheckpointedWorker) -> dict:
     """The optimizer's format (a plain optimizer's state is per parameter: it reshards freely)."""
     layout = worker.layout
     return {
@@ -96,7 +120,7 @@ def _content_metadata(worker) -> dict:
     }
 
 
-def _loadable_format(worker, metadata: dict | None, path: str) -> str:
+def _loadable_format(worker: CheckpointedWorker, metadata: dict | None, path: str) -> str:
     """The optimizer format of the checkpoint at ``path``; raises when this layout cannot load it.
 
     Checkpoints written before the format was recorded are ``fully_reshardable``."""
@@ -115,7 +139,7 @@ def _loadable_format(worker, metadata: dict | None, path: str) -> str:
     return metadata[FORMAT_KEY]
 
 
-def save_checkpoint(worker, path: str, asynchronous: bool = False) -> None:
+def save_checkpoint(worker: CheckpointedWorker, path: str, asynchronous: bool = False) -> None:
     """Collective. With ``asynchronous`` the sharded state is still being written on return."""
     from megatron.core import dist_checkpointing
 
@@ -132,12 +156,12 @@ def save_checkpoint(worker, path: str, asynchronous: bool = False) -> None:
     )
     if asynchronous:
         worker.async_saves.schedule_async_request(request)
-    torch.save(worker.rng_state(), os.path.join(path, f"rng_rank{worker.rank}.pt"))
+    torch.save(rng_state(), os.path.join(path, f"rng_rank{worker.rank}.pt"))
     _save_hf_weights(worker, os.path.join(path, "model"), asynchronous)
     dist.barrier()
 
 
-def _save_hf_weights(worker, folder: str, asynchronous: bool) -> None:
+def _save_hf_weights(worker: CheckpointedWorker, folder: str, asynchronous: bool) -> None:
     """A Hugging Face copy of the weights beside the sharded state, for export and serving (collective).
 
     Each pipeline stage's exporting rank writes its own safetensors shard (never the whole model on
@@ -180,7 +204,7 @@ def _save_hf_weights(worker, folder: str, asynchronous: bool) -> None:
                 json.dump(index, handle, indent=2)
 
 
-def finish_async_saves(worker, blocking: bool) -> bool:
+def finish_async_saves(worker: CheckpointedWorker, blocking: bool) -> bool:
     """Collective: whether this rank's background writes are done (the sharded state's finalised:
     metadata written, errors raised on all ranks; the HF copy's errors raised here); ``blocking``
     waits for them."""
@@ -189,7 +213,7 @@ def finish_async_saves(worker, blocking: bool) -> bool:
     return worker.async_saves.get_num_unfinalized_calls() == 0 and hf_copy_done
 
 
-def load_checkpoint(worker, path: str) -> None:
+def load_checkpoint(worker: CheckpointedWorker, path: str) -> None:
     from megatron.core import dist_checkpointing
 
     weights_dir = os.path.join(path, "megatron")
@@ -210,7 +234,4 @@ def load_checkpoint(worker, path: str) -> None:
     worker.steps_done = int(loaded["steps_done"])
     rng_file = os.path.join(path, f"rng_rank{worker.rank}.pt")
     if os.path.exists(rng_file):
-        rng = load_state(rng_file)
-        torch.set_rng_state(rng["torch"])
-        np.random.set_state(rng["numpy"])
-        random.setstate(rng["python"])
+        restore_rng(load_state(rng_file))

@@ -18,13 +18,9 @@ are packs (:mod:`packing`) in THD form; the local spec attends with torch SDPA
 from __future__ import annotations
 
 import functools
-import math
-import random
 from collections.abc import Iterator
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
 from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.correction import CorrectionSettings
@@ -34,55 +30,21 @@ from nemo_dapo.logs import configure_logging
 from nemo_dapo.policy.actor_loss import actor_loss
 from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, UpdateResult, require_trainable
 from nemo_dapo.policy.lr_schedule import lr_lambda
+from nemo_dapo.policy.megatron import build, inputs, stages
 from nemo_dapo.policy.megatron import model as mm
 from nemo_dapo.policy.megatron.convert import ModelShape
 from nemo_dapo.policy.megatron.cpu_compat import enable_cpu_compat
 from nemo_dapo.policy.megatron.export import iter_hf_weights
 from nemo_dapo.policy.megatron.router_loss import load_balancing_metric, per_routed_token
-from nemo_dapo.policy.megatron.vocab import DeferredOutputLayer
 from nemo_dapo.policy.microbatch import (
     ROWS,
     RowStats,
-    micro_batches,
     prompt_width,
-    uniform_micro_batches,
     within_responses,
-)
-from nemo_dapo.policy.packing import (
-    PACKED_IDS,
-    context_parallel_share,
-    packed_micro_batches,
-    response_positions,
-    scatter_rows,
-    uniform_packs,
 )
 from nemo_dapo.policy.routing import ROUTED_EXPERTS, place_micro_routing, routing_dtype
 from nemo_dapo.policy.weights import Bucket, bucketize
 from nemo_dapo.threads import use_cpu_threads
-
-
-def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Megatron's boolean mask (True = blocked): causal, and padding keys blocked."""
-    width = attention_mask.shape[1]
-    causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=attention_mask.device), diagonal=1)
-    return causal[None, None] | (attention_mask == 0)[:, None, None, :]
-
-
-def padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """TransformerEngine's ``padding_causal`` input: [b, 1, 1, s], True = padding (causality is TE's)."""
-    return (attention_mask == 0)[:, None, None, :]
-
-
-def pad_width(micro: dict[str, torch.Tensor], multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Model inputs right-padded to a width divisible by ``multiple`` (sequence parallelism splits
-    the sequence over the TP ranks); padded columns are masked and come after every real token."""
-    tokens, positions, mask = micro["input_ids"], micro["position_ids"], micro["attention_mask"]
-    extra = -tokens.shape[1] % multiple
-    if extra:
-        tokens = torch.nn.functional.pad(tokens, (0, extra))
-        positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, extra + 1, device=positions.device)], 1)
-        mask = torch.nn.functional.pad(mask, (0, extra))
-    return tokens, positions, mask
 
 
 def finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs) -> None:
@@ -136,40 +98,19 @@ class MegatronPolicyWorker:
         self.max_token_len = max_token_len
         columns = mm.padded_vocab_size(self.shape.vocab_size, self.parallel.tensor) // self.parallel.tensor
         self.chunk_tokens = logits_chunk_tokens or chunk_tokens_for(columns)
-        self.output: DeferredOutputLayer | None = None  # set by _build on the last pipeline stage
         self.steps_done = 0
         self.trainable = trainable
-        self.models = self._build(model_path)
+        built = build.build_chunks(model_path, self.hf_config, self.config, self.shape, layout, self.device)
+        self.models, self.output = built.models, built.output
         self.replay = self._routing_replay()
         self.optimizer = None
         if trainable:
-            self.chunks = self._wrap_for_training()
-            self._install_overlap_hooks()
-            self.optimizer = self._build_optimizer()
+            self.chunks = build.wrap_for_training(self.models, self.config, layout)
+            self.optimizer = build.build_optimizer(self.chunks, optim, layout, self.config)
         else:  # a reference model: weights only, no gradient buffers or optimizer state
             self.chunks = self.models
             for model in self.models:
                 model.requires_grad_(False)
-
-    def _build(self, model_path: str) -> list:
-        """This rank's GPTModel chunks (one, or ``virtual`` interleaved ones) with the checkpoint's weights."""
-        models = []
-        for vp_stage in range(self.parallel.chunks_per_rank):
-            # only this chunk's share of the checkpoint is read and converted
-            full = mm.full_megatron_state(
-                mm.read_hf_weights(model_path, mm.chunk_needs(self.shape, vp_stage)), self.shape, self.parallel.tensor
-            )
-            model = mm.build_gpt_model(
-                self.hf_config, self.config, self.layout.transformer_impl, vp_stage if self.parallel.virtual else None
-            )
-            # as Megatron's get_model + Float16Module: every parameter on this rank's device, in the
-            # training dtype (the torch-norm fallback of the local spec is built on the CPU in fp32)
-            model.to(device=self.device, dtype=self.config.params_dtype)
-            mm.load_local_weights(model, mm.local_weights(full, self.shape, self.parallel.tensor, vp_stage))
-            if getattr(model, "output_layer", None) is not None:  # the last stage's last chunk
-                self.output = DeferredOutputLayer(model.output_layer)
-            models.append(model)
-        return models
 
     def _routing_replay(self):
         """The MoE routers' replay hooks (``actor.megatron.router_replay``; docs/moe.md), or None."""
@@ -191,57 +132,12 @@ class MegatronPolicyWorker:
             recompute=self.layout.recompute_granularity == "full",
         )
 
-    def _wrap_for_training(self) -> list:
-        """Each chunk in Megatron's DDP (gradient buffers; as Megatron's training loop, only the
-        first chunk's gradient reduction is bucketed)."""
-        from megatron.core.distributed import DistributedDataParallel
-
-        ddp_config = mm.ddp_config(self.layout)
-        return [
-            DistributedDataParallel(self.config, ddp_config, model, disable_bucketing=vp_stage > 0)
-            for vp_stage, model in enumerate(self.models)
-        ]
-
-    def _install_overlap_hooks(self) -> None:
-        """The schedule's hooks for overlapped gradient reduction (as Megatron's training loop): no
-        reduction before the last micro-batch, then each chunk's reduction started as soon as its
-        backward ends. Overlapped parameter gathers need none: DDP's forward pre-hooks run them."""
-        if not self.layout.overlap_grad_reduce:
-            return
-
-        def per_chunk(method: str):
-            methods = [getattr(chunk, method) for chunk in self.chunks]
-            return methods[0] if len(methods) == 1 else methods
-
-        self.config.no_sync_func = per_chunk("no_sync")
-        self.config.grad_sync_func = per_chunk("start_grad_sync")
-
     def gather_params(self) -> None:
         """With overlapped parameter gathers, the other ranks' shards of an update arrive in the next
         forward; readers of the weights outside a forward (export, checkpoint) gather them now."""
         if self.trainable and self.layout.overlap_param_gather:
             for chunk in self.chunks:
                 chunk.start_param_sync(force_sync=True)
-
-    def _build_optimizer(self):
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        cfg = self.optim_cfg
-        config = OptimizerConfig(
-            optimizer="adam",
-            lr=cfg.lr,
-            weight_decay=cfg.weight_decay,
-            adam_beta1=cfg.betas[0],
-            adam_beta2=cfg.betas[1],
-            adam_eps=cfg.eps,
-            clip_grad=cfg.clip_grad,
-            use_distributed_optimizer=self.layout.use_distributed_optimizer,
-            params_dtype=self.config.params_dtype,
-            bf16=self.config.bf16,
-            fp16=self.config.fp16,
-        )
-        # config_overrides={}: weight decay on every parameter, as torch.optim.AdamW in the torch worker
-        return get_megatron_optimizer(config, self.chunks, config_overrides={})
 
     @property
     def dp_rank(self) -> int:
@@ -268,125 +164,31 @@ class MegatronPolicyWorker:
             hidden, labels, temperature, self.shape.vocab_size, entropy_grad, self.chunk_tokens
         )
 
-    def _response_stats(
-        self, micro: dict[str, torch.Tensor], hidden: torch.Tensor, temperature: float, entropy_grad: bool = True
-    ):
-        """Log-probs and entropy of the response tokens (``hidden``: the model's output, [b, s, h])."""
-        if PACKED_IDS in micro:
-            return self._packed_response_stats(micro, hidden, temperature, entropy_grad)
-        width, length = prompt_width(micro), micro["responses"].shape[1]
-        return self._stats(hidden[:, width - 1 : width - 1 + length], micro["responses"], temperature, entropy_grad)
-
-    def _packed_response_stats(
-        self, micro: dict[str, torch.Tensor], hidden: torch.Tensor, temperature: float, entropy_grad: bool
-    ):
-        """The same from a pack, put back in [rows, response] form. With context parallelism each
-        rank scores the response tokens it holds and the rows are summed over the CP group
-        (backward: each rank's share of the gradient reaches its own tokens only)."""
-        positions, labels, real = response_positions(micro)
-        if "cp_local" not in micro:
-            return tuple(
-                scatter_rows(values, real)
-                for values in self._stats(hidden[0, positions], labels, temperature, entropy_grad)
-            )
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-        local = micro["cp_local"][positions]
-        held = local >= 0
-        stats = self._stats(hidden[0, local[held]], labels[held], temperature, entropy_grad)
-        group = parallel_state.get_context_parallel_group()
-        return tuple(
-            reduce_from_tensor_model_parallel_region(
-                scatter_rows(values.new_zeros(held.shape).masked_scatter(held, values), real), group
-            )
-            for values in stats
+    def _response_stats(self, micro, hidden: torch.Tensor, temperature: float, entropy_grad: bool = True):
+        """Log-probs and entropy of ``micro``'s response tokens, in [rows, response] form."""
+        return inputs.response_stats(
+            micro, hidden, lambda states, labels: self._stats(states, labels, temperature, entropy_grad)
         )
+
+    @property
+    def width_multiple(self) -> int:
+        return inputs.layout_width_multiple(self.layout, self.parallel)
+
+    def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        cp_rank = 0
+        if self.parallel.context > 1:
+            from megatron.core import parallel_state
+
+            cp_rank = parallel_state.get_context_parallel_rank()
+        return inputs.split_batch(batch, self.layout, self.parallel, self.max_token_len, cp_rank)
+
+    def _model_inputs(self, micro: dict[str, torch.Tensor]) -> dict:
+        te = self.layout.transformer_impl == "transformer_engine"
+        return inputs.model_inputs(micro, self.width_multiple, te)
 
     def _set_mode(self, train: bool) -> None:
         for chunk in self.chunks:
             chunk.train(train)
-
-    def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """Token-budget micro-batches (packed ones with ``sequence_packing``); with interleaved stages,
-        a multiple of PP of them, all of one shape (Megatron's interleaved schedule runs them in
-        groups of PP and sends fixed shapes)."""
-        if self.layout.sequence_packing:
-            return self._packs(batch)
-        if self.parallel.virtual:
-            return uniform_micro_batches(batch, self.max_token_len, self.parallel.pipeline)
-        return micro_batches(batch, self.max_token_len)
-
-    def _packs(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """Packed micro-batches. With context parallelism every row's segment is a multiple of 2 x CP
-        (each rank takes two chunks of it) and the pack one of CP x the width multiple; each pack
-        says which of its tokens this rank holds."""
-        cp = self.parallel.context
-        segment, multiple = (
-            (1, self.width_multiple) if cp == 1 else (2 * cp, math.lcm(2 * cp, cp * self.width_multiple))
-        )
-        if self.parallel.virtual:
-            packs = uniform_packs(batch, self.max_token_len, multiple, self.parallel.pipeline, segment)
-        else:
-            packs = packed_micro_batches(batch, self.max_token_len, multiple, segment)
-        if cp == 1:
-            return packs
-        from megatron.core import parallel_state
-
-        rank = parallel_state.get_context_parallel_rank()
-        return [context_parallel_share(pack, cp, rank) for pack in packs]
-
-    @property
-    def width_multiple(self) -> int:
-        """Widths are padded to a multiple of TP with sequence parallelism (it splits the columns over
-        TP) and of 16 with FP8 (TransformerEngine's FP8 GEMMs need token counts divisible by 16)."""
-        return math.lcm(self.parallel.tensor if self.layout.sequence_parallel else 1, 16 if self.layout.fp8 else 1)
-
-    def model_shape(self, micro: dict[str, torch.Tensor]) -> tuple[int, int]:
-        """(rows, width) of this micro-batch's model inputs: one row for a pack, else the width
-        :func:`pad_width` gives."""
-        if "cp_index" in micro:
-            return 1, len(micro["cp_index"])
-        if PACKED_IDS in micro:
-            rows, width = micro[PACKED_IDS].shape
-            return rows, width
-        return micro["input_ids"].shape[0], -(-micro["input_ids"].shape[1] // self.width_multiple) * self.width_multiple
-
-    def _model_inputs(self, micro: dict[str, torch.Tensor]) -> dict:
-        """GPTModel's inputs: padded rows with the mask this layer spec takes, or one pack in THD
-        form, whose row boundaries keep each row's attention (and RoPE positions) to itself."""
-        if PACKED_IDS not in micro:
-            tokens, positions, mask = pad_width(micro, self.width_multiple)
-            te = self.layout.transformer_impl == "transformer_engine"
-            return {
-                "input_ids": tokens,
-                "position_ids": positions,
-                "attention_mask": padding_mask(mask) if te else attention_mask_4d(mask),
-            }
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        # read once per micro-batch on the host: the local spec's attention and Megatron's unfused
-        # RoPE split by these boundaries in every layer (a device copy would sync there each time);
-        # TransformerEngine's kernels take them on the device
-        bounds = micro["cu_seqlens"].cpu()
-        longest = int((bounds[1:] - bounds[:-1]).max())
-        te = self.layout.transformer_impl == "transformer_engine"
-        cu_seqlens = micro["cu_seqlens"] if te else bounds
-        tokens, positions = micro[PACKED_IDS], micro["packed_positions"]
-        if "cp_index" in micro:  # this rank's share of the pack; the boundaries stay those of the whole pack
-            tokens, positions = tokens[:, micro["cp_index"]], positions[:, micro["cp_index"]]
-        return {
-            "input_ids": tokens,
-            "position_ids": positions,
-            "attention_mask": None,
-            "packed_seq_params": PackedSeqParams(
-                qkv_format="thd",
-                cu_seqlens_q=cu_seqlens,
-                cu_seqlens_kv=cu_seqlens,
-                max_seqlen_q=longest,
-                max_seqlen_kv=longest,
-            ),
-        }
 
     def _run_schedule(self, micros: list[dict[str, torch.Tensor]], loss_fn, forward_only: bool) -> None:
         """Megatron's forward(-backward) schedule (pipelined when PP > 1) over the micro-batches."""
@@ -403,7 +205,7 @@ class MegatronPolicyWorker:
                 self.replay.after_forward(chunk, micro, self.width_multiple, key=id(source))
             return output, functools.partial(loss_fn, micro)
 
-        shapes = [self.model_shape(micro) for micro in micros]
+        shapes = [inputs.input_shape(micro, self.width_multiple) for micro in micros]
         # interleaved: every chunk reads each micro-batch (the loss needs it on the last chunk)
         data = [iter(micros) for _ in self.chunks] if self.parallel.virtual else iter(micros)
         get_forward_backward_func()(
@@ -453,7 +255,10 @@ class MegatronPolicyWorker:
 
     def _placed_on_every_stage(self, stats: RowStats, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``stats`` in ``batch``'s row order, on every pipeline stage (collective)."""
-        return {key: self._from_last_stage(value) for key, value in stats.placed(batch["responses"].shape).items()}
+        return {
+            key: stages.from_last_stage(value, self.parallel, self.device)
+            for key, value in stats.placed(batch["responses"].shape).items()
+        }
 
     def _recorded_routing(self, batch: dict[str, torch.Tensor], micros: list) -> torch.Tensor:
         """What the recording pass picked, as the batch's [B, P + R, L, K] ``routed_experts``."""
@@ -465,17 +270,6 @@ class MegatronPolicyWorker:
         parts = [(micro, self.replay.recorded[id(micro)]) for micro in micros if micro[ROWS].numel()]
         routing = place_micro_routing(shape, prompt_width(batch), parts, torch.int32)
         return reduce_recorded(routing.to(self.device)).cpu().to(routing_dtype(self.shape.num_experts))
-
-    def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Only the last pipeline stage sees logits: broadcast its result to the other stages."""
-        from megatron.core import parallel_state
-
-        if self.parallel.pipeline == 1:
-            return tensor
-        group = parallel_state.get_pipeline_model_parallel_group()
-        on_device = tensor.to(self.device)  # NCCL broadcasts device tensors only
-        dist.broadcast(on_device, src=parallel_state.get_pipeline_model_parallel_last_rank(), group=group)
-        return on_device.cpu()
 
     # ---- update ----------------------------------------------------------------------------
 
@@ -522,7 +316,7 @@ class MegatronPolicyWorker:
             return loss, micro["response_mask"].sum().int(), {}
 
         micros = self._micro_batches(mini.data)
-        routed = sum(rows * width for rows, width in map(self.model_shape, micros))
+        routed = sum(rows * width for rows, width in (inputs.input_shape(m, self.width_multiple) for m in micros))
         if self.replay is not None:
             from nemo_dapo.policy.megatron.router_replay import actions
 
@@ -531,10 +325,13 @@ class MegatronPolicyWorker:
             self._run_schedule(micros, loss_fn, forward_only=False)
         for group in self.optimizer.param_groups:
             group["lr"] = self.optim_cfg.lr * self.lr_factor(self.steps_done)
-        finite = self._gradients_finite()
+        finite = stages.gradients_finite(self.chunks, self.device)
         grad_norm = self.optimizer.step()[1] if finite else float("nan")  # skipped: nothing changes
         self.steps_done += 1
-        step_metrics = {**self._share_metrics(step_metrics), **load_balancing_metric(self.config, len(micros))}
+        step_metrics = {
+            **stages.share_metrics(step_metrics, self.parallel),
+            **load_balancing_metric(self.config, len(micros)),
+        }
         if self.replay is not None:
             agreement = self.replay.agreement()
             step_metrics[mn.ROUTER_AGREEMENT["mean"].name] = [agreement["mean"]]
@@ -543,33 +340,6 @@ class MegatronPolicyWorker:
         step_metrics[mn.SKIPPED_STEPS.name] = [0.0 if finite else 1.0]
         step_metrics[mn.LR.name] = [self.optim_cfg.lr * self.lr_factor(self.steps_done)]
         return step_metrics
-
-    def _gradients_finite(self) -> bool:
-        """Whether every rank's reduced gradients are finite, agreed by all ranks (one flag reduced
-        over the world): in bf16 and fp32 no loss scaler skips an Inf/NaN step, so this does, as
-        the torch worker does."""
-        bad = torch.zeros(1, device=self.device)
-        for chunk in self.chunks:
-            grads = (getattr(p, "main_grad", p.grad) for p in chunk.parameters() if p.requires_grad)
-            if any(g is not None and not torch.isfinite(g).all() for g in grads):
-                bad.fill_(1.0)
-                break
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        return bad.item() == 0
-
-    def _share_metrics(self, step_metrics: dict[str, list[float]]) -> dict[str, list[float]]:
-        """Loss metrics exist on the last pipeline stage only; give every stage the same values."""
-        from megatron.core import parallel_state
-
-        if self.parallel.pipeline == 1:
-            return step_metrics
-        shared = [step_metrics]
-        dist.broadcast_object_list(
-            shared,
-            src=parallel_state.get_pipeline_model_parallel_last_rank(),
-            group=parallel_state.get_pipeline_model_parallel_group(),
-        )
-        return shared[0]
 
     # ---- weights and checkpoints -----------------------------------------------------------
 
@@ -616,6 +386,3 @@ class MegatronPolicyWorker:
 
         require_trainable(self.trainable, "load")
         load_checkpoint(self, path)
-
-    def rng_state(self) -> dict:
-        return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
