@@ -24,6 +24,7 @@ def test_bypass_reinforce_with_sequence_is():
     loss, metrics = actor_loss(
         log_probs,
         torch.zeros_like(LP),
+        ROLLOUT,  # bypass: the rollout policy is the old one
         micro,
         settings,
         global_token_count=3.0,
@@ -48,7 +49,7 @@ def test_decoupled_token_is_weights_enter_the_clipped_loss():
     assert metrics["rollout_corr/logprob_abs_diff_max"] == pytest.approx(1.0)
     micro = {"response_mask": MASK, "advantages": ADV, "old_log_probs": LP, "is_weights": weights}
     new = LP + torch.tensor([[0.1, 0.5], [0.0, 0.0]])  # ratios 1.105 (inside), 1.65 (clipped at 1.28), 1
-    loss, metrics = actor_loss(new, torch.zeros_like(LP), micro, LossSettings(), 3.0, 2.0)
+    loss, metrics = actor_loss(new, torch.zeros_like(LP), LP, micro, LossSettings(), 3.0, 2.0)
     expected = -(1.0 * math.exp(0.1) * math.exp(0.2) + 1.0 * 1.28 * 1.0 + -2.0 * 1.0 * math.exp(-1.0)) / 3
     assert loss.item() == pytest.approx(expected)
     assert metrics["actor/pg_clipfrac"] == pytest.approx(1 / 3)
@@ -58,6 +59,6 @@ def test_entropy_bonus_and_kl_loss_are_added_with_the_same_aggregation():
     micro = {"response_mask": MASK, "advantages": torch.zeros_like(ADV), "old_log_probs": LP, "ref_log_probs": LP - 0.5}
     settings = LossSettings(entropy_coeff=0.1, use_kl_loss=True, kl_loss_coef=0.2, kl_loss_type="k1")
     entropy = torch.tensor([[1.0, 2.0], [3.0, 7.0]])
-    loss, metrics = actor_loss(LP, entropy, micro, settings, 3.0, 2.0)
+    loss, metrics = actor_loss(LP, entropy, LP, micro, settings, 3.0, 2.0)
     assert metrics["actor/entropy"] == pytest.approx(2.0) and metrics["actor/kl_loss"] == pytest.approx(0.5)
     assert loss.item() == pytest.approx(-0.1 * 2.0 + 0.2 * 0.5)

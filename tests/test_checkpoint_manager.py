@@ -94,7 +94,7 @@ def test_a_full_disk_mid_save_keeps_the_previous_checkpoint_and_removes_the_part
     """The real writer (the torch worker's state) on a tmpfs just larger than one checkpoint; where
     the sandbox cannot mount one, the same writer fails with an injected ENOSPC half-way."""
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
-    from tests.test_megatron_worker import optim_settings
+    from tests.batches import optim_settings
 
     worker = TorchPolicyWorker(0, 1, "", str(tiny_model_dir), optim_settings(), max_token_len=40)
     probe = CheckpointManager(tmp_path / "probe").save(1, lambda folder: worker.save(str(folder / "policy")))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.batches import LR, WARMUP, add_training_fields, exported, make_batch, optim_settings
 from tests.ranks import spawn
 
 pytestmark = [
@@ -20,15 +21,6 @@ pytestmark = [
         reason="megatron-core is not installed (optional 'megatron' extra)",
     ),
 ]
-
-LR = 1e-2
-WARMUP = 2  # first step runs at lr / 2
-
-
-def optim_settings():
-    from nemo_dapo.config.schema import OptimConfig
-
-    return OptimConfig(lr=LR, warmup_steps=WARMUP)
 
 
 def megatron_worker(rank: int, world_size: int, rendezvous: str, model_dir: str, **options):
@@ -43,36 +35,6 @@ def megatron_worker(rank: int, world_size: int, rendezvous: str, model_dir: str,
     layout = MegatronConfig(**{k: v for k, v in options.items() if k in names})
     rest = {k: v for k, v in options.items() if k not in names}
     return MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, optim_settings(), layout, **rest)
-
-
-def make_batch(
-    seed: int = 0, rows: int = 6, prompt: int = 5, response: int = 7, vocab: int = 494, padded: bool = True
-) -> dict:
-    """Left-padded prompts + right-padded responses of random tokens, as the trainer builds them
-    (``padded=False``: every row full length, so micro-batches keep the rows in order)."""
-    gen = torch.Generator().manual_seed(seed)
-    width = prompt + response
-    attention = torch.ones(rows, width, dtype=torch.long)
-    for row in range(rows if padded else 0):
-        attention[row, : int(torch.randint(0, prompt - 1, (1,), generator=gen))] = 0
-        attention[row, width - int(torch.randint(0, response - 1, (1,), generator=gen)) :] = 0
-    ids = torch.randint(3, vocab, (rows, width), generator=gen) * attention
-    return {
-        "input_ids": ids,
-        "attention_mask": attention,
-        "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
-        "responses": ids[:, prompt:],
-        "response_mask": attention[:, prompt:],
-    }
-
-
-def add_training_fields(batch: dict, old_log_probs: torch.Tensor) -> dict:
-    rows = batch["input_ids"].shape[0]
-    return {
-        **batch,
-        "old_log_probs": old_log_probs,
-        "advantages": torch.linspace(-1, 1, rows)[:, None] * batch["response_mask"],
-    }
 
 
 def run_megatron_rank(
@@ -138,11 +100,6 @@ def run_megatron_rank(
         },
         os.path.join(out_dir, f"rank{rank}.pt"),
     )
-
-
-def exported(worker, bucket_bytes: int = 1 << 30) -> dict:
-    """This rank's share of the exported HF weights."""
-    return {name: tensor for bucket in worker.export_weights(bucket_bytes) for name, tensor in bucket}
 
 
 def torch_reference(model_dir, loss: dict | None = None) -> dict:

@@ -23,7 +23,7 @@ import pytest
 
 from nemo_dapo.cluster.ray_env import LOOPBACK_ENV, WORKER_ENV
 from tests.slurm_jobs import REPO, Job, ensure_packages, newest_checkpoint, resumed_step, submit
-from tests.test_train_e2e import SMALL, expected_rounds, last_per_step, records
+from tests.train_runs import SMALL, expected_rounds, last_per_step, records
 
 pytestmark = pytest.mark.slow
 SETUP = REPO / "tests" / "slurm" / "setup_netns_slurm.sh"

@@ -9,8 +9,8 @@ import pytest
 from nemo_dapo.config import correction_settings, load_config
 from nemo_dapo.policy.base import LossSettings
 from nemo_dapo.policy.inputs import mini_batch_rows, mini_batches_per_rank, worker_inputs
-from nemo_dapo.trainer.stages import rows_scored_by_update
-from tests.test_overlong_filtering import rollout_batch
+from nemo_dapo.trainer.old_policy import rows_scored_by_update
+from tests.batches import rollout_batch
 
 PROMPTS_PER_MINI_BATCH = 2  # 3 prompts x 2 samples: mini-batches of rows 0-3 and 4-5
 
@@ -19,7 +19,7 @@ def updated(tiny_model_dir, from_forward: bool) -> dict:
     """A fresh worker's log-probs, then one update of two mini-batches; with ``from_forward`` the
     first mini-batch's given old log-probs are zeros, which would change its loss if read."""
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
-    from tests.test_megatron_worker import exported, optim_settings
+    from tests.batches import exported, optim_settings
 
     worker = TorchPolicyWorker(0, 1, "", str(tiny_model_dir), optim_settings(), max_token_len=40)
     batch = rollout_batch()

@@ -10,27 +10,9 @@ from nemo_dapo.config.validate import combination_notes
 from nemo_dapo.policy.base import LossSettings
 from nemo_dapo.policy.inputs import mini_batches_per_rank
 from nemo_dapo.trainer.stages import add_overlong_filter
+from tests.batches import REASONS, rollout_batch
 
-REASONS = ["stop", "length", "stop", "stop", "length", "stop"]  # 3 prompts x 2 samples
 TRUNCATED = [i for i, r in enumerate(REASONS) if r == "length"]
-
-
-def rollout_batch(rows=None) -> RolloutBatch:
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, 494, (6, 4), generator=gen)
-    responses = torch.randint(3, 494, (6, 6), generator=gen)
-    response_mask = (torch.arange(6)[None, :] < torch.tensor([6, 6, 2, 4, 6, 3])[:, None]).long()
-    batch = RolloutBatch(
-        {
-            "prompts": prompts,
-            "prompt_mask": torch.ones_like(prompts),
-            "responses": responses * response_mask,
-            "response_mask": response_mask,
-            "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])[:, None] * response_mask,
-        },
-        {"uid": ["a", "a", "b", "b", "c", "c"], "finish_reason": list(REASONS)},
-    )
-    return batch if rows is None else batch.select(rows)
 
 
 def config(filtering: bool):
@@ -65,7 +47,7 @@ def test_mini_batch_denominators_count_only_the_kept_rows(world_size):
 def update_gradient(model_dir, batch: RolloutBatch, max_token_len: int) -> dict:
     """The mini-batch gradient of one update (Adam would amplify float noise in near-zero entries)."""
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
-    from tests.test_megatron_worker import optim_settings
+    from tests.batches import optim_settings
 
     worker = TorchPolicyWorker(0, 1, "", str(model_dir), optim_settings(), max_token_len=max_token_len)
     (minis,) = mini_batches_per_rank(batch, prompts_per_mini_batch=3, world_size=1, ppo_epochs=1)

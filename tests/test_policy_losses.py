@@ -153,7 +153,7 @@ def test_bypass_reinforce_refuses_another_policy_loss():
 def test_a_user_registered_loss_is_used_by_name_in_a_real_worker(tiny_model_dir):
     from nemo_dapo.policy.base import LossSettings, MiniBatch
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
-    from tests.test_megatron_worker import add_training_fields, make_batch, optim_settings
+    from tests.batches import add_training_fields, make_batch, optim_settings
 
     name = "tests.custom_policy_loss:doubled_dapo"
     assert load_config("tiny_cpu", [f"actor.policy_loss={name}"]).actor.policy_loss == name

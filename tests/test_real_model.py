@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
+from tests.batches import make_batch
 from tests.ranks import spawn
-from tests.test_megatron_worker import make_batch
 
 requires_megatron = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed (optional 'megatron' extra)"

@@ -174,7 +174,7 @@ def test_the_engine_returns_the_experts_it_routed_each_token_to(moe_dir, tmp_pat
 def test_recorded_routing_joins_the_batch_and_own_routing_is_measured():
     """The driver's side of old_log_prob: r2's recorded ids go back into the two batch halves
     (aligned as the engine's would be); r3's own-routing log-probs give rollout_corr/no_replay/*."""
-    from nemo_dapo.trainer.stages import add_old_log_prob_extras
+    from nemo_dapo.trainer.old_policy import add_old_log_prob_extras
 
     batch = engine_batch()
     recorded = worker_inputs(batch)[ROUTED_EXPERTS]

@@ -37,7 +37,7 @@ def grouped_batch(vocab: int = 494) -> RolloutBatch:
 def trained(model_dir, shared: bool, max_token_len: int = 1000) -> dict:
     """A fresh worker's log-probs, then one update on them as the old ones."""
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
-    from tests.test_megatron_worker import exported, optim_settings
+    from tests.batches import exported, optim_settings
 
     worker = TorchPolicyWorker(
         0, 1, "", str(model_dir), optim_settings(), max_token_len=max_token_len, shared_prompt_forward=shared

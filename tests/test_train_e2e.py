@@ -9,38 +9,14 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from nemo_dapo.data import ResumableBatchSampler
+from tests.train_runs import CLI, ENV, SMALL, expected_rounds, last_per_step, records, train
 
 pytestmark = pytest.mark.slow
-CLI = [sys.executable, "-m", "nemo_dapo.cli"]
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-SMALL = [  # runs that check the mechanics, not the learning: small batches, no validation at all
-    "data.train_batch_size=8",
-    "data.gen_batch_size=12",
-    "actor.ppo_mini_batch_size=4",
-    "data.val_files=[]",
-]
-
-
-def train(output: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    command = [*CLI, "train", f"trainer.output_dir={output}", *overrides]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=ENV)
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def last_per_step(rows: list[dict]) -> dict[int, dict]:
-    """A resumed run re-does the steps after its checkpoint: the last record of a step counts."""
-    return {row["step"]: row for row in rows}
 
 
 # what a user sees by default (trainer.log_level=info): the progress bar, our own log lines, the
@@ -187,14 +163,6 @@ def assert_wandb_and_mlflow_have(out: Path, name: str, values: dict[int, float])
     logged = {step: row[name] for step, row in wandb_history(run_file).items() if name in row}
     assert logged == pytest.approx(values), name
     assert mlflow_history(out, runs["mlflow"], mlflow_metric_name(name)) == pytest.approx(values), name
-
-
-def expected_rounds(dataset_size: int, batch_size: int, seed: int, count: int) -> list[list[int]]:
-    sampler = ResumableBatchSampler(dataset_size, batch_size, seed=seed)
-    rounds: list[list[int]] = []
-    while len(rounds) < count:
-        rounds += [sorted(b) for b in sampler]
-    return rounds[:count]
 
 
 def wait_for(path: Path, process: subprocess.Popen, timeout: float) -> None:

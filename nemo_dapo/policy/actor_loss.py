@@ -14,19 +14,45 @@ from nemo_dapo.algo.correction import CorrectionSettings, apply_rollout_correcti
 from nemo_dapo.algo.kl import kl_penalty
 from nemo_dapo.algo.loss import aggregate_loss, masked_mean, reinforce_loss
 from nemo_dapo.algo.policy_losses import get_policy_loss
-from nemo_dapo.policy.base import LossSettings
+from nemo_dapo.policy.base import LossSettings, MiniBatch
+from nemo_dapo.policy.microbatch import ROWS, RowStats
+
+
+def micro_batch_loss(
+    log_probs: torch.Tensor,
+    entropy: torch.Tensor,
+    micro: dict[str, torch.Tensor],
+    mini: MiniBatch,
+    settings: LossSettings,
+    correction: CorrectionSettings | None,
+    forward: RowStats | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """:func:`actor_loss` of one micro-batch of ``mini``, with its old log-probs: the rollout's in
+    bypass mode; with ``forward`` (``mini.old_from_forward``), this forward's own, detached and
+    recorded in ``forward`` for the trainer; else the batch's ``old_log_probs``."""
+    if forward is not None:
+        forward.add(micro[ROWS], log_probs, entropy)
+        old_log_probs = log_probs.detach()
+    else:
+        old_log_probs = micro["rollout_log_probs" if settings.bypass_mode else "old_log_probs"]
+    return actor_loss(
+        log_probs, entropy, old_log_probs, micro, settings, mini.global_token_count, mini.global_seq_count, correction
+    )
 
 
 def actor_loss(
     log_probs: torch.Tensor,
     entropy: torch.Tensor,
+    old_log_probs: torch.Tensor,
     micro: dict[str, torch.Tensor],
     settings: LossSettings,
     global_token_count: float,
     global_seq_count: float,
     correction: CorrectionSettings | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss whose gradients, summed over micro-batches and ranks, equal the mini-batch gradient."""
+    """Loss whose gradients, summed over micro-batches and ranks, equal the mini-batch gradient.
+    ``old_log_probs``: the old policy's (in bypass mode the rollout's, which the correction's
+    weights compare with the current policy)."""
     mask = micro["response_mask"].float()
     agg = {
         "global_token_count": global_token_count,
@@ -35,12 +61,8 @@ def actor_loss(
     }
     weights = micro.get("is_weights")
     metrics: dict[str, float] = {}
-    if settings.bypass_mode:
-        old_log_probs = micro["rollout_log_probs"]
-        if correction is not None:  # weights against the current policy, computed inside the loss
-            weights, mask, metrics = apply_rollout_correction(log_probs.detach(), old_log_probs, mask, correction)
-    else:
-        old_log_probs = micro["old_log_probs"]
+    if settings.bypass_mode and correction is not None:  # weights against the current policy, inside the loss
+        weights, mask, metrics = apply_rollout_correction(log_probs.detach(), old_log_probs, mask, correction)
     if settings.loss_type == "reinforce":
         pg_loss, pg_metrics = reinforce_loss(
             log_probs,

@@ -20,7 +20,7 @@ from nemo_dapo.algo.logprob import chunk_tokens_for, chunked_token_stats, token_
 from nemo_dapo.config.schema import OptimConfig
 from nemo_dapo.logs import configure_logging
 from nemo_dapo.network import use_node_network
-from nemo_dapo.policy.actor_loss import actor_loss
+from nemo_dapo.policy.actor_loss import micro_batch_loss
 from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, UpdateResult, require_trainable
 from nemo_dapo.policy.lr_schedule import lr_lambda
 from nemo_dapo.policy.microbatch import ROWS, RowStats, micro_batches, within_responses
@@ -171,12 +171,7 @@ class TorchPolicyWorker:
         with self._compute_precision():
             for micro in micro_batches(mini.data, self.max_token_len, self.shared_prompt_forward):
                 log_probs, entropy = self._forward(micro, settings.temperature, settings.entropy_coeff != 0)
-                if forward is not None:
-                    micro["old_log_probs"] = log_probs.detach()
-                    forward.add(micro[ROWS], log_probs, entropy)
-                loss, micro_metrics = actor_loss(
-                    log_probs, entropy, micro, settings, mini.global_token_count, mini.global_seq_count, correction
-                )
+                loss, micro_metrics = micro_batch_loss(log_probs, entropy, micro, mini, settings, correction, forward)
                 loss.backward()
                 for key, value in micro_metrics.items():
                     step_metrics.setdefault(key, []).append(value)

@@ -36,18 +36,14 @@ from nemo_dapo.safe_load import load_state
 from nemo_dapo.trainer.batching import build_rollout_batch
 from nemo_dapo.trainer.checkpoint import CheckpointManager
 from nemo_dapo.trainer.health import LearningHealth
+from nemo_dapo.trainer.old_policy import OldPolicyScores
 from nemo_dapo.trainer.preemption import Preempted, PreemptionSignals, record_preemption
 from nemo_dapo.trainer.sinks import SinkContext
 from nemo_dapo.trainer.stages import (
     add_advantages,
-    add_forward_scores,
-    add_old_log_prob_extras,
-    add_old_policy_scores,
     add_overlong_filter,
     add_rewards,
     batch_metrics,
-    old_policy_metrics,
-    rows_scored_by_update,
     score_batch,
 )
 from nemo_dapo.trainer.tracking import StageTimer, Tracker
@@ -216,16 +212,13 @@ class DAPOTrainer:
 
     def train_on_batch(self, batch: RolloutBatch, timer: StageTimer) -> dict[str, float]:
         """old_log_prob -> ref -> advantages -> update_actor: shared by the sync and async loops.
-
-        Where exact (:func:`~nemo_dapo.trainer.stages.rows_scored_by_update`), the first
-        mini-batch's old log-probs come from its own training forward: the old_log_prob pass
-        scores the other rows only, and the old policy's metrics wait for the update's values."""
+        Which rows the old policy's own pass scores, and which the update's first forward does,
+        is :class:`~nemo_dapo.trainer.old_policy.OldPolicyScores`'s to say."""
         metrics: dict[str, float] = {}
-        bypass = self.correction.bypass_mode
-        from_update = rows_scored_by_update(batch, self.cfg, self.correction)
-        if not bypass:
+        old = OldPolicyScores(batch, self.cfg, self.correction)
+        if not old.bypass:  # bypass mode: the rollout log-probs are the old policy's
             with timer("old_log_prob"):
-                metrics.update(self._score_old_policy(batch, from_update))
+                metrics.update(old.score_by_pass(self.policy, batch))
         if self.ref_policy is not None:
             with timer("ref"):
                 ref = self.ref_policy.compute_log_prob(batch, self.cfg.rollout.temperature)
@@ -233,8 +226,7 @@ class DAPOTrainer:
         with timer("adv"):
             metrics.update(add_rewards(batch, self.cfg, self.kl_controller))
             metrics.update(add_overlong_filter(batch, self.cfg))
-            if not bypass and from_update is None:
-                metrics.update(old_policy_metrics(batch, self.correction))
+            metrics.update(old.correct_if_scored(batch))
             add_advantages(batch, self.cfg)
         with timer("update_actor"):
             result = self.policy.update(
@@ -242,27 +234,13 @@ class DAPOTrainer:
                 self.loss_settings,
                 self.cfg.actor.ppo_mini_batch_size,
                 self.cfg.actor.ppo_epochs,
-                self.correction if bypass else None,
-                first_old_from_forward=from_update is not None,
+                self.correction if self.correction.bypass_mode else None,
+                first_old_from_forward=old.first_mini_batch_by_update,
             )
         metrics.update(result.metrics)
-        if from_update is not None:
-            add_forward_scores(batch, from_update, result.first_forward)
-            metrics.update(old_policy_metrics(batch, self.correction))
+        metrics.update(old.take_from_update(batch, result.first_forward))
         metrics.update(batch_metrics(batch, self.cfg))
         return metrics
-
-    def _score_old_policy(self, batch: RolloutBatch, skip: torch.Tensor | None) -> dict[str, float]:
-        """The old_log_prob pass over the rows not in ``skip`` (all rows when None)."""
-        temperature = self.cfg.rollout.temperature
-        if skip is None:
-            out = self.policy.compute_log_prob(batch, temperature)
-            add_old_policy_scores(batch, out, None)
-            return add_old_log_prob_extras(batch, out)
-        rest = torch.tensor(sorted(set(range(len(batch))) - set(skip.tolist())), dtype=torch.long)
-        out = self.policy.compute_log_prob(batch.select(rest), temperature) if len(rest) else {}
-        add_old_policy_scores(batch, out, rest)
-        return {}
 
     def _finish_step_metrics(self, batch: RolloutBatch, metrics: dict, timer: StageTimer, step_start: float) -> None:
         response_tokens = int(batch["response_mask"].sum())

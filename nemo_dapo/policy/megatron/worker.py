@@ -27,7 +27,7 @@ from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.algo.logprob import chunk_tokens_for
 from nemo_dapo.config.schema import MegatronConfig, OptimConfig
 from nemo_dapo.logs import configure_logging
-from nemo_dapo.policy.actor_loss import actor_loss
+from nemo_dapo.policy.actor_loss import micro_batch_loss
 from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, UpdateResult, require_trainable
 from nemo_dapo.policy.lr_schedule import lr_lambda
 from nemo_dapo.policy.megatron import build, inputs, stages
@@ -305,12 +305,7 @@ class MegatronPolicyWorker:
             log_probs, entropy = self._response_stats(
                 micro, hidden, settings.temperature, entropy_grad=settings.entropy_coeff != 0
             )
-            if forward is not None:
-                micro["old_log_probs"] = log_probs.detach()
-                forward.add(micro[ROWS], log_probs, entropy)
-            loss, micro_metrics = actor_loss(
-                log_probs, entropy, micro, settings, mini.global_token_count, mini.global_seq_count, correction
-            )
+            loss, micro_metrics = micro_batch_loss(log_probs, entropy, micro, mini, settings, correction, forward)
             for key, value in micro_metrics.items():
                 step_metrics.setdefault(key, []).append(value)
             return loss, micro["response_mask"].sum().int(), {}

@@ -1,0 +1,41 @@
+"""`nemo-dapo train` as the end-to-end tests run it: a real subprocess, and its records read back."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from nemo_dapo.data import ResumableBatchSampler
+
+CLI = [sys.executable, "-m", "nemo_dapo.cli"]
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+SMALL = [  # runs that check the mechanics, not the learning: small batches, no validation at all
+    "data.train_batch_size=8",
+    "data.gen_batch_size=12",
+    "actor.ppo_mini_batch_size=4",
+    "data.val_files=[]",
+]
+
+
+def train(output: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    command = [*CLI, "train", f"trainer.output_dir={output}", *overrides]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def last_per_step(rows: list[dict]) -> dict[int, dict]:
+    """A resumed run re-does the steps after its checkpoint: the last record of a step counts."""
+    return {row["step"]: row for row in rows}
+
+
+def expected_rounds(dataset_size: int, batch_size: int, seed: int, count: int) -> list[list[int]]:
+    sampler = ResumableBatchSampler(dataset_size, batch_size, seed=seed)
+    rounds: list[list[int]] = []
+    while len(rounds) < count:
+        rounds += [sorted(b) for b in sampler]
+    return rounds[:count]
