@@ -23,8 +23,9 @@ from nemo_dapo.network import use_node_network
 from nemo_dapo.policy.actor_loss import micro_batch_loss
 from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, UpdateResult, require_trainable
 from nemo_dapo.policy.lr_schedule import lr_lambda
-from nemo_dapo.policy.microbatch import ROWS, RowStats, micro_batches, within_responses
+from nemo_dapo.policy.microbatch import ROWS, RowStats, micro_batches
 from nemo_dapo.policy.shared_prompt import hidden_before_responses
+from nemo_dapo.policy.update_loop import run_update
 from nemo_dapo.policy.weights import Bucket, bucketize
 from nemo_dapo.rng import restore_rng, rng_state
 from nemo_dapo.safe_load import load_state
@@ -134,29 +135,33 @@ class TorchPolicyWorker:
     ) -> UpdateResult:
         require_trainable(self.trainable, "update")
         self.model.train()
-        metrics: dict[str, list[float]] = {}
-        first_forward = None
-        for mini in mini_batches:
-            self.optimizer.zero_grad(set_to_none=True)
-            forward = RowStats() if mini.old_from_forward else None
-            step_metrics = self._accumulate_gradients(mini, settings, correction, forward)
-            self._all_reduce_gradients()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.clip_grad)
-            finite = bool(torch.isfinite(grad_norm))  # the same on every rank: the gradients are reduced
-            if finite:
-                self.optimizer.step()
-            self.scheduler.step()
-            metrics.setdefault(mn.SKIPPED_STEPS.name, []).append(0.0 if finite else 1.0)
-            for key, values in step_metrics.items():
-                metrics.setdefault(key, []).append(mn.combine_parts(key, values))
-            metrics.setdefault(mn.GRAD_NORM.name, []).append(float(grad_norm))
-            metrics.setdefault(mn.LR.name, []).append(float(self.scheduler.get_last_lr()[0]))
-            if forward is not None:
-                first_forward = within_responses(forward.placed(mini.data["responses"].shape), mini.data)
+        result = run_update(
+            mini_batches,
+            lambda mini, forward: self._train_step(mini, settings, correction, forward),
+            lambda stats, data: stats.placed(data["responses"].shape),
+        )
         # nothing reads the gradients after the last step: freed now, their memory (the size of the
         # fp32 weights) serves generation, the weight export and a checkpoint's buffers instead
         self.optimizer.zero_grad(set_to_none=True)
-        return UpdateResult(metrics, first_forward)
+        return result
+
+    def _train_step(
+        self, mini: MiniBatch, settings: LossSettings, correction: CorrectionSettings | None, forward: RowStats | None
+    ) -> dict[str, list[float]]:
+        """One optimizer step: gradients of every micro-batch summed over micro-batches and ranks,
+        clipped, AdamW at this step's lr; a non-finite gradient norm skips the step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        step_metrics = self._accumulate_gradients(mini, settings, correction, forward)
+        self._all_reduce_gradients()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.clip_grad)
+        finite = bool(torch.isfinite(grad_norm))  # the same on every rank: the gradients are reduced
+        if finite:
+            self.optimizer.step()
+        self.scheduler.step()
+        step_metrics[mn.SKIPPED_STEPS.name] = [0.0 if finite else 1.0]
+        step_metrics[mn.GRAD_NORM.name] = [float(grad_norm)]
+        step_metrics[mn.LR.name] = [float(self.scheduler.get_last_lr()[0])]
+        return step_metrics
 
     def _accumulate_gradients(
         self,

@@ -40,9 +40,9 @@ from nemo_dapo.policy.microbatch import (
     ROWS,
     RowStats,
     prompt_width,
-    within_responses,
 )
 from nemo_dapo.policy.routing import ROUTED_EXPERTS, place_micro_routing, routing_dtype
+from nemo_dapo.policy.update_loop import run_update
 from nemo_dapo.policy.weights import Bucket, bucketize
 from nemo_dapo.threads import use_cpu_threads
 
@@ -278,16 +278,11 @@ class MegatronPolicyWorker:
     ) -> UpdateResult:
         require_trainable(self.trainable, "update")
         self._set_mode(train=True)
-        metrics: dict[str, list[float]] = {}
-        first_forward = None
-        for mini in mini_batches:
-            forward = RowStats() if mini.old_from_forward else None
-            step_metrics = self._train_step(mini, settings, correction, forward)
-            for key, values in step_metrics.items():
-                metrics.setdefault(key, []).append(mn.combine_parts(key, values))
-            if forward is not None:
-                first_forward = within_responses(self._placed_on_every_stage(forward, mini.data), mini.data)
-        return UpdateResult(metrics, first_forward)
+        return run_update(
+            mini_batches,
+            lambda mini, forward: self._train_step(mini, settings, correction, forward),
+            self._placed_on_every_stage,
+        )
 
     def _train_step(
         self, mini: MiniBatch, settings: LossSettings, correction: CorrectionSettings | None, forward: RowStats | None
