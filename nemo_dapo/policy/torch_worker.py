@@ -42,6 +42,12 @@ def init_data_parallel(rank: int, world_size: int, rendezvous: str) -> None:
 
 
 class TorchPolicyWorker:
+    """A :class:`~nemo_dapo.policy.base.PolicyWorker` on a Hugging Face model and plain torch:
+    one data-parallel replica per rank (gradients summed over ranks with gloo / NCCL), fp32
+    master weights with autocast to ``dtype``. Its contract is the interface's: scores rows
+    (:meth:`compute_log_prob`), takes one optimizer step per mini-batch (:meth:`update`),
+    streams its weights as HF-named buckets, saves and loads its own state."""
+
     def __init__(
         self,
         rank: int,

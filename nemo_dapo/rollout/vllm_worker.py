@@ -44,6 +44,10 @@ def runs_eagerly(enforce_eager: bool | None, on_cpu: bool) -> bool:
 
 
 class VLLMRolloutWorker:
+    """A :class:`~nemo_dapo.rollout.base.RolloutWorker`: one vLLM engine (``tensor_parallel_size``
+    ranks) that generates samples with their log-probs and finish reasons, takes new weights as
+    HF-named buckets without a restart, and sleeps and wakes when colocated with training."""
+
     def __init__(
         self,
         rank: int,

@@ -28,6 +28,11 @@ log = logging.getLogger(__name__)
 
 
 class AsyncDAPOTrainer(DAPOTrainer):
+    """The one-round-ahead trainer: while the policy trains on round k, the engines generate round
+    k+1 with the weights of the step before (``trainer.mode=async``); rounds older than
+    ``max_staleness`` versions are dropped. Replaces :meth:`train_step`, :meth:`_next_round`
+    and the checkpointed state of :class:`DAPOTrainer` (its hook contract), nothing else."""
+
     def __init__(self, *args, plane: DataPlane, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.queue = PromptQueue(plane, self.rollout)

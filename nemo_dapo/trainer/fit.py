@@ -80,6 +80,18 @@ def loss_settings(cfg: Config, correction: CorrectionSettings) -> LossSettings:
 
 
 class DAPOTrainer:
+    """The synchronous DAPO loop (docs/algorithm.md §8) over a policy, a rollout and optionally a
+    reference group, on the driver: :meth:`fit` runs steps until the budget is spent, with
+    validation, checkpoints, preemption and the learning-health warnings around them.
+
+    What a subclass may replace (the asynchronous trainer does): :meth:`train_step`, one step
+    from prompts to synced weights, returning its metrics; :meth:`_next_round`, one generation
+    round as a scored batch; :meth:`trainer_state` and :meth:`load_checkpoint`, the state a
+    checkpoint keeps beyond the workers'. What every trainer shares and no subclass replaces:
+    :meth:`train_on_batch` (old policy, reference, advantages, update), :meth:`sync_weights`,
+    :meth:`validate`, checkpoint writing and :meth:`fit` itself.
+    """
+
     def __init__(
         self,
         cfg: Config,

@@ -56,6 +56,13 @@ def finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs) -> No
 
 
 class MegatronPolicyWorker:
+    """A :class:`~nemo_dapo.policy.base.PolicyWorker` on megatron-core, the torch worker's twin
+    in every number it returns. One rank of a TP x PP x CP x EP x DP layout: every rank of a
+    data-parallel replica must be given the same rows (:meth:`data_parallel_layout`); its inputs
+    are built by :mod:`~nemo_dapo.policy.megatron.inputs`, its model and optimizer by
+    :mod:`~nemo_dapo.policy.megatron.build`, its checkpoints written by
+    :mod:`~nemo_dapo.policy.megatron.checkpoint` through the ``CheckpointedWorker`` view."""
+
     def __init__(
         self,
         rank: int,
