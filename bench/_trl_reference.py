@@ -38,7 +38,9 @@ def reward_functions(cfg):
     from nemo_dapo.reward.math_dapo import compute_score
 
     def score(completions, ground_truth, **_):
-        return [float(compute_score(text, truth)["score"]) for text, truth in zip(completions, ground_truth)]
+        # conversational prompts: each completion is the assistant's message list
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(compute_score(text, truth)["score"]) for text, truth in zip(texts, ground_truth)]
 
     functions = [score]
     buffer = cfg.reward.overlong_buffer

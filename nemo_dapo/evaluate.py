@@ -40,7 +40,7 @@ def evaluate(
     from nemo_dapo.reward.manager import RewardManager
     from nemo_dapo.rollout.base import SamplingSettings
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
-    from nemo_dapo.trainer.batching import build_rollout_batch
+    from nemo_dapo.trainer.batching import batch_from_items
     from nemo_dapo.trainer.stages import score_batch
     from nemo_dapo.trainer.validation import accuracy_metrics
 
@@ -74,10 +74,7 @@ def evaluate(
         [it["prompt_ids"] for it in items],
         SamplingSettings(n=n, temperature=temperature, top_p=top_p, max_tokens=response_budget),
     )
-    fields = {"ground_truth": [it["ground_truth"] for it in items], "data_source": [it["data_source"] for it in items]}
-    batch = build_rollout_batch(
-        [it["prompt_ids"] for it in items], generations, fields, "eval", tokenizer.pad_token_id, 0
-    )
+    batch = batch_from_items(items, generations, "eval", tokenizer.pad_token_id, 0)
     with RewardManager("math_dapo", max_response_length=response_budget) as reward:
         score_batch(batch, reward, tokenizer)
     return accuracy_metrics(batch["acc"], batch["data_source"], batch["uid"], n, mn.EVAL_ACC)

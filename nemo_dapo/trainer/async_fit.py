@@ -17,7 +17,7 @@ from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.algo.metrics import staleness_metrics
 from nemo_dapo.safe_load import load_state
-from nemo_dapo.trainer.batching import build_rollout_batch
+from nemo_dapo.trainer.batching import batch_from_items
 from nemo_dapo.trainer.data_plane import DataPlane
 from nemo_dapo.trainer.fit import DAPOTrainer
 from nemo_dapo.trainer.prompt_queue import PromptQueue
@@ -59,16 +59,13 @@ class AsyncDAPOTrainer(DAPOTrainer):
                 fresh.append(prompt)
         if not fresh:
             return RolloutBatch()
-        fields = {name: [p.fields[name] for p in fresh] for name in ("ground_truth", "data_source", "prompt_index")}
-        fields["prompt_key"] = [p.key for p in fresh]
-        fields["attempt"] = [p.attempt for p in fresh]
-        return build_rollout_batch(
-            [p.fields["prompt_ids"] for p in fresh],
+        return batch_from_items(
+            [p.item for p in fresh],
             [p.generation for p in fresh],
-            fields,
             f"s{self.global_step}r{round_index}",
             self.tokenizer.pad_token_id,
             [p.policy_version for p in fresh],
+            extra={"prompt_key": [p.key for p in fresh], "attempt": [p.attempt for p in fresh]},
         )
 
     def _next_round(self, timer: StageTimer, round_index: int) -> RolloutBatch:

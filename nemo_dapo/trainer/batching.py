@@ -83,3 +83,26 @@ def build_rollout_batch(
         tensors.update(_routing_halves(rows_prompt, rows_response, generations, prompt_width, response_width))
     repeated = {name: [values[p] for p in source] for name, values in fields.items()}
     return RolloutBatch(tensors, {"uid": uids, "finish_reason": finish, **repeated})
+
+
+# What a batch row keeps of its dataset item besides the prompt's tokens: batch field -> item key
+ITEM_FIELDS = {"ground_truth": "ground_truth", "data_source": "data_source", "prompt_index": "index"}
+
+
+def batch_from_items(
+    items: Sequence[dict],
+    generations: Sequence[Generation],
+    uid_prefix: str,
+    pad_token_id: int,
+    policy_version: int | Sequence[int],
+    extra: dict[str, list] | None = None,
+) -> RolloutBatch:
+    """Dataset items (``RLDataset`` rows: ``prompt_ids``, ``ground_truth``, ``data_source``,
+    ``index``) and the engines' generations for them, as a RolloutBatch: the one way training,
+    the asynchronous trainer, validation and evaluation build their batches. ``extra``: more
+    prompt-level fields."""
+    fields = {name: [item[key] for item in items] for name, key in ITEM_FIELDS.items()}
+    prompts = [item["prompt_ids"] for item in items]
+    return build_rollout_batch(
+        prompts, generations, {**fields, **(extra or {})}, uid_prefix, pad_token_id, policy_version
+    )

@@ -33,7 +33,7 @@ from nemo_dapo.policy.base import LossSettings
 from nemo_dapo.rng import restore_rng, rng_state
 from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.safe_load import load_state
-from nemo_dapo.trainer.batching import build_rollout_batch
+from nemo_dapo.trainer.batching import batch_from_items
 from nemo_dapo.trainer.checkpoint import CheckpointManager
 from nemo_dapo.trainer.health import LearningHealth
 from nemo_dapo.trainer.old_policy import OldPolicyScores
@@ -169,19 +169,8 @@ class DAPOTrainer:
         with timer("gen"):
             generations = self.rollout.generate([it["prompt_ids"] for it in items], self._sampling())
         self.generated_samples += len(items) * self.cfg.rollout.n
-        fields = {
-            "ground_truth": [it["ground_truth"] for it in items],
-            "data_source": [it["data_source"] for it in items],
-            "prompt_index": [it["index"] for it in items],
-        }
-        batch = build_rollout_batch(
-            [it["prompt_ids"] for it in items],
-            generations,
-            fields,
-            f"s{self.global_step}r{round_index}",
-            self.tokenizer.pad_token_id,
-            self.weight_version,
-        )
+        uid_prefix = f"s{self.global_step}r{round_index}"
+        batch = batch_from_items(items, generations, uid_prefix, self.tokenizer.pad_token_id, self.weight_version)
         with timer("reward"):
             score_batch(batch, self.reward, self.tokenizer)
         return batch
@@ -293,19 +282,7 @@ class DAPOTrainer:
             max_tokens=self.cfg.data.max_response_length,
         )
         generations = self.rollout.generate([it["prompt_ids"] for it in items], sampling)
-        fields = {
-            "ground_truth": [it["ground_truth"] for it in items],
-            "data_source": [it["data_source"] for it in items],
-            "prompt_index": [it["index"] for it in items],
-        }
-        batch = build_rollout_batch(
-            [it["prompt_ids"] for it in items],
-            generations,
-            fields,
-            "val",
-            self.tokenizer.pad_token_id,
-            self.weight_version,
-        )
+        batch = batch_from_items(items, generations, "val", self.tokenizer.pad_token_id, self.weight_version)
         score_batch(batch, self.reward, self.tokenizer)
         return accuracy_metrics(batch["acc"], batch["data_source"], batch["uid"], val.n, mn.VAL_ACC)
 

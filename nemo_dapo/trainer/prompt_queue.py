@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nemo_dapo.rollout.base import Generation, SamplingSettings
+from nemo_dapo.trainer.batching import ITEM_FIELDS
 from nemo_dapo.trainer.data_plane import DataPlane
 
 if TYPE_CHECKING:
     from nemo_dapo.cluster.groups import GenerationRequest, RolloutGroup
 
-PROMPT_FIELDS = ("prompt_ids", "ground_truth", "data_source", "prompt_index")
+PROMPT_FIELDS = ("prompt_ids", *ITEM_FIELDS)
 SAMPLE_FIELDS = ("token_ids", "log_probs", "finish_reason", "routed_experts")
 NO_ROUTING = torch.zeros(0, dtype=torch.int16)  # a sample without MoE routing (replay r3 off)
 
@@ -65,6 +66,14 @@ class FinishedPrompt:
     generation: Generation
     policy_version: int
 
+    @property
+    def item(self) -> dict[str, Any]:
+        """The dataset item this prompt was issued from, as :func:`batch_from_items` reads it."""
+        return {
+            "prompt_ids": self.fields["prompt_ids"],
+            **{key: self.fields[name] for name, key in ITEM_FIELDS.items()},
+        }
+
 
 def pending_tags(global_step: int, attempt: int) -> dict:
     """A prompt's tags while it waits for an engine (first issue or reissue)."""
@@ -84,7 +93,8 @@ class PromptQueue:
         """Put dataset rows as pending prompts (first attempt)."""
         keys = [f"q{self.issued + j}" for j in range(len(items))]
         self.issued += len(items)
-        fields = {name: [item["index" if name == "prompt_index" else name] for item in items] for name in PROMPT_FIELDS}
+        fields = {"prompt_ids": [item["prompt_ids"] for item in items]}
+        fields |= {name: [item[key] for item in items] for name, key in ITEM_FIELDS.items()}
         self.plane.kv_batch_put(keys, fields, [pending_tags(global_step, 1) for _ in keys], self.partition)
 
     def has_pending(self) -> bool:
