@@ -167,3 +167,21 @@ def test_the_async_schedule_spans_every_local_update(sync_step):
     assert optimizer_steps == steps * sync_step * mini_batches  # what the trainer takes
     factor = lr_lambda(cfg.actor.optim, optimizer_steps)
     assert factor(optimizer_steps - 1) == pytest.approx(0.1, abs=0.02) and factor(optimizer_steps // 2) > 0.3
+
+
+def test_numbers_are_checked_against_the_bounds_their_fields_declare():
+    from nemo_dapo.config.fields import settings
+
+    bounded = {key: s for key, s in settings().items() if s.bounds is not None}
+    assert len(bounded) >= 20 and all(s.in_bounds(s.default) for s in bounded.values())
+    top_p = bounded["rollout.top_p"]
+    assert top_p.in_bounds(1.0) and not top_p.in_bounds(0.0) and not top_p.in_bounds(1.01)
+    assert bounded["actor.clip_ratio_low"].in_bounds(0.0) and not bounded["actor.clip_ratio_low"].in_bounds(1.0)
+    assert not bounded["rollout.n"].in_bounds("8") and not bounded["rollout.n"].in_bounds(True)
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny_cpu", ["rollout.top_p=0", "trainer.total_training_steps=0", "actor.optim.lr=-1"])
+    message = str(err.value)
+    assert "rollout.top_p=0.0: must be in (0, 1]" in message
+    assert "trainer.total_training_steps=0: must be >= 1 or null" in message
+    assert "actor.optim.lr=-1.0: must be > 0" in message
+    assert load_config("tiny_cpu", ["trainer.total_training_steps=null"]).trainer.total_training_steps is None

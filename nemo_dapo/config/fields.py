@@ -25,11 +25,25 @@ class Setting:
     default: Any
     help: str
     declared_choices: Any  # a tuple, a function returning the names of a registry, or None
+    bounds: str | None = None  # ">= 1", "> 0", "[0, 1)", ...: see schema.setting
 
     @property
     def choices(self) -> tuple | None:
         found = self.declared_choices
         return tuple(found()) if callable(found) else found
+
+    def in_bounds(self, value: Any) -> bool:
+        """Whether a number lies within :attr:`bounds` (null passes where the field is optional)."""
+        if self.bounds is None or (value is None and self.type_name.endswith("or null")):
+            return True
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        return all(_COMPARE[op](value, limit) for op, limit in _limits(self.bounds))
+
+    def bounds_text(self) -> str:
+        """How a validation message says the bounds: ``must be >= 1``, ``must be in [0, 1)``."""
+        text = f"in {self.bounds}" if self.bounds and self.bounds[0] in "[(" else self.bounds
+        return f"must be {text}" + (" or null" if self.type_name.endswith("or null") else "")
 
     def value_in(self, cfg: Config) -> Any:
         value = cfg
@@ -43,6 +57,23 @@ class Setting:
         if None in choices:
             return str(["null" if c is None else c for c in choices])
         return str(sorted(map(str, choices)))
+
+
+_COMPARE = {
+    ">=": lambda v, x: v >= x,
+    ">": lambda v, x: v > x,
+    "<=": lambda v, x: v <= x,
+    "<": lambda v, x: v < x,
+}
+
+
+def _limits(bounds: str) -> list[tuple[str, float]]:
+    """``">= 1"`` -> [(">=", 1.0)]; ``"(0, 1]"`` -> [(">", 0.0), ("<=", 1.0)]."""
+    if bounds[0] in "[(":
+        low, high = (float(part) for part in bounds[1:-1].split(","))
+        return [(">=" if bounds[0] == "[" else ">", low), ("<=" if bounds[-1] == "]" else "<", high)]
+    op, limit = bounds.split()
+    return [(op, float(limit))]
 
 
 def _type_name(annotation: Any) -> str:
@@ -73,6 +104,7 @@ def _walk(cls: type, prefix: str) -> Iterator[Setting]:
             _default(field),
             field.metadata.get("help", ""),
             field.metadata.get("choices"),
+            field.metadata.get("bounds"),
         )
 
 

@@ -54,6 +54,8 @@ def explain(key: str) -> str:
     ]
     if setting.choices is not None:
         lines.append(f"  allowed: {setting.allowed_text()}")
+    if setting.bounds is not None:
+        lines.append(f"  {setting.bounds_text()}")
     presets = presets_setting(key)
     listed = ", ".join(f"{name} ({_shown(value)})" for name, value in presets.items())
     lines.append(
@@ -65,6 +67,8 @@ def explain(key: str) -> str:
 def _allowed_markdown(setting: Setting) -> str:
     """The choices as the reference lists them. A registry users extend is not listed (the page
     would depend on what was imported): ``--explain`` shows its names at run time."""
+    if setting.bounds is not None:
+        return f" {setting.bounds_text().capitalize()}."
     if setting.declared_choices is None:
         return ""
     if callable(setting.declared_choices):

@@ -22,16 +22,26 @@ Choices = tuple | Callable[[], Any]
 
 
 def setting(
-    default: Any = MISSING, *, help: str, choices: Choices | None = None, factory: Callable[[], Any] | None = None
+    default: Any = MISSING,
+    *,
+    help: str,
+    choices: Choices | None = None,
+    bounds: str | None = None,
+    factory: Callable[[], Any] | None = None,
 ) -> Any:
-    """A schema field with its help text and, for enumerations, the values validation accepts.
+    """A schema field with its help text and the values validation accepts: ``choices`` for
+    enumerations, ``bounds`` for numbers.
 
     ``choices`` is a tuple, or a function returning the names of a registry that users can
     extend (advantage estimators). ``None`` inside the tuple means null is one of the choices.
+    ``bounds`` is ``">= 1"``, ``"> 0"`` (likewise ``<=``, ``<``) or an interval such as
+    ``"[0, 1)"``; an optional field may also be null.
     """
     metadata = {"help": " ".join(help.split())}
     if choices is not None:
         metadata["choices"] = choices
+    if bounds is not None:
+        metadata["bounds"] = bounds
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -54,13 +64,14 @@ class DataConfig:
         factory=list,
         help="Held-out data scored every trainer.test_freq steps (val-core/<source>/acc/mean@n). Empty: no validation.",
     )
-    max_prompt_length: int = setting(2048, help="Longest prompt in tokens, chat template included.")
+    max_prompt_length: int = setting(2048, bounds="> 0", help="Longest prompt in tokens, chat template included.")
     max_response_length: int = setting(
         20480,
+        bounds="> 0",
         help="Generation budget per response in tokens; a response that hits "
         "it ends with finish reason 'length' (see algorithm.overlong_filtering).",
     )
-    train_batch_size: int = setting(512, help="Prompts per training step (each sampled rollout.n times).")
+    train_batch_size: int = setting(512, bounds="> 0", help="Prompts per training step (each sampled rollout.n times).")
     gen_batch_size: Optional[int] = setting(
         None,
         help="Prompts per generation round; larger than train_batch_size "
@@ -222,18 +233,18 @@ class AlgorithmConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = setting(1e-6, help="Peak learning rate of AdamW.")
+    lr: float = setting(1e-6, bounds="> 0", help="Peak learning rate of AdamW.")
     weight_decay: float = setting(0.1, help="AdamW decoupled weight decay.")
     betas: list[float] = setting(factory=lambda: [0.9, 0.999], help="AdamW (beta1, beta2).")
     eps: float = setting(1e-8, help="AdamW epsilon.")
-    warmup_steps: int = setting(10, help="Optimizer steps of linear warm-up from 0 to lr.")
+    warmup_steps: int = setting(10, bounds=">= 0", help="Optimizer steps of linear warm-up from 0 to lr.")
     lr_schedule: str = setting(
         "constant",
         choices=("constant", "cosine"),
         help="After warm-up: constant, or cosine decay to min_lr_ratio x lr at the last step.",
     )
     min_lr_ratio: float = setting(0.0, help="Cosine schedule: the final learning rate as a fraction of lr.")
-    clip_grad: float = setting(1.0, help="Global gradient-norm clip.")
+    clip_grad: float = setting(1.0, bounds="> 0", help="Global gradient-norm clip.")
 
 
 @dataclass
@@ -317,14 +328,16 @@ class ActorConfig:
         help="Training backend: torch (Hugging Face model, DDP over gloo/NCCL) or megatron "
         "(megatron-core: TP, PP, CP, EP, distributed optimizer).",
     )
-    num_workers: int = setting(1, help="Training ranks (one per GPU on a GPU cluster).")
+    num_workers: int = setting(1, bounds=">= 1", help="Training ranks (one per GPU on a GPU cluster).")
     clip_ratio_low: float = setting(
         0.2,
+        bounds="[0, 1)",
         help="Lower PPO clip: ratios below 1 - clip_ratio_low stop pushing down "
         "(DAPO, Yu et al. 2025, arXiv 2503.14476).",
     )
     clip_ratio_high: float = setting(
         0.28,
+        bounds=">= 0",
         help="Upper PPO clip, decoupled from the lower one (DAPO's clip-higher): "
         "ratios above 1 + clip_ratio_high stop pushing up, and a larger value keeps "
         "low-probability tokens explorable (DAPO, Yu et al. 2025, arXiv 2503.14476).",
@@ -359,7 +372,7 @@ class ActorConfig:
     kl_loss_type: str = setting(
         "low_var_kl", choices=KL_PENALTY_NAMES, help="KL estimator of the KL loss (low_var_kl = k3, Schulman 2020)."
     )
-    ppo_epochs: int = setting(1, help="Passes over each step's batch.")
+    ppo_epochs: int = setting(1, bounds=">= 1", help="Passes over each step's batch.")
     ppo_mini_batch_size: int = setting(
         32, help="Prompts per optimizer step (with their rollout.n samples); must divide data.train_batch_size."
     )
@@ -393,6 +406,7 @@ class ActorConfig:
     )
     max_token_len_per_micro_batch: int = setting(
         16384,
+        bounds="> 0",
         help="Token budget of one forward/backward micro-batch "
         "(per rank); sequences are packed into micro-batches by length. With shared_prompt_forward, "
         "a prompt its rows share counts once, as it is computed once.",
@@ -410,15 +424,15 @@ class ActorConfig:
 
 @dataclass
 class ValSamplingConfig:
-    n: int = setting(1, help="Samples per validation prompt (acc/mean@n, pass@n).")
+    n: int = setting(1, bounds=">= 1", help="Samples per validation prompt (acc/mean@n, pass@n).")
     temperature: float = setting(1.0, help="Validation sampling temperature.")
-    top_p: float = setting(0.7, help="Validation nucleus sampling (DAPO evaluates at 0.7).")
+    top_p: float = setting(0.7, bounds="(0, 1]", help="Validation nucleus sampling (DAPO evaluates at 0.7).")
     do_sample: bool = setting(True, help="false: greedy decoding for validation.")
 
 
 @dataclass
 class RolloutConfig:
-    num_workers: int = setting(1, help="vLLM engines.")
+    num_workers: int = setting(1, bounds=">= 1", help="vLLM engines.")
     tensor_parallel_size: int = setting(1, help="GPUs per engine.")
     gpu_memory_utilization: float = setting(
         0.8, help="Fraction of each GPU an engine may take for weights and KV cache."
@@ -429,9 +443,11 @@ class RolloutConfig:
         "CPU, where compiling costs more start-up than it saves in a short run (docs/benchmarks.md); "
         "CUDA graphs on GPUs, vLLM's default, where small-batch decoding is launch-bound.",
     )
-    n: int = setting(16, help="Samples per prompt (the group size of GRPO).")
-    temperature: float = setting(1.0, help="Training sampling temperature; the trainer's log-probs use the same one.")
-    top_p: float = setting(1.0, help="Training nucleus sampling (1.0: off, as DAPO).")
+    n: int = setting(16, bounds=">= 1", help="Samples per prompt (the group size of GRPO).")
+    temperature: float = setting(
+        1.0, bounds="> 0", help="Training sampling temperature; the trainer's log-probs use the same one."
+    )
+    top_p: float = setting(1.0, bounds="(0, 1]", help="Training nucleus sampling (1.0: off, as DAPO).")
     top_k: int = setting(-1, help="Training top-k sampling (-1: off).")
     val: ValSamplingConfig = section(ValSamplingConfig, "Sampling for validation.")
     timeout_s: Optional[float] = setting(
@@ -441,6 +457,7 @@ class RolloutConfig:
     )
     max_restarts: int = setting(
         3,
+        bounds=">= 0",
         help="Engines replaced in one run after dying or hanging while generating: the new one gets "
         "the current weights and regenerates its prompts. One more failure stops the run naming the "
         "engine. 0: fail at the first.",
@@ -455,7 +472,7 @@ class OverlongBufferConfig:
         "data.max_response_length - len lose up to penalty_factor of reward, linearly.",
     )
     len: int = setting(4096, help="Length of the punishment interval at the end of the budget, in tokens.")
-    penalty_factor: float = setting(1.0, help="Reward lost at the budget's end.")
+    penalty_factor: float = setting(1.0, bounds=">= 0", help="Reward lost at the budget's end.")
 
 
 @dataclass
@@ -468,7 +485,9 @@ class RewardConfig:
     )
     num_workers: int = setting(2, help="Scoring processes.")
     timeout_s: float = setting(
-        10.0, help="Longest one answer may take to score (math_verify); a timeout scores -1 and is flagged as such."
+        10.0,
+        bounds="> 0",
+        help="Longest one answer may take to score (math_verify); a timeout scores -1 and is flagged as such.",
     )
     overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig, "Soft overlong punishment (DAPO).")
 
@@ -496,17 +515,20 @@ class TrainerConfig:
         help="sync: generate, then train, then sync weights. async: the engines generate the next "
         "round while the policy trains on this one (off-policy by up to max_staleness).",
     )
-    parameter_sync_step: int = setting(1, help="async: local updates between two weight syncs.")
+    parameter_sync_step: int = setting(1, bounds=">= 1", help="async: local updates between two weight syncs.")
     max_staleness: int = setting(
         1,
+        bounds=">= 0",
         help="async: the oldest policy lag (versions) a trajectory may have; older ones "
         "are dropped and their prompts reissued.",
     )
     project_name: str = setting("nemo-dapo", help="W&B project and MLflow experiment the run logs into.")
     experiment_name: str = setting("dapo", help="Run name in TensorBoard, W&B and MLflow.")
     output_dir: str = setting("outputs/dapo", help="Checkpoints, logs, TensorBoard events and summary.json.")
-    total_epochs: int = setting(1, help="Passes over the training prompts.")
-    total_training_steps: Optional[int] = setting(None, help="Training steps; null: total_epochs x steps per epoch.")
+    total_epochs: int = setting(1, bounds=">= 1", help="Passes over the training prompts.")
+    total_training_steps: Optional[int] = setting(
+        None, bounds=">= 1", help="Training steps; null: total_epochs x steps per epoch."
+    )
     total_generated_samples: Optional[int] = setting(
         None,
         help="Stop once this many samples were generated (sync "

@@ -47,6 +47,13 @@ def _check_choices(cfg: Config, problems: _Problems) -> None:
             problems.append(f"{setting.key}={value!r}: choose one of {setting.allowed_text()}")
 
 
+def _check_bounds(cfg: Config, problems: _Problems) -> None:
+    """Every number against the bounds the schema declares for it (``setting(bounds=...)``)."""
+    for setting in schema_settings().values():
+        if setting.bounds is not None and not setting.in_bounds(value := setting.value_in(cfg)):
+            problems.append(f"{setting.key}={value!r}: {setting.bounds_text()}")
+
+
 def correction_settings(cfg: RolloutCorrectionConfig) -> CorrectionSettings:
     """Effective correction settings: the preset, then every field the user set."""
     if cfg.preset is not None and cfg.preset not in PRESETS:
@@ -106,9 +113,6 @@ def _check_algorithm(cfg: Config, problems: _Problems) -> None:
 
 def _check_actor(cfg: Config, problems: _Problems) -> None:
     actor, optim = cfg.actor, cfg.actor.optim
-    problems.require(actor.num_workers >= 1, "actor.num_workers", actor.num_workers, "must be >= 1")
-    problems.require(0 <= actor.clip_ratio_low < 1, "actor.clip_ratio_low", actor.clip_ratio_low, "must be in [0, 1)")
-    problems.require(actor.clip_ratio_high >= 0, "actor.clip_ratio_high", actor.clip_ratio_high, "must be >= 0")
     problems.require(
         actor.clip_ratio_c > 1,
         "actor.clip_ratio_c",
@@ -123,7 +127,6 @@ def _check_actor(cfg: Config, problems: _Problems) -> None:
         "bypass mode's REINFORCE loss (rollout_correction loss_type=reinforce) takes the place of the "
         "policy loss: keep actor.policy_loss=dapo, or use loss_type=ppo_clip",
     )
-    problems.require(actor.ppo_epochs >= 1, "actor.ppo_epochs", actor.ppo_epochs, "must be >= 1")
     problems.require(
         actor.attn_implementation == "sdpa" or actor.backend == "torch",
         "actor.attn_implementation",
@@ -136,12 +139,6 @@ def _check_actor(cfg: Config, problems: _Problems) -> None:
         actor.shared_prompt_forward,
         "is implemented by the torch backend only; the megatron backend runs every row whole (set it to false or null)",
     )
-    problems.require(
-        actor.max_token_len_per_micro_batch > 0,
-        "actor.max_token_len_per_micro_batch",
-        actor.max_token_len_per_micro_batch,
-        "must be > 0",
-    )
     batch, mini = cfg.data.train_batch_size, actor.ppo_mini_batch_size
     problems.require(
         0 < mini <= batch and batch % mini == 0,
@@ -149,9 +146,6 @@ def _check_actor(cfg: Config, problems: _Problems) -> None:
         mini,
         f"must divide data.train_batch_size={batch} (each mini-batch is one optimizer step)",
     )
-    problems.require(optim.lr > 0, "actor.optim.lr", optim.lr, "must be > 0")
-    problems.require(optim.warmup_steps >= 0, "actor.optim.warmup_steps", optim.warmup_steps, "must be >= 0")
-    problems.require(optim.clip_grad > 0, "actor.optim.clip_grad", optim.clip_grad, "must be > 0")
     problems.require(
         len(optim.betas) == 2 and all(0 <= b < 1 for b in optim.betas),
         "actor.optim.betas",
@@ -356,21 +350,12 @@ def placement_problems(cfg: Config) -> list[str]:
 
 def _check_data_and_rollout(cfg: Config, problems: _Problems) -> None:
     data, rollout = cfg.data, cfg.rollout
-    problems.require(data.max_prompt_length > 0, "data.max_prompt_length", data.max_prompt_length, "must be > 0")
-    problems.require(data.max_response_length > 0, "data.max_response_length", data.max_response_length, "must be > 0")
-    problems.require(data.train_batch_size > 0, "data.train_batch_size", data.train_batch_size, "must be > 0")
     problems.require(
         data.effective_gen_batch_size >= data.train_batch_size,
         "data.gen_batch_size",
         data.gen_batch_size,
         f"must be >= data.train_batch_size={data.train_batch_size} (or null to use it)",
     )
-    problems.require(rollout.n >= 1, "rollout.n", rollout.n, "must be >= 1")
-    problems.require(rollout.temperature > 0, "rollout.temperature", rollout.temperature, "must be > 0")
-    problems.require(0 < rollout.top_p <= 1, "rollout.top_p", rollout.top_p, "must be in (0, 1]")
-    problems.require(0 < rollout.val.top_p <= 1, "rollout.val.top_p", rollout.val.top_p, "must be in (0, 1]")
-    problems.require(rollout.val.n >= 1, "rollout.val.n", rollout.val.n, "must be >= 1")
-    problems.require(rollout.num_workers >= 1, "rollout.num_workers", rollout.num_workers, "must be >= 1")
     problems.require(
         0 < rollout.gpu_memory_utilization <= 1,
         "rollout.gpu_memory_utilization",
@@ -381,7 +366,6 @@ def _check_data_and_rollout(cfg: Config, problems: _Problems) -> None:
 
 def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
     buffer = cfg.reward.overlong_buffer
-    problems.require(cfg.reward.timeout_s > 0, "reward.timeout_s", cfg.reward.timeout_s, "must be > 0")
     if buffer.enable:
         problems.require(
             buffer.len > 0,
@@ -395,21 +379,7 @@ def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
             buffer.len,
             f"must be <= data.max_response_length={cfg.data.max_response_length}",
         )
-        problems.require(
-            buffer.penalty_factor >= 0, "reward.overlong_buffer.penalty_factor", buffer.penalty_factor, "must be >= 0"
-        )
     trainer = cfg.trainer
-    problems.require(
-        trainer.parameter_sync_step >= 1, "trainer.parameter_sync_step", trainer.parameter_sync_step, "must be >= 1"
-    )
-    problems.require(trainer.max_staleness >= 0, "trainer.max_staleness", trainer.max_staleness, "must be >= 0")
-    problems.require(trainer.total_epochs >= 1, "trainer.total_epochs", trainer.total_epochs, "must be >= 1")
-    problems.require(
-        trainer.total_training_steps is None or trainer.total_training_steps >= 1,
-        "trainer.total_training_steps",
-        trainer.total_training_steps,
-        "must be >= 1 or null",
-    )
     problems.require(
         trainer.remote_timeout_s is None or trainer.remote_timeout_s > 0,
         "trainer.remote_timeout_s",
@@ -420,7 +390,6 @@ def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
     problems.require(
         timeout is None or timeout > 0, "rollout.timeout_s", timeout, "must be > 0 seconds, or null for trainer's"
     )
-    problems.require(cfg.rollout.max_restarts >= 0, "rollout.max_restarts", cfg.rollout.max_restarts, "must be >= 0")
     budget = trainer.total_generated_samples
     problems.require(budget is None or budget >= 1, "trainer.total_generated_samples", budget, "must be >= 1 or null")
     problems.require(
@@ -459,6 +428,7 @@ def validate(cfg: Config, placement: bool = True) -> Config:
     problems = _Problems()
     checks = [
         _check_choices,
+        _check_bounds,
         _check_data_and_rollout,
         _check_algorithm,
         _check_actor,
