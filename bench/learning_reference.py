@@ -158,6 +158,26 @@ def table(results: list[dict], start: float) -> str:
     return "\n".join(lines)
 
 
+def per_step_table(results: list[dict]) -> str:
+    """Each system's per-step means over its seeds, at equal steps: score, length, entropy, grad
+    norm, clip fraction (TRL logs one row per generation step, the same steps as ours)."""
+    lines = ["| system | punishment | metric | " + " | ".join(f"step {i}" for i in range(1, 11)) + " |"]
+    lines.append("| --- | --- | --- |" + " --- |" * 10)
+    groups: dict[tuple, list[dict]] = {}
+    for run in results:
+        groups.setdefault((run["system"], run["punishment"]), []).append(run)
+    for (system, punishment), runs in groups.items():
+        for metric in STEP_METRICS.values():
+            means = []
+            for step in range(10):
+                values = [
+                    r["steps"][step][metric] for r in runs if step < len(r["steps"]) and metric in r["steps"][step]
+                ]
+                means.append(f"{statistics.mean(values):.2f}" if values else "")
+            lines.append(f"| {system} | {punishment} | {metric} (n={len(runs)}) | " + " | ".join(means) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="smollm2_cpu")
@@ -186,6 +206,8 @@ def main() -> None:
                 record.write_text(json.dumps(saved, indent=1))  # a long sweep keeps what it measured
                 print(f"{system} punishment={punishment} seed={seed}: held-out {run['held_out_end']:.3f}", flush=True)
     print(table(saved["runs"], saved["start"]))
+    print()
+    print(per_step_table(saved["runs"]))
 
 
 if __name__ == "__main__":
