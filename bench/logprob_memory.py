@@ -28,6 +28,8 @@ import tempfile
 
 import torch
 
+from nemo_dapo.config.topology import Parallelism
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -67,7 +69,7 @@ def main() -> None:
 
     enable_cpu_compat()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mm.init_distributed(0, 1, os.path.join(tempfile.mkdtemp(), "rdv"), mm.Parallelism(), seed=1)
+    mm.init_distributed(0, 1, os.path.join(tempfile.mkdtemp(), "rdv"), Parallelism(), seed=1)
     dtype = getattr(torch, args.dtype)
     labels = torch.randint(0, args.vocab, (1, args.tokens))
 

@@ -167,7 +167,9 @@ def test_every_megatron_field_reaches_the_worker():
 
     assert "layout" in inspect.signature(MegatronPolicyWorker).parameters
     backend = Path(inspect.getfile(MegatronPolicyWorker)).parent
-    source = "".join(path.read_text() for path in backend.glob("*.py"))
+    topology = backend.parents[1] / "config" / "topology.py"  # Parallelism.of: the sizes, for the worker
+    assert "Parallelism.of(layout)" in (backend / "worker.py").read_text()
+    source = "".join(path.read_text() for path in [*backend.glob("*.py"), topology])
     unread = [f.name for f in fields(MegatronConfig) if f"layout.{f.name}" not in source]
     assert not unread, f"actor.megatron fields the Megatron backend never reads: {unread}"
     assembly = backend.parents[1] / "trainer" / "assembly.py"

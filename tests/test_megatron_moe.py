@@ -14,6 +14,8 @@ import pytest
 import torch
 from test_megatron_worker import assert_matches_torch, assert_same_update, megatron_result, torch_reference
 
+from nemo_dapo.config.topology import Parallelism
+
 pytestmark = [
     pytest.mark.megatron,
     pytest.mark.skipif(
@@ -139,12 +141,12 @@ def test_unsupported_moe_layouts_are_refused():
             ModelShape.from_hf_config(config)
     moe = ModelShape.from_hf_config(Qwen3MoeConfig(num_experts=4))
     with pytest.raises(ValueError, match=r"expert_model_parallel_size=3: must divide the model's 4 experts"):
-        mm.check_expert_layout(moe, mm.Parallelism(expert=3), sequence_parallel=False)
+        mm.check_expert_layout(moe, Parallelism(expert=3), sequence_parallel=False)
     with pytest.raises(ValueError, match=r"expert_model_parallel_size=2: the model has no experts"):
-        mm.check_expert_layout(ModelShape(2, 4, 2, 16, 100, False), mm.Parallelism(expert=2), sequence_parallel=False)
+        mm.check_expert_layout(ModelShape(2, 4, 2, 16, 100, False), Parallelism(expert=2), sequence_parallel=False)
     with pytest.raises(ValueError, match=r"tensor_model_parallel_size=2: Megatron trains MoE layers with TP > 1 only"):
-        mm.check_expert_layout(moe, mm.Parallelism(tensor=2, expert=2), sequence_parallel=False)
-    mm.check_expert_layout(moe, mm.Parallelism(tensor=2, expert=2), sequence_parallel=True)  # the GPU layout
+        mm.check_expert_layout(moe, Parallelism(tensor=2, expert=2), sequence_parallel=False)
+    mm.check_expert_layout(moe, Parallelism(tensor=2, expert=2), sequence_parallel=True)  # the GPU layout
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from nemo_dapo.config.topology import Parallelism
 from tests.ranks import spawn
 
 pytestmark = [
@@ -37,7 +38,7 @@ def run_rank(rank: int, world_size: int, rendezvous: str, out_dir: str) -> None:
     from nemo_dapo.policy.megatron.vocab import vocab_parallel_stats
 
     enable_cpu_compat()
-    mm.init_distributed(rank, world_size, rendezvous, mm.Parallelism(tensor=world_size), seed=1)
+    mm.init_distributed(rank, world_size, rendezvous, Parallelism(tensor=world_size), seed=1)
     logits, labels = sample()
     width = PADDED // world_size
     shard = logits[..., rank * width : (rank + 1) * width].clone().requires_grad_(True)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from nemo_dapo.algo.logprob import chunk_tokens_for
 from nemo_dapo.config.architecture import Architecture
 from nemo_dapo.config.schema import Config
-from nemo_dapo.config.topology import is_colocated, needs_reference, training_world_size
+from nemo_dapo.config.topology import Parallelism, is_colocated, needs_reference, training_world_size
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -53,50 +53,34 @@ ADAM_MOMENT_BYTES = 8
 
 @dataclass(frozen=True)
 class Layout:
+    """The training ranks as the memory model sees them: the split (:class:`Parallelism`), how
+    many ranks, and the settings that change what a rank holds."""
+
     world: int
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    vpp: int | None
+    parallel: Parallelism
     sequence_parallel: bool
     distributed_optimizer: bool
     recompute: str | None
 
     @property
     def dp(self) -> int:
-        return self.world // (self.tp * self.pp * self.cp)
+        p = self.parallel
+        return self.world // (p.tensor * p.pipeline * p.context)
 
     @property
     def expert_dp(self) -> int:
-        return self.world // (self.tp * self.ep * self.pp)
+        p = self.parallel
+        return self.world // (p.tensor * p.expert * p.pipeline)
 
 
 def layout_of(cfg: Config) -> Layout:
     """The megatron layout; the torch backend is plain data parallelism with a replicated optimizer."""
+    parallel = Parallelism.of_config(cfg)
     if cfg.actor.backend == "torch":
-        return Layout(
-            world=cfg.actor.num_workers,
-            tp=1,
-            pp=1,
-            cp=1,
-            ep=1,
-            vpp=None,
-            sequence_parallel=False,
-            distributed_optimizer=False,
-            recompute=None,
-        )
+        return Layout(cfg.actor.num_workers, parallel, False, False, None)
     mg = cfg.actor.megatron
     return Layout(
-        world=training_world_size(cfg),
-        tp=mg.tensor_model_parallel_size,
-        pp=mg.pipeline_model_parallel_size,
-        cp=mg.context_parallel_size,
-        ep=mg.expert_model_parallel_size,
-        vpp=mg.virtual_pipeline_model_parallel_size,
-        sequence_parallel=mg.sequence_parallel,
-        distributed_optimizer=mg.use_distributed_optimizer,
-        recompute=mg.recompute_granularity,
+        training_world_size(cfg), parallel, mg.sequence_parallel, mg.use_distributed_optimizer, mg.recompute_granularity
     )
 
 
@@ -113,38 +97,46 @@ class StageParams:
 
 
 def stage_params(arch: Architecture, layout: Layout) -> StageParams:
-    layers = math.ceil(arch.num_layers / layout.pp)
-    per_layer = (arch.attention_params() + arch.mlp_params()) / layout.tp + arch.norm_params() + arch.router_params()
-    head = arch.vocab_size * arch.hidden_size if layout.pp > 1 else arch.output_params() - arch.hidden_size
-    ends = (arch.embedding_params() + head) / layout.tp + arch.hidden_size
-    return StageParams(dense=layers * per_layer + ends, expert=layers * arch.expert_params() / (layout.ep * layout.tp))
+    split = layout.parallel
+    layers = math.ceil(arch.num_layers / split.pipeline)
+    per_layer = (arch.attention_params() + arch.mlp_params()) / split.tensor + arch.norm_params() + arch.router_params()
+    head = arch.vocab_size * arch.hidden_size if split.pipeline > 1 else arch.output_params() - arch.hidden_size
+    ends = (arch.embedding_params() + head) / split.tensor + arch.hidden_size
+    return StageParams(
+        dense=layers * per_layer + ends,
+        expert=layers * arch.expert_params() / (split.expert * split.tensor),
+    )
 
 
 def tokens_per_micro_batch(cfg: Config, layout: Layout) -> float:
+    split = layout.parallel
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
-    return max(cfg.actor.max_token_len_per_micro_batch, longest) / layout.cp
+    return max(cfg.actor.max_token_len_per_micro_batch, longest) / split.context
 
 
 def layer_activation_bytes(arch: Architecture, layout: Layout, elt: int) -> float:
     """Bytes one token leaves in one layer for backward, on one GPU (no recompute)."""
+    tp = layout.parallel.tensor
     h = arch.hidden_size
     mlp = arch.experts_per_token * (h + 3 * arch.moe_intermediate_size) if arch.is_moe else 3 * arch.intermediate_size
     split = 2 * arch.q_width + 2 * arch.kv_width + mlp
-    replicated = 4 * h / (layout.tp if layout.sequence_parallel else 1)
-    return elt * (replicated + split / layout.tp)
+    replicated = 4 * h / (tp if layout.sequence_parallel else 1)
+    return elt * (replicated + split / tp)
 
 
 def in_flight_layers(arch: Architecture, layout: Layout) -> float:
     """Layer-activations the first pipeline stage stashes under (interleaved) 1F1B."""
-    interleave = 1 + (layout.pp - 1) / (layout.pp * layout.vpp) if layout.vpp else 1.0
+    split = layout.parallel
+    interleave = 1 + (split.pipeline - 1) / (split.pipeline * split.virtual) if split.virtual else 1.0
     return arch.num_layers * interleave
 
 
 def activation_bytes(arch: Architecture, layout: Layout, tokens: float, elt: int) -> dict[str, float]:
     """Activation memory per GPU for each recompute granularity (``none`` = no recompute)."""
+    split = layout.parallel
     per_layer = tokens * layer_activation_bytes(arch, layout, elt)
     stored = in_flight_layers(arch, layout) * per_layer
-    checkpoint = tokens * elt * arch.hidden_size / (layout.tp if layout.sequence_parallel else 1)
+    checkpoint = tokens * elt * arch.hidden_size / (split.tensor if layout.sequence_parallel else 1)
     full = in_flight_layers(arch, layout) * checkpoint + per_layer
     return {"none": stored, "selective": stored, "full": full}
 
@@ -153,7 +145,8 @@ def logits_bytes(arch: Architecture, layout: Layout, tokens: float, elt: int, ch
     """The output layer's logits alive at once: one chunk of response positions (the workers score
     ``actor.logits_chunk_tokens`` at a time, see :func:`nemo_dapo.algo.logprob.chunked_token_stats`),
     with their fp32 copy and softmax."""
-    columns = arch.vocab_size / layout.tp
+    split = layout.parallel
+    columns = arch.vocab_size / split.tensor
     chunk = chunk_tokens or chunk_tokens_for(math.ceil(columns))
     return min(tokens, chunk) * columns * (elt + 4 + 4)
 

@@ -17,22 +17,39 @@ def _divides(problems: list[str], size: int, count: int, what: str, key: str) ->
 
 def training_layout_problems(arch: Architecture, layout: Layout) -> list[str]:
     """What Megatron cannot shard: heads and FFN widths over TP, layers over PP, experts over EP."""
+    split = layout.parallel
     problems: list[str] = []
     key = "actor.megatron"
-    _divides(problems, layout.tp, arch.num_attention_heads, "attention heads", f"{key}.tensor_model_parallel_size")
-    _divides(problems, layout.tp, arch.num_kv_heads, "KV heads (query groups)", f"{key}.tensor_model_parallel_size")
-    if arch.is_moe:
-        _divides(
-            problems, layout.tp, arch.moe_intermediate_size, "expert FFN width", f"{key}.tensor_model_parallel_size"
-        )
-        _divides(problems, layout.ep, arch.num_experts, "experts", f"{key}.expert_model_parallel_size")
-    else:
-        _divides(problems, layout.tp, arch.intermediate_size, "FFN width", f"{key}.tensor_model_parallel_size")
-        if layout.ep > 1:
-            problems.append(f"{key}.expert_model_parallel_size={layout.ep}: {arch.name} is dense (no experts)")
     _divides(
         problems,
-        layout.pp * (layout.vpp or 1),
+        split.tensor,
+        arch.num_attention_heads,
+        "attention heads",
+        f"{key}.tensor_model_parallel_size",
+    )
+    _divides(
+        problems,
+        split.tensor,
+        arch.num_kv_heads,
+        "KV heads (query groups)",
+        f"{key}.tensor_model_parallel_size",
+    )
+    if arch.is_moe:
+        _divides(
+            problems,
+            split.tensor,
+            arch.moe_intermediate_size,
+            "expert FFN width",
+            f"{key}.tensor_model_parallel_size",
+        )
+        _divides(problems, split.expert, arch.num_experts, "experts", f"{key}.expert_model_parallel_size")
+    else:
+        _divides(problems, split.tensor, arch.intermediate_size, "FFN width", f"{key}.tensor_model_parallel_size")
+        if split.expert > 1:
+            problems.append(f"{key}.expert_model_parallel_size={split.expert}: {arch.name} is dense (no experts)")
+    _divides(
+        problems,
+        split.pipeline * (split.virtual or 1),
         arch.num_layers,
         "layers",
         f"{key}.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size",

@@ -6,7 +6,41 @@ places can never disagree on how many GPUs a job has or how many steps a run tak
 
 from __future__ import annotations
 
-from nemo_dapo.config.schema import Config
+from dataclasses import dataclass
+
+from nemo_dapo.config.schema import Config, MegatronConfig
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How the training ranks split a model: the one description of a layout, read by the
+    planner (``nemo-dapo plan``, the start-up checks) and by the Megatron backend. The torch
+    backend is the default: every rank a whole replica."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1
+    virtual: int | None = None  # model chunks per pipeline rank (interleaved 1F1B); None = one
+    context: int = 1  # ranks sharing each packed row's tokens (context parallelism)
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return self.virtual or 1
+
+    @classmethod
+    def of(cls, layout: MegatronConfig) -> Parallelism:
+        return cls(
+            layout.tensor_model_parallel_size,
+            layout.pipeline_model_parallel_size,
+            layout.expert_model_parallel_size,
+            layout.virtual_pipeline_model_parallel_size,
+            layout.context_parallel_size,
+        )
+
+    @classmethod
+    def of_config(cls, cfg: Config) -> Parallelism:
+        """The actor's split: ``actor.megatron``'s with that backend, none with the torch one."""
+        return cls.of(cfg.actor.megatron) if cfg.actor.backend == "megatron" else cls()
 
 
 def training_world_size(cfg: Config) -> int:

@@ -171,12 +171,14 @@ def _describe_model(arch: Architecture) -> str:
 
 
 def _describe_layout(layout: Layout) -> str:
+    split = layout.parallel
     flags = (
         f"SP={'on' if layout.sequence_parallel else 'off'} "
         f"distributed optimizer={'on' if layout.distributed_optimizer else 'off'}"
     )
     return (
-        f"TP={layout.tp} PP={layout.pp} CP={layout.cp} EP={layout.ep} VPP={layout.vpp or '-'} {flags} "
+        f"TP={split.tensor} PP={split.pipeline} CP={split.context} EP={split.expert} "
+        f"VPP={split.virtual or '-'} {flags} "
         f"-> DP={layout.dp}, expert DP={layout.expert_dp} over {layout.world} ranks"
     )
 

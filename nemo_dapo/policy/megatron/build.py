@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from nemo_dapo.config.schema import MegatronConfig, OptimConfig
+from nemo_dapo.config.topology import Parallelism
 from nemo_dapo.policy.megatron import model as mm
 from nemo_dapo.policy.megatron.convert import ModelShape
 from nemo_dapo.policy.megatron.vocab import DeferredOutputLayer
@@ -25,7 +26,7 @@ def build_chunks(
 ) -> BuiltChunks:
     """This rank's GPTModel chunks with the checkpoint's weights (each chunk reads and converts
     only its own share of the checkpoint)."""
-    parallel = mm.Parallelism.of(layout)
+    parallel = Parallelism.of(layout)
     models, output = [], None
     for vp_stage in range(parallel.chunks_per_rank):
         full = mm.full_megatron_state(

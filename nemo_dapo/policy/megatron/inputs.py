@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from nemo_dapo.config.schema import MegatronConfig
-from nemo_dapo.policy.megatron.model import Parallelism
+from nemo_dapo.config.topology import Parallelism
 from nemo_dapo.policy.microbatch import micro_batches, prompt_width, uniform_micro_batches
 from nemo_dapo.policy.packing import (
     PACKED_IDS,

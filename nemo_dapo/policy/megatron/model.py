@@ -12,39 +12,16 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from nemo_dapo.config.schema import MegatronConfig
+from nemo_dapo.config.topology import Parallelism
 from nemo_dapo.network import use_node_network
 from nemo_dapo.policy.megatron import convert as convert
 from nemo_dapo.policy.megatron.cpu_compat import define_router_gemm_without_te
-
-
-@dataclass(frozen=True)
-class Parallelism:
-    tensor: int = 1
-    pipeline: int = 1
-    expert: int = 1
-    virtual: int | None = None  # model chunks per pipeline rank (interleaved 1F1B); None = one
-    context: int = 1  # ranks sharing each packed row's tokens (context parallelism)
-
-    @property
-    def chunks_per_rank(self) -> int:
-        return self.virtual or 1
-
-    @classmethod
-    def of(cls, layout: MegatronConfig) -> Parallelism:
-        return cls(
-            layout.tensor_model_parallel_size,
-            layout.pipeline_model_parallel_size,
-            layout.expert_model_parallel_size,
-            layout.virtual_pipeline_model_parallel_size,
-            layout.context_parallel_size,
-        )
 
 
 def chunk_index(vp_stage: int) -> int:

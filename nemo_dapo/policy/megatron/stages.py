@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from nemo_dapo.policy.megatron.model import Parallelism
+from nemo_dapo.config.topology import Parallelism
 
 
 def from_last_stage(tensor: torch.Tensor, parallel: Parallelism, device: torch.device) -> torch.Tensor:

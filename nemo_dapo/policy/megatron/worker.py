@@ -26,6 +26,7 @@ from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.algo.logprob import chunk_tokens_for
 from nemo_dapo.config.schema import MegatronConfig, OptimConfig
+from nemo_dapo.config.topology import Parallelism
 from nemo_dapo.logs import configure_logging
 from nemo_dapo.policy.actor_loss import micro_batch_loss
 from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, UpdateResult, require_trainable
@@ -90,7 +91,7 @@ class MegatronPolicyWorker:
         mm.require_runtime(layout)
         enable_cpu_compat()  # no-op when a GPU is present
         self.rank, self.world_size = rank, world_size
-        self.parallel = mm.Parallelism.of(layout)
+        self.parallel = Parallelism.of(layout)
         mm.init_distributed(rank, world_size, rendezvous, self.parallel, seed)
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
