@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_megatron_worker import assert_matches_torch, assert_same_update, megatron_result, torch_reference
 
+from nemo_dapo.config.architecture import Architecture
 from nemo_dapo.config.topology import Parallelism
 
 pytestmark = [
@@ -28,10 +29,10 @@ pytestmark = [
 def checkpoint_and_shape(model_dir):
     from transformers import AutoConfig
 
-    from nemo_dapo.policy.megatron.convert import ModelShape
+    from nemo_dapo.policy.megatron.convert import model_shape
     from nemo_dapo.policy.megatron.model import read_hf_weights
 
-    return read_hf_weights(str(model_dir)), ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    return read_hf_weights(str(model_dir)), model_shape(AutoConfig.from_pretrained(model_dir))
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -43,7 +44,7 @@ def test_each_chunk_reads_only_its_share_of_the_checkpoint(moe_dir, tied):
 
     hf, shape = checkpoint_and_shape(moe_dir)
     names = set(hf) | {"lm_head.weight"}
-    shape = dataclasses.replace(shape, tied_embeddings=tied)
+    shape = dataclasses.replace(shape, tie_word_embeddings=tied)
     chunks = [(convert.stage_layers(shape.num_layers, c, 2), c == 0, c == 1) for c in range(2)]
     readers = {
         name: [
@@ -105,7 +106,7 @@ def test_expert_j_lives_on_ep_rank_j_div_n_as_local_expert_j_mod_n(moe_dir):
     )
     # expert TP: rank 1's fc1 shard is the second half of gate, then the second half of up
     gate, up = (hf[f"model.layers.1.mlp.experts.3.{p}_proj.weight"] for p in ("gate", "up"))
-    half = shape.moe_ffn_size // 2
+    half = shape.moe_intermediate_size // 2
     assert torch.equal(
         convert.shard(local.format(1), second[local.format(1)], 1, 2), torch.cat([gate[half:], up[half:]])
     )
@@ -134,16 +135,17 @@ def test_unsupported_moe_layouts_are_refused():
     from transformers import Qwen2MoeConfig, Qwen3MoeConfig
 
     from nemo_dapo.policy.megatron import model as mm
-    from nemo_dapo.policy.megatron.convert import ModelShape
+    from nemo_dapo.policy.megatron.convert import model_shape
 
     for config in (Qwen3MoeConfig(mlp_only_layers=[0]), Qwen3MoeConfig(decoder_sparse_step=2), Qwen2MoeConfig()):
         with pytest.raises(ValueError, match="mlp_only_layers|model_type"):
-            ModelShape.from_hf_config(config)
-    moe = ModelShape.from_hf_config(Qwen3MoeConfig(num_experts=4))
+            model_shape(config)
+    moe = model_shape(Qwen3MoeConfig(num_experts=4))
     with pytest.raises(ValueError, match=r"expert_model_parallel_size=3: must divide the model's 4 experts"):
         mm.check_expert_layout(moe, Parallelism(expert=3), sequence_parallel=False)
     with pytest.raises(ValueError, match=r"expert_model_parallel_size=2: the model has no experts"):
-        mm.check_expert_layout(ModelShape(2, 4, 2, 16, 100, False), Parallelism(expert=2), sequence_parallel=False)
+        dense = Architecture("dense", 64, 2, 4, 2, 16, 128, 100)
+        mm.check_expert_layout(dense, Parallelism(expert=2), sequence_parallel=False)
     with pytest.raises(ValueError, match=r"tensor_model_parallel_size=2: Megatron trains MoE layers with TP > 1 only"):
         mm.check_expert_layout(moe, Parallelism(tensor=2, expert=2), sequence_parallel=False)
     mm.check_expert_layout(moe, Parallelism(tensor=2, expert=2), sequence_parallel=True)  # the GPU layout

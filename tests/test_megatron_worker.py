@@ -165,7 +165,7 @@ def test_hf_to_megatron_to_hf_is_bit_exact(tiny_model_dir):
     from nemo_dapo.policy.megatron import convert as convert
 
     hf = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
-    shape = convert.ModelShape.from_hf_config(AutoConfig.from_pretrained(tiny_model_dir))
+    shape = convert.model_shape(AutoConfig.from_pretrained(tiny_model_dir))
     full = convert.hf_to_megatron(hf, shape)
     # TP=2 x PP=2 split and re-assembly on the way back
     stages = [convert.stage_state(full, shape, pp, 2) for pp in range(2)]
@@ -184,7 +184,7 @@ def test_hf_to_megatron_to_hf_is_bit_exact(tiny_model_dir):
         2,
     )
     q, k, v = (hf[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
-    per_group = shape.head_dim * shape.num_heads // shape.num_kv_heads
+    per_group = shape.head_dim * shape.num_attention_heads // shape.num_kv_heads
     expected = torch.cat([q[per_group:], k[shape.head_dim :], v[shape.head_dim :]])
     assert torch.equal(qkv1, expected)
 

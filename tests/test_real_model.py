@@ -65,8 +65,8 @@ def test_hf_to_megatron_to_hf_is_bit_exact_for_the_real_weights(smollm2_dir):
     from nemo_dapo.policy.megatron import convert as convert
 
     hf = load_file(os.path.join(smollm2_dir, "model.safetensors"))
-    shape = convert.ModelShape.from_hf_config(AutoConfig.from_pretrained(smollm2_dir))
-    assert shape.tied_embeddings and (shape.num_heads, shape.num_kv_heads) == (9, 3)
+    shape = convert.model_shape(AutoConfig.from_pretrained(smollm2_dir))
+    assert shape.tie_word_embeddings and (shape.num_attention_heads, shape.num_kv_heads) == (9, 3)
     full = convert.hf_to_megatron(hf, shape)
     regathered = {k: convert.unshard(k, [convert.shard(k, v, r, 3) for r in range(3)]) for k, v in full.items()}
     back = convert.megatron_to_hf(regathered, shape)

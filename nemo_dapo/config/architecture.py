@@ -12,9 +12,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+QK_NORM_MODELS = ("qwen3", "qwen3_moe")  # RMSNorm on each head's queries and keys
+
 
 @dataclass(frozen=True)
 class Architecture:
+    """A decoder's shape: the one model-shape type, read by the planner (parameter and memory
+    counts), the start-up checks and the Megatron backend (the layout of its fused tensors)."""
+
     name: str
     hidden_size: int
     num_layers: int
@@ -134,7 +139,7 @@ def from_hf_config(raw: dict, name: str) -> Architecture:
         vocab_size=raw["vocab_size"],
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=bool(raw.get("attention_bias", model_type.startswith("qwen2"))),
-        qk_norm=model_type.startswith("qwen3"),
+        qk_norm=model_type in QK_NORM_MODELS,
         num_experts=raw.get("num_experts") or raw.get("num_local_experts") or 0,
         experts_per_token=raw.get("num_experts_per_tok", 0),
         moe_intermediate_size=raw.get("moe_intermediate_size") or raw.get("intermediate_size", 0),

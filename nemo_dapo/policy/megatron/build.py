@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
+from nemo_dapo.config.architecture import Architecture
 from nemo_dapo.config.schema import MegatronConfig, OptimConfig
 from nemo_dapo.config.topology import Parallelism
 from nemo_dapo.policy.megatron import model as mm
-from nemo_dapo.policy.megatron.convert import ModelShape
 from nemo_dapo.policy.megatron.vocab import DeferredOutputLayer
 
 
@@ -22,7 +22,7 @@ class BuiltChunks:
 
 
 def build_chunks(
-    model_path: str, hf_config, config, shape: ModelShape, layout: MegatronConfig, device: torch.device
+    model_path: str, hf_config, config, shape: Architecture, layout: MegatronConfig, device: torch.device
 ) -> BuiltChunks:
     """This rank's GPTModel chunks with the checkpoint's weights (each chunk reads and converts
     only its own share of the checkpoint)."""

@@ -17,45 +17,18 @@ Four steps, each invertible and exact (only copies, concatenations and slices):
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import torch
 
-QK_NORM_MODELS = ("qwen3", "qwen3_moe")
+from nemo_dapo.config.architecture import Architecture, from_hf_config
+
 MOE_MODELS = ("qwen3_moe",)
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """What the layout of the fused tensors depends on."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    tied_embeddings: bool
-    qk_layernorm: bool = False  # Qwen3: RMSNorm over each head's queries and keys
-    num_experts: int = 0  # routed experts of every layer's MLP; 0 = dense SwiGLU MLP
-    moe_topk: int = 0  # experts per token
-    moe_ffn_size: int = 0  # each expert's SwiGLU width
-
-    @classmethod
-    def from_hf_config(cls, config) -> ModelShape:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        experts = routed_experts(config)
-        return cls(
-            config.num_hidden_layers,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            head_dim,
-            config.vocab_size,
-            bool(getattr(config, "tie_word_embeddings", False)),
-            qk_layernorm=config.model_type in QK_NORM_MODELS,
-            num_experts=experts,
-            moe_topk=config.num_experts_per_tok if experts else 0,
-            moe_ffn_size=config.moe_intermediate_size if experts else 0,
-        )
+def model_shape(config) -> Architecture:
+    """The shape of a transformers config, once its MoE layout is one we convert (:func:`routed_experts`)."""
+    routed_experts(config)
+    return from_hf_config(config.to_dict(), config.model_type)
 
 
 def routed_experts(config) -> int:
@@ -100,9 +73,9 @@ EXPERT = re.compile(r"(.*\bmlp\.experts\.local_experts\.)(\d+)(\..+)")
 HF_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\..+")
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: Architecture) -> torch.Tensor:
     """[q; k; v] (weights or biases) -> per-KV-group interleaved ``linear_qkv``."""
-    groups, per_group = shape.num_kv_heads, shape.num_heads // shape.num_kv_heads
+    groups, per_group = shape.num_kv_heads, shape.num_attention_heads // shape.num_kv_heads
     rest = q.shape[1:]
     q = q.reshape(groups, per_group * shape.head_dim, *rest)
     k = k.reshape(groups, shape.head_dim, *rest)
@@ -110,16 +83,16 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShap
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
-def split_qkv(qkv: torch.Tensor, shape: ModelShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_qkv(qkv: torch.Tensor, shape: Architecture) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of :func:`fuse_qkv`."""
-    groups, per_group = shape.num_kv_heads, shape.num_heads // shape.num_kv_heads
+    groups, per_group = shape.num_kv_heads, shape.num_attention_heads // shape.num_kv_heads
     rest = qkv.shape[1:]
     grouped = qkv.reshape(groups, (per_group + 2) * shape.head_dim, *rest)
     q, k, v = grouped.split([per_group * shape.head_dim, shape.head_dim, shape.head_dim], dim=1)
     return (q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(), v.reshape(-1, *rest).contiguous())
 
 
-def swiglu_prefixes(shape: ModelShape) -> list[tuple[str, str]]:
+def swiglu_prefixes(shape: Architecture) -> list[tuple[str, str]]:
     """(HF, Megatron) name prefixes of a layer's SwiGLU MLPs: the dense one, or every expert (global index)."""
     if not shape.num_experts:
         return [("mlp.", "mlp.")]
@@ -140,7 +113,7 @@ def _megatron_swiglu_to_hf(layer: dict[str, torch.Tensor], hf: str, megatron: st
     }
 
 
-def _hf_layer_to_megatron(layer: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
+def _hf_layer_to_megatron(layer: dict[str, torch.Tensor], shape: Architecture) -> dict[str, torch.Tensor]:
     out = {LAYER_RENAMES[k]: v for k, v in layer.items() if k in LAYER_RENAMES}
     attn = "self_attn.{}_proj.{}"
     for kind in ("weight", "bias"):
@@ -154,7 +127,7 @@ def _hf_layer_to_megatron(layer: dict[str, torch.Tensor], shape: ModelShape) -> 
     return out
 
 
-def _megatron_layer_to_hf(layer: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
+def _megatron_layer_to_hf(layer: dict[str, torch.Tensor], shape: Architecture) -> dict[str, torch.Tensor]:
     inverse = {v: k for k, v in LAYER_RENAMES.items()}
     out = {inverse[k]: v for k, v in layer.items() if k in inverse}
     for kind in ("weight", "bias"):
@@ -179,18 +152,18 @@ def _by_layer(state: dict[str, torch.Tensor], pattern: re.Pattern) -> tuple[dict
     return layers, other
 
 
-def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
+def hf_to_megatron(hf: dict[str, torch.Tensor], shape: Architecture) -> dict[str, torch.Tensor]:
     """Full (unsharded, single-stage) GPTModel state from an HF state dict."""
     layers, other = _by_layer(hf, HF_LAYER)
     out = {GLOBAL_RENAMES[k]: v for k, v in other.items() if k in GLOBAL_RENAMES}
-    if shape.tied_embeddings:
+    if shape.tie_word_embeddings:
         out.pop("output_layer.weight", None)
     for index, layer in layers.items():
         out.update({f"decoder.layers.{index}.{k}": v for k, v in _hf_layer_to_megatron(layer, shape).items()})
     return out
 
 
-def megatron_to_hf(megatron: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
+def megatron_to_hf(megatron: dict[str, torch.Tensor], shape: Architecture) -> dict[str, torch.Tensor]:
     """Inverse of :func:`hf_to_megatron` (HF names in the HF model's order).
 
     Also converts a part of the model (some layers, with or without the embedding / final norm /
@@ -205,7 +178,7 @@ def megatron_to_hf(megatron: dict[str, torch.Tensor], shape: ModelShape) -> dict
         out.update({f"model.layers.{index}.{k}": v for k, v in _megatron_layer_to_hf(layers[index], shape).items()})
     if "decoder.final_layernorm.weight" in other:
         out["model.norm.weight"] = other["decoder.final_layernorm.weight"]
-    if "output_layer.weight" in other and not shape.tied_embeddings:
+    if "output_layer.weight" in other and not shape.tie_word_embeddings:
         out[inverse["output_layer.weight"]] = other["output_layer.weight"]
     return out
 
@@ -217,7 +190,7 @@ def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
 
 
 def hf_name_needed(
-    name: str, shape: ModelShape, layers: range, first: bool, last: bool, ep_rank: int, ep_size: int
+    name: str, shape: Architecture, layers: range, first: bool, last: bool, ep_rank: int, ep_size: int
 ) -> bool:
     """Whether a model chunk holding ``layers`` (first / last of the pipeline) on EP rank
     ``ep_rank`` needs the HF tensor ``name``: its layers (of those, only its own experts), the
@@ -229,12 +202,12 @@ def hf_name_needed(
         return int(layer.group(1)) in layers and mine
     target = GLOBAL_RENAMES.get(name)
     if target == "embedding.word_embeddings.weight":
-        return first or (last and shape.tied_embeddings)
+        return first or (last and shape.tie_word_embeddings)
     return target is not None and last
 
 
 def stage_state(
-    full: dict[str, torch.Tensor], shape: ModelShape, pp_rank: int, pp_size: int
+    full: dict[str, torch.Tensor], shape: Architecture, pp_rank: int, pp_size: int
 ) -> dict[str, torch.Tensor]:
     """The parameters of one pipeline stage, with its layers renumbered from 0.
 
@@ -250,14 +223,14 @@ def stage_state(
         out["embedding.word_embeddings.weight"] = other["embedding.word_embeddings.weight"]
     if last:
         out["decoder.final_layernorm.weight"] = other["decoder.final_layernorm.weight"]
-        if not shape.tied_embeddings:
+        if not shape.tie_word_embeddings:
             out["output_layer.weight"] = other["output_layer.weight"]
         elif not first:
             out["output_layer.weight"] = other["embedding.word_embeddings.weight"]
     return out
 
 
-def unstage_state(stages: list[dict[str, torch.Tensor]], shape: ModelShape) -> dict[str, torch.Tensor]:
+def unstage_state(stages: list[dict[str, torch.Tensor]], shape: Architecture) -> dict[str, torch.Tensor]:
     """Inverse of :func:`stage_state`: one full state from every stage's (TP-gathered) state."""
     full: dict[str, torch.Tensor] = {}
     pp_size = len(stages)
@@ -269,7 +242,7 @@ def unstage_state(stages: list[dict[str, torch.Tensor]], shape: ModelShape) -> d
             full["embedding.word_embeddings.weight"] = other["embedding.word_embeddings.weight"]
         if pp_rank == pp_size - 1:
             full["decoder.final_layernorm.weight"] = other["decoder.final_layernorm.weight"]
-            if not shape.tied_embeddings:
+            if not shape.tie_word_embeddings:
                 full["output_layer.weight"] = other["output_layer.weight"]
     return full
 
@@ -287,7 +260,7 @@ def global_expert_name(name: str, ep_rank: int, experts_per_rank: int) -> str:
 
 
 def slice_experts(
-    state: dict[str, torch.Tensor], shape: ModelShape, ep_rank: int, ep_size: int
+    state: dict[str, torch.Tensor], shape: Architecture, ep_rank: int, ep_size: int
 ) -> dict[str, torch.Tensor]:
     """EP rank ``ep_rank``'s parameters: its experts renumbered from 0, every other parameter as is."""
     per_rank = shape.num_experts // ep_size
@@ -301,7 +274,7 @@ def slice_experts(
     return out
 
 
-def unslice_experts(slices: list[dict[str, torch.Tensor]], shape: ModelShape) -> dict[str, torch.Tensor]:
+def unslice_experts(slices: list[dict[str, torch.Tensor]], shape: Architecture) -> dict[str, torch.Tensor]:
     """Inverse of :func:`slice_experts` from every EP rank's state, in rank order."""
     per_rank = shape.num_experts // len(slices)
     full = {k: v for k, v in slices[0].items() if not is_expert(k)}  # replicated over EP

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
+from nemo_dapo.config.architecture import Architecture
 from nemo_dapo.policy.megatron import convert as convert
 from nemo_dapo.policy.megatron import model as mm
 
@@ -33,19 +34,19 @@ def _global_name(name: str, layer_offset: int) -> str:
     return f"decoder.layers.{int(match.group(1)) + layer_offset}.{match.group(2)}" if match else name
 
 
-def _to_hf(part: dict[str, torch.Tensor], shape: convert.ModelShape) -> dict[str, torch.Tensor]:
+def _to_hf(part: dict[str, torch.Tensor], shape: Architecture) -> dict[str, torch.Tensor]:
     part = {k: v[: shape.vocab_size] if k in mm.VOCAB_ROWS else v for k, v in mm.to_local_names(part).items()}
     hf = convert.megatron_to_hf(part, shape)
-    if shape.tied_embeddings and "model.embed_tokens.weight" in hf:
+    if shape.tie_word_embeddings and "model.embed_tokens.weight" in hf:
         hf["lm_head.weight"] = hf["model.embed_tokens.weight"]  # the torch worker's state dict has it too
     return hf
 
 
-def _stage_parts(model: torch.nn.Module, shape: convert.ModelShape, vp_stage: int) -> Iterator[dict[str, torch.Tensor]]:
+def _stage_parts(model: torch.nn.Module, shape: Architecture, vp_stage: int) -> Iterator[dict[str, torch.Tensor]]:
     """Gathered Megatron-named parameters of one chunk, one layer (or one global tensor) at a time."""
     chunk, chunks = mm.chunk_index(vp_stage), mm.num_chunks()
     offset = convert.stage_layers(shape.num_layers, chunk, chunks).start
-    last_stage_copy = shape.tied_embeddings and chunks > 1 and chunk == chunks - 1
+    last_stage_copy = shape.tie_word_embeddings and chunks > 1 and chunk == chunks - 1
     part: dict[str, torch.Tensor] = {}
     current = None
     for name, param in model.named_parameters():
@@ -64,7 +65,7 @@ def _stage_parts(model: torch.nn.Module, shape: convert.ModelShape, vp_stage: in
         yield part
 
 
-def iter_hf_weights(chunks: list[torch.nn.Module], shape: convert.ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(chunks: list[torch.nn.Module], shape: Architecture) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's share of the HF-named weights, chunk by chunk (collective over each stage's TP
     group); the shares of all ranks are the whole model, each tensor exactly once."""
     exporter = is_exporter()

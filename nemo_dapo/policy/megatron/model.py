@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nemo_dapo.config.architecture import Architecture
 from nemo_dapo.config.schema import MegatronConfig
 from nemo_dapo.config.topology import Parallelism
 from nemo_dapo.network import use_node_network
@@ -114,7 +115,7 @@ def ddp_config(layout: MegatronConfig):
     )
 
 
-def check_expert_layout(shape: convert.ModelShape, parallel: Parallelism, sequence_parallel: bool) -> None:
+def check_expert_layout(shape: Architecture, parallel: Parallelism, sequence_parallel: bool) -> None:
     """EP must split a MoE model's experts evenly (and means nothing for a dense model).
 
     Megatron trains MoE layers with TP > 1 only with sequence parallelism: refuse it without,
@@ -133,7 +134,7 @@ def check_expert_layout(shape: convert.ModelShape, parallel: Parallelism, sequen
         )
 
 
-def moe_settings(hf_config, shape: convert.ModelShape, aux_loss_coeff: float = 0.0) -> dict:
+def moe_settings(hf_config, shape: Architecture, aux_loss_coeff: float = 0.0) -> dict:
     """TransformerConfig fields that make Megatron's MoE layer compute what HF Qwen3-MoE computes.
 
     HF routes with softmax over all experts, top-k, then (``norm_topk_prob``) renormalises the k
@@ -150,8 +151,8 @@ def moe_settings(hf_config, shape: convert.ModelShape, aux_loss_coeff: float = 0
         return {}
     return dict(
         num_moe_experts=shape.num_experts,
-        moe_router_topk=shape.moe_topk,
-        moe_ffn_hidden_size=shape.moe_ffn_size,
+        moe_router_topk=shape.experts_per_token,
+        moe_ffn_hidden_size=shape.moe_intermediate_size,
         moe_router_pre_softmax=not hf_config.norm_topk_prob,
         moe_router_load_balancing_type="aux_loss" if aux_loss_coeff else "none",
         moe_aux_loss_coeff=aux_loss_coeff,
@@ -169,16 +170,16 @@ def transformer_config(hf_config, dtype: torch.dtype, layout: MegatronConfig | N
 
     layout = layout or MegatronConfig()
     parallel = Parallelism.of(layout)
-    shape = convert.ModelShape.from_hf_config(hf_config)
+    shape = convert.model_shape(hf_config)
     check_expert_layout(shape, parallel, layout.sequence_parallel)
     on_cpu = not torch.cuda.is_available()
     qkv_bias = hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
     return TransformerConfig(
         **moe_settings(hf_config, shape, layout.moe_aux_loss_coeff),
-        qk_layernorm=shape.qk_layernorm,
+        qk_layernorm=shape.qk_norm,
         num_layers=shape.num_layers,
         hidden_size=hf_config.hidden_size,
-        num_attention_heads=shape.num_heads,
+        num_attention_heads=shape.num_attention_heads,
         num_query_groups=shape.num_kv_heads,
         kv_channels=shape.head_dim,
         ffn_hidden_size=hf_config.intermediate_size,
@@ -223,7 +224,7 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // tp_size) * tp_size
 
 
-def layer_spec(transformer_impl: str, shape: convert.ModelShape):
+def layer_spec(transformer_impl: str, shape: Architecture):
     """Megatron's GPT layer spec; MoE layers get the sequential expert MLP (no grouped GEMM). The
     local spec's core attention is torch SDPA (:mod:`~nemo_dapo.policy.megatron.attention`): fused
     kernels, packed rows."""
@@ -231,7 +232,7 @@ def layer_spec(transformer_impl: str, shape: convert.ModelShape):
 
     from nemo_dapo.policy.megatron.attention import SdpaAttention
 
-    options = {"num_experts": shape.num_experts or None, "qk_layernorm": shape.qk_layernorm}
+    options = {"num_experts": shape.num_experts or None, "qk_layernorm": shape.qk_norm}
     if transformer_impl == "transformer_engine":
         return with_padding_mask(gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**options))
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **options)
@@ -254,7 +255,7 @@ def build_gpt_model(hf_config, config, transformer_impl: str = "local", vp_stage
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    shape = convert.ModelShape.from_hf_config(hf_config)
+    shape = convert.model_shape(hf_config)
     if shape.num_experts:
         define_router_gemm_without_te()
     place = {"ignore_virtual": vp_stage is None, "vp_stage": vp_stage}
@@ -265,7 +266,7 @@ def build_gpt_model(hf_config, config, transformer_impl: str = "local", vp_stage
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(**place),
         post_process=parallel_state.is_pipeline_last_stage(**place),
-        share_embeddings_and_output_weights=shape.tied_embeddings,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=rope_theta(hf_config),
         parallel_output=True,
@@ -285,7 +286,7 @@ def read_hf_weights(model_path: str, wanted: Callable[[str], bool] = lambda name
     return weights
 
 
-def chunk_needs(shape: convert.ModelShape, vp_stage: int = 0) -> Callable[[str], bool]:
+def chunk_needs(shape: Architecture, vp_stage: int = 0) -> Callable[[str], bool]:
     """Which HF tensors this rank's ``vp_stage``-th chunk is built from (a rank reads about
     1 / (PP x virtual stages) of a dense model, and 1 / EP of the experts)."""
     from megatron.core import parallel_state as ps
@@ -299,9 +300,7 @@ def chunk_needs(shape: convert.ModelShape, vp_stage: int = 0) -> Callable[[str],
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def full_megatron_state(
-    hf: dict[str, torch.Tensor], shape: convert.ModelShape, tp_size: int
-) -> dict[str, torch.Tensor]:
+def full_megatron_state(hf: dict[str, torch.Tensor], shape: Architecture, tp_size: int) -> dict[str, torch.Tensor]:
     """GPTModel parameters (vocabulary padded to divide over TP) of the given HF tensors: the whole
     model's, or the share :func:`chunk_needs` selects."""
     padded = padded_vocab_size(shape.vocab_size, tp_size)
@@ -311,7 +310,7 @@ def full_megatron_state(
 
 
 def local_weights(
-    full: dict[str, torch.Tensor], shape: convert.ModelShape, tp_size: int, vp_stage: int = 0
+    full: dict[str, torch.Tensor], shape: Architecture, tp_size: int, vp_stage: int = 0
 ) -> dict[str, torch.Tensor]:
     """One chunk's (stage-sliced, EP-sliced, TP- or expert-TP-sharded) parameters from
     :func:`full_megatron_state`; a pipeline rank holds one chunk, or ``virtual`` interleaved ones."""
@@ -386,7 +385,7 @@ def _all_gather(tensor: torch.Tensor, group, size: int) -> list[torch.Tensor]:
     return out
 
 
-def gather_param(name: str, param: torch.Tensor, shape: convert.ModelShape) -> dict[str, torch.Tensor]:
+def gather_param(name: str, param: torch.Tensor, shape: Architecture) -> dict[str, torch.Tensor]:
     """Full CPU copies of one parameter under stage-local names; collective (see :func:`takes_part_in_gather`).
 
     A dense parameter is gathered over TP. A local expert's parameter is gathered over expert TP,

@@ -33,7 +33,7 @@ from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, UpdateResult,
 from nemo_dapo.policy.lr_schedule import lr_lambda
 from nemo_dapo.policy.megatron import build, inputs, stages
 from nemo_dapo.policy.megatron import model as mm
-from nemo_dapo.policy.megatron.convert import ModelShape
+from nemo_dapo.policy.megatron.convert import model_shape
 from nemo_dapo.policy.megatron.cpu_compat import enable_cpu_compat
 from nemo_dapo.policy.megatron.export import iter_hf_weights
 from nemo_dapo.policy.megatron.router_loss import load_balancing_metric, per_routed_token
@@ -98,7 +98,7 @@ class MegatronPolicyWorker:
         )
         torch.manual_seed(seed + rank)
         self.hf_config = AutoConfig.from_pretrained(model_path)
-        self.shape = ModelShape.from_hf_config(self.hf_config)
+        self.shape = model_shape(self.hf_config)
         self.config = mm.transformer_config(self.hf_config, DTYPES[dtype], layout)
         self.config.finalize_model_grads_func = finalize_grads_without_token_scaling
         self.optim_cfg = optim
@@ -135,7 +135,7 @@ class MegatronPolicyWorker:
         return RoutingReplay(
             self.models,
             self.shape.num_layers,
-            self.shape.moe_topk,
+            self.shape.experts_per_token,
             self.layout.sequence_parallel,
             recompute=self.layout.recompute_granularity == "full",
         )
@@ -274,7 +274,7 @@ class MegatronPolicyWorker:
 
         assert self.replay is not None
         tokens = batch["input_ids"].shape
-        shape = (*tokens, self.shape.num_layers, self.shape.moe_topk)
+        shape = (*tokens, self.shape.num_layers, self.shape.experts_per_token)
         parts = [(micro, self.replay.recorded[id(micro)]) for micro in micros if micro[ROWS].numel()]
         routing = place_micro_routing(shape, prompt_width(batch), parts, torch.int32)
         return reduce_recorded(routing.to(self.device)).cpu().to(routing_dtype(self.shape.num_experts))
