@@ -28,8 +28,6 @@ import tempfile
 
 import torch
 
-from nemo_dapo.config.topology import Parallelism
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -63,6 +61,7 @@ def main() -> None:
         log_probs_from_logits,
         token_stats,
     )
+    from nemo_dapo.config.topology import Parallelism
     from nemo_dapo.policy.megatron import model as mm
     from nemo_dapo.policy.megatron.cpu_compat import enable_cpu_compat
     from nemo_dapo.policy.megatron.vocab import vocab_parallel_stats
