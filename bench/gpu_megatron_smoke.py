@@ -95,15 +95,15 @@ def synthetic_batch(rows: int, prompt: int, response: int, vocab: int, seed: int
     width = prompt + response
     ids = torch.randint(0, vocab, (rows, width), generator=gen)
     attention = torch.ones(rows, width, dtype=torch.long)
-    response_mask = attention[:, prompt:].clone()
+    loss_mask = attention[:, prompt:].clone()
     signs = torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0)
     return {
         "input_ids": ids,
         "attention_mask": attention,
         "position_ids": torch.arange(width).expand(rows, -1).clone(),
         "responses": ids[:, prompt:],
-        "response_mask": response_mask,
-        "advantages": signs[:, None] * response_mask.float(),
+        "loss_mask": loss_mask,
+        "advantages": signs[:, None] * loss_mask.float(),
     }
 
 
@@ -112,7 +112,7 @@ def _prepend(batch: dict[str, torch.Tensor], extra: torch.Tensor, attention: tor
         "input_ids": torch.cat([extra, batch["input_ids"]], 1),
         "attention_mask": torch.cat([attention, batch["attention_mask"]], 1),
         "responses": batch["responses"],
-        "response_mask": batch["response_mask"],
+        "loss_mask": batch["loss_mask"],
     }
     out["position_ids"] = (out["attention_mask"].cumsum(1) - 1).clamp(min=0)
     return out
@@ -128,7 +128,7 @@ def check_padding_is_masked(worker, batch: dict[str, torch.Tensor]) -> float:
     extra = torch.randint(1, int(batch["input_ids"].max()) + 1, (rows, pad), generator=torch.Generator().manual_seed(7))
     padding = torch.ones(rows, pad, dtype=torch.long)
     padding[0] = 0
-    mask = batch["response_mask"][0].bool()
+    mask = batch["loss_mask"][0].bool()
     base = worker.compute_log_prob(batch)["log_probs"][0]
 
     def change(variant):
@@ -147,7 +147,7 @@ def dapo_update(worker, batch: dict[str, torch.Tensor], old: dict[str, torch.Ten
 
     mini = MiniBatch(
         {**batch, "old_log_probs": old["log_probs"]},
-        float(batch["response_mask"].sum()),
+        float(batch["loss_mask"].sum()),
         float(batch["input_ids"].shape[0]),
     )
     return worker.update([mini], settings).metrics
@@ -210,16 +210,16 @@ def varied_lengths(batch: dict[str, torch.Tensor], seed: int) -> dict[str, torch
     response = batch["responses"].shape[1]
     gen = torch.Generator().manual_seed(seed)
     lengths = 16 * torch.randint(1, response // 16 + 1, (batch["input_ids"].shape[0],), generator=gen)
-    response_mask = (torch.arange(response)[None] < lengths[:, None]).long()
-    attention = torch.cat([batch["attention_mask"][:, :-response], response_mask], 1)
+    loss_mask = (torch.arange(response)[None] < lengths[:, None]).long()
+    attention = torch.cat([batch["attention_mask"][:, :-response], loss_mask], 1)
     ids = batch["input_ids"] * attention
     return {
         **batch,
         "input_ids": ids,
         "attention_mask": attention,
         "responses": ids[:, -response:],
-        "response_mask": response_mask,
-        "advantages": batch["advantages"] * response_mask,
+        "loss_mask": loss_mask,
+        "advantages": batch["advantages"] * loss_mask,
     }
 
 
@@ -232,7 +232,7 @@ def check_packing_matches_padding(worker, batch: dict[str, torch.Tensor], train_
         worker.layout = replace(worker.layout, sequence_packing=packing)
         log_probs.append(worker.compute_log_prob(batch)["log_probs"])
     worker.layout = replace(worker.layout, sequence_packing=train_packed)
-    mask = batch["response_mask"].bool()
+    mask = batch["loss_mask"].bool()
     gap = float((log_probs[0] - log_probs[1])[mask].abs().mean())
     print(f"packing: mean |log-prob gap| packed vs padded {gap:.2e} over {int(mask.sum())} response tokens", flush=True)
     if gap > 5e-2:
@@ -280,7 +280,7 @@ def timed_updates(worker, args, n_params: int, vocab: int, settings) -> list[dic
             "update_s": update_s,
             "update_tokens_per_s": tokens_s,
             "mfu": 6 * n_params * tokens_s / args.peak_flops,
-            "mean_old_log_prob": float(old["log_probs"].sum() / batch["response_mask"].sum()),
+            "mean_old_log_prob": float(old["log_probs"].sum() / batch["loss_mask"].sum()),
             "pg_loss": metrics["actor/pg_loss"][0],
             "grad_norm": metrics["actor/grad_norm"][0],
             "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,

@@ -42,14 +42,14 @@ def dapo_like_batch(rows: int, max_response: int, vocab: int, seed: int) -> dict
         )
         attention[row, max_prompt - rng.randint(64, max_prompt) : max_prompt + response] = 1
     ids = torch.randint(3, vocab, attention.shape, generator=torch.Generator().manual_seed(seed)) * attention
-    response_mask = attention[:, max_prompt:]
+    loss_mask = attention[:, max_prompt:]
     return {
         "input_ids": ids,
         "attention_mask": attention,
         "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
         "responses": ids[:, max_prompt:],
-        "response_mask": response_mask,
-        "advantages": torch.linspace(-1, 1, rows)[:, None] * response_mask,
+        "loss_mask": loss_mask,
+        "advantages": torch.linspace(-1, 1, rows)[:, None] * loss_mask,
     }
 
 
@@ -80,7 +80,7 @@ def run_variant(variant: str, model_dir: str, args, out: str) -> None:
     worker._set_mode(train=True)
     saved = saved_bytes(lambda: worker.chunks[0](**worker._model_inputs(micro)))
     full = {**batch, "old_log_probs": worker.compute_log_prob(batch)["log_probs"]}
-    mini = MiniBatch(full, float(batch["response_mask"].sum()), float(args.rows))
+    mini = MiniBatch(full, float(batch["loss_mask"].sum()), float(args.rows))
     times = []
     for _ in range(args.repeats + 1):
         started = time.perf_counter()

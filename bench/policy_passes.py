@@ -44,7 +44,7 @@ def passes(model: str, rows: int, reps: int) -> dict:
         "attention_mask": attention,
         "position_ids": attention.cumsum(1) - 1,
         "responses": ids[:, 40:],
-        "response_mask": attention[:, 40:],
+        "loss_mask": attention[:, 40:],
     }
     forward, train = [], []
     before = resource.getrusage(resource.RUSAGE_SELF)

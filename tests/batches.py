@@ -33,7 +33,7 @@ def make_batch(
         "attention_mask": attention,
         "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
         "responses": ids[:, prompt:],
-        "response_mask": attention[:, prompt:],
+        "loss_mask": attention[:, prompt:],
     }
 
 
@@ -42,7 +42,7 @@ def add_training_fields(batch: dict, old_log_probs: torch.Tensor) -> dict:
     return {
         **batch,
         "old_log_probs": old_log_probs,
-        "advantages": torch.linspace(-1, 1, rows)[:, None] * batch["response_mask"],
+        "advantages": torch.linspace(-1, 1, rows)[:, None] * batch["loss_mask"],
     }
 
 

@@ -83,7 +83,7 @@ def run_megatron_rank(
     # old_from_forward: the update takes the old log-probs from its forward; zeros here would show if read
     old = torch.zeros_like(before["log_probs"]) if from_forward else before["log_probs"]
     full = {**share, "old_log_probs": old}
-    counts = float(batch["response_mask"].sum()), float(len(batch["input_ids"]))
+    counts = float(batch["loss_mask"].sum()), float(len(batch["input_ids"]))
     result = worker.update([MiniBatch(full, *counts, old_from_forward=from_forward)], loss)
     optimizer_numel = sum(p.numel() for group in worker.optimizer.param_groups for p in group["params"])
     after = worker.compute_log_prob(share)  # the updated weights, as the next step reads them
@@ -112,7 +112,7 @@ def torch_reference(model_dir, loss: dict | None = None) -> dict:
     full = add_training_fields(batch, before["log_probs"])
     settings = LossSettings(**(loss or {}))
     metrics = worker.update(
-        [MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))], settings
+        [MiniBatch(full, float(batch["loss_mask"].sum()), float(len(batch["input_ids"])))], settings
     ).metrics
     return {"before": before, "metrics": metrics, "weights": exported(worker)}
 
@@ -263,9 +263,10 @@ def test_right_padding_to_a_multiple_changes_no_log_prob(tmp_path, tiny_model_di
     """Sequence parallelism pads each micro-batch to a multiple of TP: masked columns after every
     real token, positions continued, and the response slice unchanged."""
     from nemo_dapo.policy.megatron.inputs import attention_mask_4d, pad_width
+    from nemo_dapo.policy.microbatch import MicroBatch
 
     worker = megatron_worker(0, 1, str(tmp_path / "store"), str(tiny_model_dir))
-    micro = make_batch(rows=3)
+    micro = MicroBatch(make_batch(rows=3), torch.arange(3))
     stats = []
     with torch.no_grad():
         for multiple in (1, 5):
@@ -273,7 +274,7 @@ def test_right_padding_to_a_multiple_changes_no_log_prob(tmp_path, tiny_model_di
             assert tokens.shape[1] % multiple == 0 and (tokens.shape[1] > micro["input_ids"].shape[1]) == (multiple > 1)
             inputs = (t.to(worker.device) for t in (tokens, positions, attention_mask_4d(mask)))
             logits = worker.chunks[0](*inputs).cpu()
-            stats.append(worker._response_stats(micro, logits, 1.0)[0] * micro["response_mask"])
+            stats.append(worker._response_stats(micro, logits, 1.0)[0] * micro["loss_mask"])
     assert (stats[0] - stats[1]).abs().max().item() < 1e-6
 
 
@@ -492,7 +493,7 @@ def run_overlap_rank(rank: int, world_size: int, rendezvous: str, model_dir: str
         share = {k: v[rank::world_size] for k, v in batch.items()}
         full = add_training_fields(share, worker.compute_log_prob(share)["log_probs"])
         metrics.append(
-            worker.update([MiniBatch(full, float(batch["response_mask"].sum()), float(rows))], LossSettings()).metrics
+            worker.update([MiniBatch(full, float(batch["loss_mask"].sum()), float(rows))], LossSettings()).metrics
         )
     weights = exported(worker)
     after = worker.compute_log_prob(share)
@@ -539,7 +540,7 @@ def train_step(worker, seed: int) -> dict:
     full = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in whole.items()}
     full["old_log_probs"] = worker.compute_log_prob(full)["log_probs"]
     return worker.update(
-        [MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))], LossSettings()
+        [MiniBatch(full, float(batch["loss_mask"].sum()), float(len(batch["input_ids"])))], LossSettings()
     ).metrics
 
 
@@ -749,7 +750,7 @@ def nonfinite_then_finite(worker) -> dict:
 
     batch = make_batch()
     full = add_training_fields(batch, worker.compute_log_prob(batch)["log_probs"])
-    counts = float(batch["response_mask"].sum()), float(len(batch["input_ids"]))
+    counts = float(batch["loss_mask"].sum()), float(len(batch["input_ids"]))
     start = exported(worker)
     poisoned = {**full, "advantages": full["advantages"] * float("nan")}
     skipped = worker.update([MiniBatch(poisoned, *counts)], LossSettings()).metrics

@@ -2,7 +2,7 @@
 
 import torch
 
-from nemo_dapo.policy.microbatch import ROWS, micro_batches, place_rows, uniform_micro_batches
+from nemo_dapo.policy.microbatch import micro_batches, place_rows, uniform_micro_batches
 
 
 def batch_of(prompts: list[int], responses: list[int], prompt_width: int = 6, response_width: int = 12) -> dict:
@@ -17,7 +17,7 @@ def batch_of(prompts: list[int], responses: list[int], prompt_width: int = 6, re
         "attention_mask": attention,
         "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
         "responses": ids[:, prompt_width:],
-        "response_mask": attention[:, prompt_width:],
+        "loss_mask": attention[:, prompt_width:],
     }
 
 
@@ -26,10 +26,10 @@ def test_rows_of_similar_length_share_a_micro_batch():
     three short ones together (in batch order the first pair alone would already pad 4 up to 14)."""
     batch = batch_of([2, 4, 2, 4, 3], [2, 10, 3, 9, 3])
     micros = micro_batches(batch, 30)
-    assert [m[ROWS].tolist() for m in micros] == [[1, 3], [4, 2, 0]]
+    assert [m.rows.tolist() for m in micros] == [[1, 3], [4, 2, 0]]
     assert [tuple(m["input_ids"].shape) for m in micros] == [(2, 14), (3, 6)]  # 28 + 18 tokens, not 5 x 18
     for micro in micros:  # every row is the one it claims to be, its real tokens all kept
-        for i, row in enumerate(micro[ROWS].tolist()):
+        for i, row in enumerate(micro.rows.tolist()):
             assert set(micro["input_ids"][i].unique().tolist()) <= {0, row + 1}
             assert micro["attention_mask"][i].sum() == batch["attention_mask"][row].sum()
 
@@ -40,7 +40,7 @@ def test_a_long_row_is_not_padded_together_with_short_ones():
     the split leaves the long row alone (11 + 5 x 2 = 21) in as few micro-batches."""
     batch = batch_of([1] * 6, [10, 1, 1, 1, 1, 1])
     micros = micro_batches(batch, 40)
-    assert [m[ROWS].tolist() for m in micros] == [[0], [1, 2, 3, 4, 5]]
+    assert [m.rows.tolist() for m in micros] == [[0], [1, 2, 3, 4, 5]]
     assert [tuple(m["input_ids"].shape) for m in micros] == [(1, 11), (5, 2)]
 
 
@@ -57,9 +57,9 @@ def test_padded_width_counts_the_longest_prompt_and_the_longest_response():
 def test_results_go_back_to_their_rows():
     batch = batch_of([2, 4, 2, 4, 3], [2, 10, 3, 9, 3])
     per_row = torch.arange(5.0)[:, None] + torch.arange(12.0) / 100  # a distinct value per row and column
-    parts = [(m[ROWS], per_row[m[ROWS], : m["responses"].shape[1]]) for m in micro_batches(batch, 30)]
+    parts = [(m.rows, per_row[m.rows, : m["responses"].shape[1]]) for m in micro_batches(batch, 30)]
     placed = place_rows(batch["responses"].shape, parts)
-    real = batch["response_mask"].bool()
+    real = batch["loss_mask"].bool()
     assert torch.equal(placed[real], per_row[real])
 
 
@@ -67,9 +67,9 @@ def test_uniform_micro_batches_name_their_real_rows_only():
     batch = batch_of([2, 3, 2], [3, 4, 2])
     micros = uniform_micro_batches(batch, 16, multiple=2)
     assert len({tuple(m["input_ids"].shape) for m in micros}) == 1 and len(micros) % 2 == 0
-    assert [row for m in micros for row in m[ROWS].tolist()] == [0, 1, 2]
+    assert [row for m in micros for row in m.rows.tolist()] == [0, 1, 2]
     for micro in micros:  # filler rows after the real ones contribute no response token
-        assert micro["response_mask"][len(micro[ROWS]) :].sum() == 0
+        assert micro["loss_mask"][len(micro.rows) :].sum() == 0
 
 
 def test_a_shared_prompt_counts_once_in_the_budget():
@@ -80,5 +80,5 @@ def test_a_shared_prompt_counts_once_in_the_budget():
     batch["input_ids"][:, :6] = torch.tensor([7, 7, 7, 9, 9, 9])[:, None] * batch["attention_mask"][:, :6]
     assert len(micro_batches(batch, 20)) == 3
     micros = micro_batches(batch, 20, share_prompts=True)
-    assert [m[ROWS].tolist() for m in micros] == [[0, 1, 2], [3, 4, 5]]
+    assert [m.rows.tolist() for m in micros] == [[0, 1, 2], [3, 4, 5]]
     assert len(micro_batches(dict(batch, routed_experts=torch.zeros(6, 18, 1, 1)), 20, share_prompts=True)) == 3

@@ -41,7 +41,7 @@ def test_mini_batch_denominators_count_only_the_kept_rows(world_size):
         (mini,) = rank
         assert mini.global_token_count == float(batch["response_mask"][kept].sum())  # 6 + 2 + 4 + 3
         assert mini.global_seq_count == 4.0
-    assert sum(float(rank[0].data["response_mask"].sum()) for rank in per_rank) == 15.0
+    assert sum(float(rank[0].data["loss_mask"].sum()) for rank in per_rank) == 15.0
 
 
 def update_gradient(model_dir, batch: RolloutBatch, max_token_len: int) -> dict:
@@ -52,7 +52,7 @@ def update_gradient(model_dir, batch: RolloutBatch, max_token_len: int) -> dict:
     worker = TorchPolicyWorker(0, 1, "", str(model_dir), optim_settings(), max_token_len=max_token_len)
     (minis,) = mini_batches_per_rank(batch, prompts_per_mini_batch=3, world_size=1, ppo_epochs=1)
     data = minis[0].data
-    data["old_log_probs"] = worker.compute_log_prob(data)["log_probs"] - 0.05 * data["response_mask"]
+    data["old_log_probs"] = worker.compute_log_prob(data)["log_probs"] - 0.05 * data["loss_mask"]
     gradient: dict = {}
 
     def keep_gradient(*_) -> None:  # the worker frees its gradients once the update is done

@@ -3,13 +3,11 @@
 import torch
 from test_microbatch import batch_of
 
-from nemo_dapo.policy.microbatch import ROWS, prompt_width
 from nemo_dapo.policy.packing import (
     context_parallel_share,
     first_fit_decreasing,
     pack_rows,
     packed_micro_batches,
-    packed_width,
     response_positions,
     scatter_rows,
     uniform_packs,
@@ -33,34 +31,34 @@ def test_first_fit_decreasing_fills_earlier_bins_first():
 def test_pack_lays_real_tokens_end_to_end_and_points_at_each_response_token():
     batch = padded_batch()
     rows = [2, 0, 3]
-    pack = pack_rows(batch, rows, multiple=4)
+    packed = pack_rows(batch, rows, multiple=4)
     real = batch["attention_mask"][rows].bool()
     lengths = real.sum(1)
     total = int(lengths.sum())
-    width = packed_width(pack)
+    width = packed.pack.width
     assert width % 4 == 0 and total <= width < total + 4
-    assert torch.equal(pack["packed_ids"][0, :total], batch["input_ids"][rows][real])
-    assert torch.equal(pack["cu_seqlens"][: len(rows) + 1], torch.cat([torch.zeros(1), lengths.cumsum(0)]).int())
-    assert pack["cu_seqlens"][-1] == width
+    assert torch.equal(packed.pack.ids[0, :total], batch["input_ids"][rows][real])
+    assert torch.equal(packed.pack.cu_seqlens[: len(rows) + 1], torch.cat([torch.zeros(1), lengths.cumsum(0)]).int())
+    assert packed.pack.cu_seqlens[-1] == width
     for k, length in enumerate(lengths.tolist()):
-        start = int(pack["cu_seqlens"][k])
-        assert torch.equal(pack["packed_positions"][0, start : start + length], torch.arange(length))
-    assert torch.equal(pack[ROWS], torch.tensor(rows))
+        start = int(packed.pack.cu_seqlens[k])
+        assert torch.equal(packed.pack.positions[0, start : start + length], torch.arange(length))
+    assert torch.equal(packed.rows, torch.tensor(rows))
     # the logits at response_index predict the next packed token: the row's response token
-    response_real = pack["attention_mask"][:, prompt_width(pack) :].bool()
-    predicted = pack["packed_ids"][0, pack["response_index"] + 1]
-    assert torch.equal(predicted[response_real], pack["responses"][response_real])
+    response_real = packed["attention_mask"][:, packed.prompt_width :].bool()
+    predicted = packed.pack.ids[0, packed.pack.response_index + 1]
+    assert torch.equal(predicted[response_real], packed["responses"][response_real])
 
 
 def test_response_positions_and_scatter_put_each_response_token_in_its_row():
     batch = padded_batch()
-    pack = pack_rows(batch, [1, 4])
-    logits = torch.randn(1, packed_width(pack), 11, requires_grad=True)
-    positions, labels, real = response_positions(pack)
-    assert positions.shape == (int(real.sum()),) and torch.equal(labels, pack["responses"][real])
+    packed = pack_rows(batch, [1, 4])
+    logits = torch.randn(1, packed.pack.width, 11, requires_grad=True)
+    positions, labels, real = response_positions(packed)
+    assert positions.shape == (int(real.sum()),) and torch.equal(labels, packed["responses"][real])
     values = scatter_rows(logits[0, positions, 0], real)
-    assert values.shape == pack["responses"].shape and (values[~real] == 0).all()
-    assert torch.equal(values[real], logits[0, pack["response_index"][real], 0])
+    assert values.shape == packed["responses"].shape and (values[~real] == 0).all()
+    assert torch.equal(values[real], logits[0, packed.pack.response_index[real], 0])
     values.sum().backward()
     assert logits.grad[..., 0].sum() == real.sum() and logits.grad[..., 1:].abs().sum() == 0
 
@@ -68,41 +66,41 @@ def test_response_positions_and_scatter_put_each_response_token_in_its_row():
 def test_packs_respect_the_budget_and_hold_every_row_once():
     batch = padded_batch()
     packs = packed_micro_batches(batch, max_tokens=16)
-    rows = torch.cat([pack[ROWS] for pack in packs]).sort().values
+    rows = torch.cat([packed.rows for packed in packs]).sort().values
     assert torch.equal(rows, torch.arange(batch["input_ids"].shape[0]))
     lengths = batch["attention_mask"].sum(1)
-    assert all(lengths[pack[ROWS]].sum() <= 16 or len(pack[ROWS]) == 1 for pack in packs)
-    assert sum(packed_width(pack) for pack in packs) == lengths.sum()  # no padding at all
+    assert all(lengths[packed.rows].sum() <= 16 or len(packed.rows) == 1 for packed in packs)
+    assert sum(packed.pack.width for packed in packs) == lengths.sum()  # no padding at all
 
 
 def test_uniform_packs_share_one_width_and_fill_up_with_empty_packs():
     batch = padded_batch()
     packs = uniform_packs(batch, max_tokens=16, multiple=2, count_multiple=3)  # 4 packs + 2 fillers
-    assert len(packs) == 6 and len({packed_width(pack) for pack in packs}) == 1
-    assert packed_width(packs[0]) % 2 == 0
-    fillers = [pack for pack in packs if len(pack[ROWS]) == 0]
-    assert fillers and all(pack["response_mask"].sum() == 0 for pack in fillers)
-    real_rows = torch.cat([pack[ROWS] for pack in packs]).sort().values
+    assert len(packs) == 6 and len({packed.pack.width for packed in packs}) == 1
+    assert packs[0].pack.width % 2 == 0
+    fillers = [packed for packed in packs if len(packed.rows) == 0]
+    assert fillers and all(packed["loss_mask"].sum() == 0 for packed in fillers)
+    real_rows = torch.cat([packed.rows for packed in packs]).sort().values
     assert torch.equal(real_rows, torch.arange(batch["input_ids"].shape[0]))
 
 
 def test_context_parallel_shares_split_every_row_into_balanced_chunks():
     """CP=2: rows padded to multiples of 4; rank r holds chunks r and 3 - r of every row, together
-    the ranks hold each position once, and ``cp_local`` inverts ``cp_index``."""
+    the ranks hold each position once, and a share's ``local`` inverts its ``index``."""
     batch = padded_batch()
-    pack = pack_rows(batch, [0, 2, 5], multiple=8, segment_multiple=4)
-    cu_seqlens = pack["cu_seqlens"].tolist()
+    packed = pack_rows(batch, [0, 2, 5], multiple=8, segment_multiple=4)
+    cu_seqlens = packed.pack.cu_seqlens.tolist()
     assert all((end - start) % 4 == 0 for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]))
-    shares = [context_parallel_share(pack, 2, rank) for rank in range(2)]
+    shares = [context_parallel_share(packed, 2, rank) for rank in range(2)]
     assert torch.equal(
-        torch.cat([share["cp_index"] for share in shares]).sort().values, torch.arange(packed_width(pack))
+        torch.cat([share.pack.share.index for share in shares]).sort().values, torch.arange(packed.pack.width)
     )
     start, end = cu_seqlens[0], cu_seqlens[1]
     chunk = (end - start) // 4
     assert torch.equal(
-        shares[0]["cp_index"][: 2 * chunk], torch.cat([torch.arange(0, chunk), torch.arange(3 * chunk, 4 * chunk)])
+        shares[0].pack.share.index[: 2 * chunk], torch.cat([torch.arange(0, chunk), torch.arange(3 * chunk, 4 * chunk)])
     )
-    assert torch.equal(shares[1]["cp_index"][: 2 * chunk], torch.arange(chunk, 3 * chunk))
+    assert torch.equal(shares[1].pack.share.index[: 2 * chunk], torch.arange(chunk, 3 * chunk))
     for share in shares:
-        assert torch.equal(share["cp_local"][share["cp_index"]], torch.arange(len(share["cp_index"])))
-        assert (share["cp_local"] >= 0).sum() == packed_width(pack) // 2
+        assert torch.equal(share.pack.share.local[share.pack.share.index], torch.arange(len(share.pack.share.index)))
+        assert (share.pack.share.local >= 0).sum() == packed.pack.width // 2

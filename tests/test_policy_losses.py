@@ -162,7 +162,7 @@ def test_a_user_registered_loss_is_used_by_name_in_a_real_worker(tiny_model_dir)
     for loss in ("dapo", name):  # a fresh worker each: the same weights see the same batch
         worker = TorchPolicyWorker(0, 1, "", str(tiny_model_dir), optim_settings(), max_token_len=40)
         full = add_training_fields(batch, worker.compute_log_prob(batch)["log_probs"] - 0.1)
-        mini = [MiniBatch(full, float(batch["response_mask"].sum()), float(len(batch["input_ids"])))]
+        mini = [MiniBatch(full, float(batch["loss_mask"].sum()), float(len(batch["input_ids"])))]
         pg_loss[loss] = sum(worker.update(mini, LossSettings(policy_loss=loss)).metrics["actor/pg_loss"])
     assert pg_loss[name] == pytest.approx(2 * pg_loss["dapo"], rel=1e-5)
     assert abs(pg_loss["dapo"]) > 1e-4

@@ -122,7 +122,7 @@ def vllm_log_probs(model_dir, dtype: str) -> torch.Tensor:
         scored = [next(iter(step.values())).logprob if step else 0.0 for step in out.prompt_logprobs]
         response = scored[prompt_len:]
         result[row, : len(response)] = torch.tensor(response)
-    return result * batch["response_mask"]
+    return result * batch["loss_mask"]
 
 
 @requires_megatron
@@ -141,7 +141,7 @@ def test_torch_megatron_tp1_tp3_and_vllm_score_the_same_sequences(smollm2_dir, t
         out.mkdir()
         spawn(megatron_log_probs, tp, str(out / "rdv"), str(smollm2_dir), str(out))
         results[tp] = torch.load(out / "rank0.pt")["log_probs"]
-    mask = batch["response_mask"].bool()
+    mask = batch["loss_mask"].bool()
     assert mask.sum() > 30 and torch_lp[mask].abs().min() > 0  # real scores at every response token
     for tp, megatron_lp in results.items():
         gap = (megatron_lp - torch_lp)[mask].abs().max().item()

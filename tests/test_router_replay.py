@@ -82,7 +82,7 @@ def engine_side(model_dir, padded: bool, flip: bool = False) -> dict:
     experts = [indices.view(rows, width, TOPK) for indices in used]
     prompt = width - batch["responses"].shape[1]
     log_probs = torch.log_softmax(out.logits[:, prompt - 1 : -1].float(), dim=-1)
-    response_lp = log_probs.gather(-1, batch["responses"][..., None])[..., 0] * batch["response_mask"]
+    response_lp = log_probs.gather(-1, batch["responses"][..., None])[..., 0] * batch["loss_mask"]
     return {"routing": torch.stack(experts, dim=2).to(torch.uint8), "log_probs": response_lp}
 
 
@@ -134,7 +134,7 @@ def run_single_rank_replay(rank, world_size, rendezvous, model_dir, mode, routin
         batch["routed_experts"] = before["routed_experts"]
     router_before = {k: v.clone() for k, v in worker.models[0].state_dict().items() if k.endswith("router.weight")}
     full = {**batch, "old_log_probs": before["log_probs"], "advantages": torch.linspace(-1, 1, 6)[:, None]}
-    metrics = worker.update([MiniBatch(full, float(batch["response_mask"].sum()), 6.0)], LossSettings()).metrics
+    metrics = worker.update([MiniBatch(full, float(batch["loss_mask"].sum()), 6.0)], LossSettings()).metrics
     router_after = {k: v.clone() for k, v in worker.models[0].state_dict().items() if k.endswith("router.weight")}
     torch.save({"before": before, "metrics": metrics, "seen": seen, "router": (router_before, router_after)}, out_file)
 
@@ -169,7 +169,7 @@ def test_r3_dispatches_the_engine_experts_and_shrinks_the_mismatch(tmp_path, per
         assert len(updated) == (2 if recompute else 1)
         assert torch.equal(replayed, wanted) and all(torch.equal(u, wanted) for u in updated), layer
         assert agreement(own, wanted) < 0.95, layer  # the perturbed router alone picks others
-    mask = make_batch(padded=False)["response_mask"].bool()
+    mask = make_batch(padded=False)["loss_mask"].bool()
     replay_gap = (result["before"]["log_probs"] - side["log_probs"]).abs()[mask].mean()
     own_gap = (result["before"]["own_log_probs"] - side["log_probs"]).abs()[mask].mean()
     print(f"perturbed routers: |trainer - engine| log-prob {own_gap:.2e} own routing, {replay_gap:.2e} replayed")
@@ -185,7 +185,7 @@ def test_r3_removes_the_mismatch_of_flipped_routing(tmp_path, moe_dir, engine):
     the trainer computes the engine's network (fp32 rounding apart); on its own it does not."""
     side = engine["flipped"]
     result = single_rank(tmp_path, moe_dir, "r3", side["file"])
-    mask = make_batch(padded=False)["response_mask"].bool()
+    mask = make_batch(padded=False)["loss_mask"].bool()
     replay_gap = (result["before"]["log_probs"] - side["log_probs"]).abs()[mask].max()
     own_gap = (result["before"]["own_log_probs"] - side["log_probs"]).abs()[mask].max()
     print(f"flipped routing: max |trainer - engine| log-prob {own_gap:.2e} own routing, {replay_gap:.2e} replayed")

@@ -9,9 +9,9 @@ import torch
 from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.config import ConfigError, load_config
 from nemo_dapo.policy.inputs import worker_inputs
-from nemo_dapo.policy.microbatch import micro_batches
+from nemo_dapo.policy.microbatch import ROUTED_EXPERTS, micro_batches
 from nemo_dapo.policy.packing import packed_micro_batches
-from nemo_dapo.policy.routing import ROUTED_EXPERTS, model_token_places, routing_bytes_per_token, scored_tokens
+from nemo_dapo.policy.routing import model_token_places, routing_bytes_per_token, scored_tokens
 from nemo_dapo.rollout.base import Generation
 from nemo_dapo.trainer.batching import build_rollout_batch
 
@@ -63,14 +63,14 @@ def test_routing_survives_concat_micro_batching_and_packing():
         for micro in micros:
             rows, cols = model_token_places(micro)
             real = rows >= 0
-            shift = full_prompt - (micro["input_ids"].shape[1] - micro["responses"].shape[1])
+            shift = full_prompt - micro.prompt_width
             for r, c in zip(rows[real].tolist(), cols[real].tolist()):
-                source = micro["rows"][r].item()
-                assert torch.equal(micro[ROUTED_EXPERTS][r, c], data[ROUTED_EXPERTS][source, c + shift])
+                source = micro.rows[r].item()
+                assert torch.equal(micro.routing[r, c], data[ROUTED_EXPERTS][source, c + shift])
                 assert micro["input_ids"][r, c] == data["input_ids"][source, c + shift]
                 seen += 1
             # the scored tokens are the real ones minus each row's last
-            assert int(scored_tokens(micro, rows, cols).sum()) == int(real.sum()) - len(micro["rows"])
+            assert int(scored_tokens(micro, rows, cols).sum()) == int(real.sum()) - len(micro.rows)
         assert seen == int(data["attention_mask"].sum())
     packed = packed_micro_batches(data, 12, multiple=4)[0]
     order = model_token_places(packed)[0]

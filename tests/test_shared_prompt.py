@@ -9,7 +9,7 @@ from nemo_dapo.config import load_config
 from nemo_dapo.errors import ConfigError
 from nemo_dapo.policy.base import LossSettings
 from nemo_dapo.policy.inputs import mini_batches_per_rank, worker_inputs
-from nemo_dapo.policy.microbatch import shares_prompts, trim_padding
+from nemo_dapo.policy.microbatch import MicroBatch, shares_prompts, trim_padding
 from nemo_dapo.policy.shared_prompt import distinct_prompts
 
 PROMPT_LENGTHS = (5, 3, 5)  # left-padded to 5; three groups of 3 samples
@@ -81,7 +81,7 @@ def gradients(model_dir, shared: bool) -> dict[str, torch.Tensor]:
     worker = TorchPolicyWorker(0, 1, "", str(model_dir), OptimConfig(), shared_prompt_forward=shared)
     data = worker_inputs(grouped_batch(worker.model.config.vocab_size))
     micro = trim_padding(data, list(range(data["input_ids"].shape[0])))
-    (worker._forward(micro, 1.0)[0] * micro["response_mask"]).sum().backward()
+    (worker._forward(micro, 1.0)[0] * micro["loss_mask"]).sum().backward()
     return {name: param.grad for name, param in worker.model.named_parameters() if param.grad is not None}
 
 
@@ -103,13 +103,13 @@ def test_only_identical_prompts_and_padding_are_shared():
     assert inverse.tolist() == [inverse[0]] * 3 + [inverse[3]] * 3 + [inverse[6]] * 3
     assert sorted(first.tolist()) == [0, 3, 6]  # each distinct prompt's first row
     assert all(inverse[row] == inverse[first[inverse[row]]] for row in range(9))
-    moved = dict(micro, attention_mask=micro["attention_mask"].clone())
+    moved = MicroBatch({**micro.tensors, "attention_mask": micro["attention_mask"].clone()}, micro.rows)
     moved["attention_mask"][1, 0] = 0  # the same tokens with different padding: another prompt
     assert distinct_prompts(moved)[0].shape[0] == 4
     rows = [0, 3, 6]  # one row per prompt: nothing to share
     assert distinct_prompts(trim_padding(worker_inputs(grouped_batch()), rows)) is None
-    assert shares_prompts(micro, True) and not shares_prompts(micro, False)
-    assert not shares_prompts(dict(micro, routed_experts=torch.zeros(9, 11, 2, 2)), True)  # routes per row
+    assert shares_prompts(True, routed=False) and not shares_prompts(False, routed=False)
+    assert not shares_prompts(True, routed=True)  # routes per row
 
 
 def test_null_means_on_for_torch_and_off_for_megatron():

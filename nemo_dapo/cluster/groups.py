@@ -23,7 +23,7 @@ from nemo_dapo.digest import digest_files, shares_by_size
 from nemo_dapo.errors import RemoteCallError
 from nemo_dapo.policy.base import LossSettings, UpdateResult
 from nemo_dapo.policy.inputs import mini_batches_per_rank, shard, worker_inputs
-from nemo_dapo.policy.routing import ROUTED_EXPERTS
+from nemo_dapo.policy.microbatch import ROUTED_EXPERTS
 from nemo_dapo.rollout.base import Generation, SamplingSettings
 
 log = logging.getLogger(__name__)

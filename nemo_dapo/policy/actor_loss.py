@@ -15,13 +15,13 @@ from nemo_dapo.algo.kl import kl_penalty
 from nemo_dapo.algo.loss import aggregate_loss, masked_mean, reinforce_loss
 from nemo_dapo.algo.policy_losses import get_policy_loss
 from nemo_dapo.policy.base import LossSettings, MiniBatch
-from nemo_dapo.policy.microbatch import ROWS, RowStats
+from nemo_dapo.policy.microbatch import MicroBatch, RowStats
 
 
 def micro_batch_loss(
     log_probs: torch.Tensor,
     entropy: torch.Tensor,
-    micro: dict[str, torch.Tensor],
+    micro: MicroBatch,
     mini: MiniBatch,
     settings: LossSettings,
     correction: CorrectionSettings | None,
@@ -31,7 +31,7 @@ def micro_batch_loss(
     bypass mode; with ``forward`` (``mini.old_from_forward``), this forward's own, detached and
     recorded in ``forward`` for the trainer; else the batch's ``old_log_probs``."""
     if forward is not None:
-        forward.add(micro[ROWS], log_probs, entropy)
+        forward.add(micro.rows, log_probs, entropy)
         old_log_probs = log_probs.detach()
     else:
         old_log_probs = micro["rollout_log_probs" if settings.bypass_mode else "old_log_probs"]
@@ -44,7 +44,7 @@ def actor_loss(
     log_probs: torch.Tensor,
     entropy: torch.Tensor,
     old_log_probs: torch.Tensor,
-    micro: dict[str, torch.Tensor],
+    micro: MicroBatch,
     settings: LossSettings,
     global_token_count: float,
     global_seq_count: float,
@@ -53,7 +53,7 @@ def actor_loss(
     """Loss whose gradients, summed over micro-batches and ranks, equal the mini-batch gradient.
     ``old_log_probs``: the old policy's (in bypass mode the rollout's, which the correction's
     weights compare with the current policy)."""
-    mask = micro["response_mask"].float()
+    mask = micro["loss_mask"].float()
     agg = {
         "global_token_count": global_token_count,
         "global_seq_count": global_seq_count,

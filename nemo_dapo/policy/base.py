@@ -1,9 +1,11 @@
 """The PolicyWorker interface every training backend implements (docs/architecture.md).
 
-One worker per training rank. Batches are plain dicts of tensors, all [B, ...] with
-``input_ids`` = left-padded prompt + right-padded response ([B, P + R]), ``attention_mask``
-the same shape, and ``responses`` / ``response_mask`` ([B, R]) the response part. The
-driver-side group shards rows over data-parallel ranks.
+One worker per training rank. Batches travel as plain dicts of tensors
+(:func:`~nemo_dapo.policy.inputs.worker_inputs`), all [B, ...] with ``input_ids`` = left-padded
+prompt + right-padded response ([B, P + R]), ``attention_mask`` / ``position_ids`` the same
+shape, and ``responses`` / ``loss_mask`` (the tokens the loss sees) and the loss's other inputs
+([B, R]) the response part. The driver-side group shards rows over data-parallel ranks; a worker
+cuts its rows into typed :class:`~nemo_dapo.policy.microbatch.MicroBatch` es.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ import torch
 
 from nemo_dapo.algo.batch import RolloutBatch, group_rows
 from nemo_dapo.policy.base import MiniBatch
-from nemo_dapo.policy.routing import PROMPT_ROUTING, RESPONSE_ROUTING, ROUTED_EXPERTS, join_routing
+from nemo_dapo.policy.microbatch import ROUTED_EXPERTS
+from nemo_dapo.policy.routing import PROMPT_ROUTING, RESPONSE_ROUTING, join_routing
 
 # Response-aligned [B, R] fields a policy worker may need for its loss.
 WORKER_FIELDS = ("responses", "advantages", "old_log_probs", "ref_log_probs", "rollout_log_probs", "is_weights")
@@ -26,8 +27,8 @@ def loss_mask(batch: RolloutBatch) -> torch.Tensor:
 def worker_inputs(batch: RolloutBatch) -> dict[str, torch.Tensor]:
     """The tensors a policy worker reads: full sequences plus response-aligned fields.
 
-    ``response_mask`` sent to the worker is the loss mask (after the filters, if any);
-    ``attention_mask`` keeps every generated token so the forward pass sees the real context.
+    ``loss_mask`` is the tokens the loss sees (after the filters, if any); ``attention_mask`` keeps
+    every generated token so the forward pass sees the real context.
     """
     attention = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1)
     position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
@@ -35,7 +36,7 @@ def worker_inputs(batch: RolloutBatch) -> dict[str, torch.Tensor]:
         "input_ids": torch.cat([batch["prompts"], batch["responses"]], dim=1),
         "attention_mask": attention,
         "position_ids": position_ids,
-        "response_mask": loss_mask(batch),
+        "loss_mask": loss_mask(batch),
     }
     data.update({name: batch[name] for name in WORKER_FIELDS if name in batch})
     if PROMPT_ROUTING in batch:  # MoE routing replay: the experts to replay, aligned with input_ids
@@ -76,7 +77,7 @@ def mini_batches_per_rank(
     per_rank: list[list[MiniBatch]] = [[] for _ in range(world_size)]
     for index, rows in enumerate(mini_batch_rows(batch, prompts_per_mini_batch)):
         part = {k: v[rows] for k, v in data.items()}
-        mask = part["response_mask"]
+        mask = part["loss_mask"]
         tokens, seqs = float(mask.sum()), float((mask.sum(dim=1) > 0).sum())
         from_forward = first_old_from_forward and index == 0
         for rank, rank_part in enumerate(shard(part, world_size)):

@@ -2,27 +2,22 @@
 
 Padded micro-batches compute every row at the width of the longest; packed ones compute only real
 tokens (plus at most ``multiple - 1`` at the end). Rows are put into packs by first-fit decreasing
-on their real lengths under the token budget. Each pack keeps the trimmed response-aligned fields
-of its rows (``response_mask``, ``advantages``, ... as :func:`microbatch.trim_padding` gives them),
-so the loss sees the same [rows, response] tensors as without packing, and adds:
-
-- ``packed_ids`` / ``packed_positions`` [1, T]: the tokens, and positions restarting at 0 per row;
-- ``cu_seqlens`` [segments + 1] int32: row boundaries, the tail padding one more segment (THD format);
-- ``response_index`` [rows, R]: the packed position whose logits predict each response token;
-- ``pack_source`` [T]: the micro-batch ``row * width + column`` of each packed position (-1 for
-  padding), which puts per-token data such as MoE routing (:mod:`routing`) in pack order.
-
-A row attends only within its own segment (the THD boundaries).
+on their real lengths under the token budget. A packed micro-batch keeps the trimmed tensors of
+its rows (``loss_mask``, ``advantages``, ... as :func:`microbatch.trim_padding` gives them), so
+the loss sees the same [rows, response] tensors as without packing, and carries a
+:class:`~nemo_dapo.policy.microbatch.Pack`: the tokens end to end, positions restarting at 0 per
+row, the row boundaries (THD format, the tail padding one more segment), where each response
+token is predicted, and where each packed position comes from (which puts per-token data such as
+MoE routing, :mod:`routing`, in pack order). A row attends only within its own segment.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from nemo_dapo.policy.microbatch import ROWS, prompt_width, trim_padding
-from nemo_dapo.policy.routing import PACK_SOURCE
-
-PACKED_IDS = "packed_ids"
+from nemo_dapo.policy.microbatch import ContextShare, MicroBatch, Pack, trim_padding
 
 
 def first_fit_decreasing(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -50,7 +45,7 @@ def rounded_lengths(lengths: torch.Tensor, segment_multiple: int) -> torch.Tenso
 
 def pack_rows(
     batch: dict[str, torch.Tensor], rows: list[int], multiple: int = 1, width: int = 0, segment_multiple: int = 1
-) -> dict[str, torch.Tensor]:
+) -> MicroBatch:
     """One pack of ``rows``: their real tokens end to end (each row's segment padded at its end to
     ``segment_multiple``), the pack right-padded to a multiple of ``multiple`` and at least ``width``."""
     micro = trim_padding(batch, rows)
@@ -69,23 +64,21 @@ def pack_rows(
     source[targets[real]] = torch.arange(real.numel()).view(real.shape)[real]
     segment_of = torch.repeat_interleave(torch.arange(len(segment_lengths)), segment_lengths)
     response_width = micro["responses"].shape[1]
-    prompt_lengths = real[:, : prompt_width(micro)].sum(dim=1)
+    prompt_lengths = real[:, : micro.prompt_width].sum(dim=1)
     response_index = starts[: len(rows), None] + prompt_lengths[:, None] - 1 + torch.arange(response_width)
-    micro.update(
-        {
-            PACKED_IDS: packed_ids[None],
-            "packed_positions": (torch.arange(packed_width) - starts[segment_of])[None],
-            "cu_seqlens": cu_seqlens,
-            "response_index": response_index.clamp(max=packed_width - 1),
-            PACK_SOURCE: source,
-        }
+    micro.pack = Pack(
+        ids=packed_ids[None],
+        positions=(torch.arange(packed_width) - starts[segment_of])[None],
+        cu_seqlens=cu_seqlens,
+        response_index=response_index.clamp(max=packed_width - 1),
+        source=source,
     )
     return micro
 
 
 def packed_micro_batches(
     batch: dict[str, torch.Tensor], max_tokens: int, multiple: int = 1, segment_multiple: int = 1
-) -> list[dict[str, torch.Tensor]]:
+) -> list[MicroBatch]:
     """The batch's rows in packs of at most ``max_tokens`` real tokens (see the module docstring)."""
     lengths = batch["attention_mask"].sum(dim=1).tolist()
     return [
@@ -96,30 +89,28 @@ def packed_micro_batches(
 
 def uniform_packs(
     batch: dict[str, torch.Tensor], max_tokens: int, multiple: int, count_multiple: int, segment_multiple: int = 1
-) -> list[dict[str, torch.Tensor]]:
+) -> list[MicroBatch]:
     """Packs of one width, a multiple of ``count_multiple`` of them (Megatron's interleaved pipeline
-    schedule sends fixed shapes in groups of PP); filler packs repeat the first with ``response_mask``
-    0 and no ``ROWS``, so they add nothing to the loss, the gradients or the token counts."""
+    schedule sends fixed shapes in groups of PP); filler packs repeat the first with an empty loss
+    mask and no rows, so they add nothing to the loss, the gradients or the token counts."""
     lengths = batch["attention_mask"].sum(dim=1)
     groups = first_fit_decreasing(lengths.tolist(), max_tokens)
     segments = rounded_lengths(lengths, segment_multiple)
     width = max(-(-int(segments[group].sum()) // multiple) * multiple for group in groups)
     packs = [pack_rows(batch, group, multiple, width, segment_multiple) for group in groups]
     while len(packs) % count_multiple:
-        filler = dict(packs[0])
-        filler["response_mask"] = torch.zeros_like(filler["response_mask"])
-        filler[ROWS] = filler[ROWS][:0]
-        packs.append(filler)
+        packs.append(packs[0].with_loss_mask_cleared())
     return packs
 
 
-def context_parallel_share(pack: dict[str, torch.Tensor], cp_size: int, cp_rank: int) -> dict[str, torch.Tensor]:
-    """The pack with this context-parallel rank's share of its tokens marked: of every segment (a
-    multiple of 2 x CP long) the chunks ``cp_rank`` and ``2 x CP - 1 - cp_rank``, in that order
-    (Megatron's load-balanced split, which evens out causal attention work, and what its RoPE
-    expects). ``cp_index`` [T / CP]: the pack positions this rank holds; ``cp_local`` [T]: each
-    pack position's index among them, -1 where another rank holds it."""
-    cu_seqlens = pack["cu_seqlens"].tolist()
+def context_parallel_share(micro: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
+    """The packed micro-batch with this context-parallel rank's share of its tokens: of every
+    segment (a multiple of 2 x CP long) the chunks ``cp_rank`` and ``2 x CP - 1 - cp_rank``, in
+    that order (Megatron's load-balanced split, which evens out causal attention work, and what
+    its RoPE expects)."""
+    pack = micro.pack
+    assert pack is not None, "context parallelism shares packs"
+    cu_seqlens = pack.cu_seqlens.tolist()
     pieces = []
     for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
         chunk = (end - start) // (2 * cp_size)
@@ -127,20 +118,17 @@ def context_parallel_share(pack: dict[str, torch.Tensor], cp_size: int, cp_rank:
             torch.arange(start + j * chunk, start + (j + 1) * chunk) for j in (cp_rank, 2 * cp_size - 1 - cp_rank)
         ]
     index = torch.cat(pieces)
-    local = torch.full((packed_width(pack),), -1, dtype=torch.long)
+    local = torch.full((pack.width,), -1, dtype=torch.long)
     local[index] = torch.arange(len(index))
-    return {**pack, "cp_index": index, "cp_local": local}
+    return dataclasses.replace(micro, pack=dataclasses.replace(pack, share=ContextShare(index, local)))
 
 
-def packed_width(pack: dict[str, torch.Tensor]) -> int:
-    return pack[PACKED_IDS].shape[1]
-
-
-def response_positions(pack: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def response_positions(micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pack positions [N] whose logits score its N real response tokens, those tokens [N], and the
     [rows, R] mask saying where they go (response columns after a row's end are not computed)."""
-    real = pack["attention_mask"][:, prompt_width(pack) :].bool()
-    return pack["response_index"][real], pack["responses"][real], real
+    assert micro.pack is not None
+    real = micro["attention_mask"][:, micro.prompt_width :].bool()
+    return micro.pack.response_index[real], micro["responses"][real], real
 
 
 def scatter_rows(values: torch.Tensor, real: torch.Tensor) -> torch.Tensor:

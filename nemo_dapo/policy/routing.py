@@ -7,7 +7,8 @@ picked. Either way the routing is data, moved like the log-probs:
 - in a :class:`~nemo_dapo.algo.batch.RolloutBatch`: ``prompt_routing`` [B, P, L, K] (left-padded
   like ``prompts``) and ``response_routing`` [B, R, L, K]; L = MoE layers, K = experts per token;
 - in a worker batch: ``routed_experts`` [B, P + R, L, K], aligned with ``input_ids`` (so the
-  micro-batching, length sorting and packing that cut ``input_ids`` cut it the same way).
+  micro-batching, length sorting and packing that cut ``input_ids`` cut it the same way); in a
+  :class:`~nemo_dapo.policy.microbatch.MicroBatch`, its ``routing``.
 
 Ids are stored as uint8 when the model has at most 256 experts, else int16: L x K bytes per
 token (Qwen3-30B-A3B: 48 layers x top-8 = 384 B), twice that past 256 experts. Positions with no
@@ -20,11 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from nemo_dapo.policy.microbatch import ROWS, prompt_width
+from nemo_dapo.policy.microbatch import MicroBatch
 
-ROUTED_EXPERTS = "routed_experts"  # worker batch: [B, P + R, L, K]
 PROMPT_ROUTING, RESPONSE_ROUTING = "prompt_routing", "response_routing"  # RolloutBatch halves
-PACK_SOURCE = "pack_source"  # in a pack: [T] the micro-batch (row * width + column) of each position, -1 = padding
 
 
 def routing_dtype(num_experts: int) -> torch.dtype:
@@ -46,15 +45,15 @@ def split_routing(routed: torch.Tensor, prompt_width: int) -> dict[str, torch.Te
     return {PROMPT_ROUTING: routed[:, :prompt_width], RESPONSE_ROUTING: routed[:, prompt_width:]}
 
 
-def model_token_places(micro: dict[str, torch.Tensor], width_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def model_token_places(micro: MicroBatch, width_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, column) in the micro-batch's [rows, width] tensors of every token the model runs, in
     the order a MoE router sees them (Megatron flattens [sequence, batch]: position-major), -1
     for padding. A pack lists its positions (this context-parallel rank's share of them)."""
     width = micro["input_ids"].shape[1]
-    if PACK_SOURCE in micro:
-        source = micro[PACK_SOURCE]
-        if "cp_index" in micro:
-            source = source[micro["cp_index"].to(source.device)]
+    if micro.pack is not None:
+        source = micro.pack.source
+        if micro.pack.share is not None:
+            source = source[micro.pack.share.index.to(source.device)]
         real = source >= 0
         return torch.where(real, source // width, -1), torch.where(real, source % width, -1)
     rows = micro["input_ids"].shape[0]
@@ -72,7 +71,7 @@ def last_real_columns(attention_mask: torch.Tensor) -> torch.Tensor:
     return width - 1 - torch.flip(attention_mask.cpu() > 0, dims=[1]).int().argmax(dim=1)
 
 
-def scored_tokens(micro: dict[str, torch.Tensor], rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+def scored_tokens(micro: MicroBatch, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """The tokens whose routing is compared: real ones except each row's last, which the engine
     never runs (it is sampled, not fed back) and so has no routing of its own."""
     last = last_real_columns(micro["attention_mask"])
@@ -101,14 +100,17 @@ def place_recorded(
 
 
 def place_micro_routing(
-    batch_shape: tuple[int, ...], batch_prompt_width: int, parts: list[tuple[dict, torch.Tensor]], dtype: torch.dtype
+    batch_shape: tuple[int, ...],
+    batch_prompt_width: int,
+    parts: list[tuple[MicroBatch, torch.Tensor]],
+    dtype: torch.dtype,
 ) -> torch.Tensor:
     """A [B, P + R, L, K] tensor with every micro-batch's routing ([rows, width, L, K], trimmed to
     its own prompt and response columns) put back at its rows and columns."""
     out = torch.zeros(batch_shape, dtype=dtype)
     for micro, values in parts:
-        offset = batch_prompt_width - prompt_width(micro)
-        rows = micro[ROWS].cpu()
+        offset = batch_prompt_width - micro.prompt_width
+        rows = micro.rows.cpu()
         real = min(len(rows), values.shape[0])
         out[rows[:real], offset : offset + values.shape[1]] = values[:real]
     return out

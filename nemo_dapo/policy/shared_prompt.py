@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from nemo_dapo.policy.microbatch import prompt_groups, prompt_width, shares_prompts
+from nemo_dapo.policy.microbatch import MicroBatch, prompt_groups, shares_prompts
 
 
-def distinct_prompts(micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+def distinct_prompts(micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(one row per distinct prompt, each row's index into those)``, or None when every prompt
     differs (nothing to share)."""
-    inverse = prompt_groups(micro)
+    inverse = prompt_groups(micro.tensors)
     rows, count = inverse.shape[0], int(inverse.max()) + 1
     if count == rows:
         return None
@@ -28,14 +28,14 @@ def distinct_prompts(micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torc
     return first, inverse
 
 
-def hidden_before_responses(decoder: torch.nn.Module, micro: dict[str, torch.Tensor], share: bool) -> torch.Tensor:
+def hidden_before_responses(decoder: torch.nn.Module, micro: MicroBatch, share: bool) -> torch.Tensor:
     """``[rows, response width, hidden]``: the last decoder layer's output at each position whose next
     token is a response token (the last prompt position, then all response positions but the last),
     the input of the output layer. ``decoder`` is a transformers base model (``model.base_model``);
     with ``share``, each distinct prompt goes through it once (:func:`distinct_prompts`)."""
-    width = prompt_width(micro)
+    width = micro.prompt_width
     ids, mask, positions = micro["input_ids"], micro["attention_mask"], micro["position_ids"]
-    groups = distinct_prompts(micro) if shares_prompts(micro, share) else None
+    groups = distinct_prompts(micro) if shares_prompts(share, micro.routing is not None) else None
     if groups is None:
         return decoder(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state[:, width - 1 : -1]
     first, inverse = groups

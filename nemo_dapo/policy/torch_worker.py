@@ -23,7 +23,7 @@ from nemo_dapo.network import use_node_network
 from nemo_dapo.policy.actor_loss import micro_batch_loss
 from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, UpdateResult, require_trainable
 from nemo_dapo.policy.lr_schedule import lr_lambda
-from nemo_dapo.policy.microbatch import ROWS, RowStats, micro_batches
+from nemo_dapo.policy.microbatch import MicroBatch, RowStats, micro_batches
 from nemo_dapo.policy.shared_prompt import hidden_before_responses
 from nemo_dapo.policy.update_loop import run_update
 from nemo_dapo.policy.weights import Bucket, bucketize
@@ -109,7 +109,7 @@ class TorchPolicyWorker:
         return torch.autocast(self.model.device.type, dtype=self.compute_dtype, enabled=low_precision)
 
     def _forward(
-        self, micro: dict[str, torch.Tensor], temperature: float, entropy_grad: bool = False
+        self, micro: MicroBatch, temperature: float, entropy_grad: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropy of the response tokens (inside :meth:`_compute_precision`); the
         entropy carries gradients only with ``entropy_grad`` (an entropy bonus in the loss).
@@ -132,8 +132,8 @@ class TorchPolicyWorker:
         stats = RowStats()
         with self._compute_precision():
             for micro in micro_batches(batch, self.max_token_len, self.shared_prompt_forward):
-                stats.add(micro[ROWS], *self._forward(micro, temperature))
-        mask = batch["response_mask"].float()
+                stats.add(micro.rows, *self._forward(micro, temperature))
+        mask = batch["loss_mask"].float()
         return {key: value * mask for key, value in stats.placed(batch["responses"].shape).items()}
 
     def update(

@@ -19,7 +19,8 @@ from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.algo.correction import CorrectionSettings, mismatch_metrics
 from nemo_dapo.config.schema import Config
 from nemo_dapo.policy.inputs import loss_mask, mini_batch_rows
-from nemo_dapo.policy.routing import ROUTED_EXPERTS, split_routing
+from nemo_dapo.policy.microbatch import ROUTED_EXPERTS
+from nemo_dapo.policy.routing import split_routing
 from nemo_dapo.trainer.stages import add_rollout_correction
 
 # The batch fields of the old policy's scores, and the keys a log-prob pass returns them under.

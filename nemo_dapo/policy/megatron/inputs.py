@@ -14,9 +14,8 @@ import torch
 
 from nemo_dapo.config.schema import MegatronConfig
 from nemo_dapo.config.topology import Parallelism
-from nemo_dapo.policy.microbatch import micro_batches, prompt_width, uniform_micro_batches
+from nemo_dapo.policy.microbatch import MicroBatch, micro_batches, uniform_micro_batches
 from nemo_dapo.policy.packing import (
-    PACKED_IDS,
     context_parallel_share,
     packed_micro_batches,
     response_positions,
@@ -24,7 +23,6 @@ from nemo_dapo.policy.packing import (
     uniform_packs,
 )
 
-Micro = dict[str, torch.Tensor]
 # (hidden states of the scored positions, their labels) -> (log-probs, entropy), per position
 StatsFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -39,7 +37,9 @@ def layout_width_multiple(layout: MegatronConfig, parallel: Parallelism) -> int:
     return width_multiple(parallel.tensor, layout.sequence_parallel, layout.fp8)
 
 
-def split_batch(batch: Micro, layout: MegatronConfig, parallel: Parallelism, max_tokens: int, cp_rank: int) -> list:
+def split_batch(
+    batch: dict[str, torch.Tensor], layout: MegatronConfig, parallel: Parallelism, max_tokens: int, cp_rank: int
+) -> list[MicroBatch]:
     """Token-budget micro-batches (packed ones with ``sequence_packing``); with interleaved stages,
     a multiple of PP of them, all of one shape (Megatron's interleaved schedule runs them in
     groups of PP and sends fixed shapes)."""
@@ -50,7 +50,9 @@ def split_batch(batch: Micro, layout: MegatronConfig, parallel: Parallelism, max
     return micro_batches(batch, max_tokens)
 
 
-def packs(batch: Micro, layout: MegatronConfig, parallel: Parallelism, max_tokens: int, cp_rank: int) -> list:
+def packs(
+    batch: dict[str, torch.Tensor], layout: MegatronConfig, parallel: Parallelism, max_tokens: int, cp_rank: int
+) -> list[MicroBatch]:
     """Packed micro-batches. With context parallelism every row's segment is a multiple of 2 x CP
     (each rank takes two chunks of it) and the pack one of CP x the width multiple; each pack
     says which of its tokens rank ``cp_rank`` holds."""
@@ -75,7 +77,7 @@ def padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask == 0)[:, None, None, :]
 
 
-def pad_width(micro: Micro, multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_width(micro: MicroBatch, multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Model inputs right-padded to a width divisible by ``multiple`` (sequence parallelism splits
     the sequence over the TP ranks); padded columns are masked and come after every real token."""
     tokens, positions, mask = micro["input_ids"], micro["position_ids"], micro["attention_mask"]
@@ -87,21 +89,19 @@ def pad_width(micro: Micro, multiple: int) -> tuple[torch.Tensor, torch.Tensor, 
     return tokens, positions, mask
 
 
-def input_shape(micro: Micro, multiple: int) -> tuple[int, int]:
-    """(rows, width) of this micro-batch's model inputs: one row for a pack, else the width
-    :func:`pad_width` gives."""
-    if "cp_index" in micro:
-        return 1, len(micro["cp_index"])
-    if PACKED_IDS in micro:
-        rows, width = micro[PACKED_IDS].shape
-        return rows, width
+def input_shape(micro: MicroBatch, multiple: int) -> tuple[int, int]:
+    """(rows, width) of this micro-batch's model inputs: one row for a pack (this context-parallel
+    rank's share of it), else the width :func:`pad_width` gives."""
+    if micro.pack is not None:
+        return 1, micro.pack.width if micro.pack.share is None else len(micro.pack.share.index)
     return micro["input_ids"].shape[0], -(-micro["input_ids"].shape[1] // multiple) * multiple
 
 
-def model_inputs(micro: Micro, multiple: int, transformer_engine: bool) -> dict:
+def model_inputs(micro: MicroBatch, multiple: int, transformer_engine: bool) -> dict:
     """GPTModel's inputs: padded rows with the mask this layer spec takes, or one pack in THD
     form, whose row boundaries keep each row's attention (and RoPE positions) to itself."""
-    if PACKED_IDS not in micro:
+    pack = micro.pack
+    if pack is None:
         tokens, positions, mask = pad_width(micro, multiple)
         attention = padding_mask(mask) if transformer_engine else attention_mask_4d(mask)
         return {"input_ids": tokens, "position_ids": positions, "attention_mask": attention}
@@ -110,37 +110,38 @@ def model_inputs(micro: Micro, multiple: int, transformer_engine: bool) -> dict:
     # read once per micro-batch on the host: the local spec's attention and Megatron's unfused
     # RoPE split by these boundaries in every layer (a device copy would sync there each time);
     # TransformerEngine's kernels take them on the device
-    bounds = micro["cu_seqlens"].cpu()
+    bounds = pack.cu_seqlens.cpu()
     longest = int((bounds[1:] - bounds[:-1]).max())
-    cu_seqlens = micro["cu_seqlens"] if transformer_engine else bounds
-    tokens, positions = micro[PACKED_IDS], micro["packed_positions"]
-    if "cp_index" in micro:  # this rank's share of the pack; the boundaries stay those of the whole pack
-        tokens, positions = tokens[:, micro["cp_index"]], positions[:, micro["cp_index"]]
+    cu_seqlens = pack.cu_seqlens if transformer_engine else bounds
+    tokens, positions = pack.ids, pack.positions
+    if pack.share is not None:  # this rank's share of the pack; the boundaries stay those of the whole pack
+        tokens, positions = tokens[:, pack.share.index], positions[:, pack.share.index]
     packed = PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=longest, max_seqlen_kv=longest
     )
     return {"input_ids": tokens, "position_ids": positions, "attention_mask": None, "packed_seq_params": packed}
 
 
-def response_stats(micro: Micro, hidden: torch.Tensor, stats: StatsFn) -> tuple[torch.Tensor, ...]:
+def response_stats(micro: MicroBatch, hidden: torch.Tensor, stats: StatsFn) -> tuple[torch.Tensor, ...]:
     """Log-probs and entropy of the response tokens (``hidden``: the model's output, [b, s, h])."""
-    if PACKED_IDS in micro:
+    if micro.pack is not None:
         return packed_response_stats(micro, hidden, stats)
-    width, length = prompt_width(micro), micro["responses"].shape[1]
+    width, length = micro.prompt_width, micro["responses"].shape[1]
     return stats(hidden[:, width - 1 : width - 1 + length], micro["responses"])
 
 
-def packed_response_stats(micro: Micro, hidden: torch.Tensor, stats: StatsFn) -> tuple[torch.Tensor, ...]:
+def packed_response_stats(micro: MicroBatch, hidden: torch.Tensor, stats: StatsFn) -> tuple[torch.Tensor, ...]:
     """The same from a pack, put back in [rows, response] form. With context parallelism each
     rank scores the response tokens it holds and the rows are summed over the CP group
     (backward: each rank's share of the gradient reaches its own tokens only)."""
     positions, labels, real = response_positions(micro)
-    if "cp_local" not in micro:
+    share = micro.pack.share if micro.pack is not None else None
+    if share is None:
         return tuple(scatter_rows(values, real) for values in stats(hidden[0, positions], labels))
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    local = micro["cp_local"][positions]
+    local = share.local[positions]
     held = local >= 0
     group = parallel_state.get_context_parallel_group()
     return tuple(

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from nemo_dapo.policy.microbatch import MicroBatch
 from nemo_dapo.policy.routing import (
-    ROUTED_EXPERTS,
     model_token_places,
     place_recorded,
     replay_targets,
@@ -108,7 +108,7 @@ class RoutingReplay:
             else:
                 hook.set_router_replay_action(action)
 
-    def _places(self, micro: dict[str, torch.Tensor], width_multiple: int):
+    def _places(self, micro: MicroBatch, width_multiple: int):
         """This rank's tokens of ``micro`` in router order (a TP rank's sequence share under SP)."""
         rows, cols = model_token_places(micro, width_multiple)
         if self.sequence_parallel:
@@ -119,24 +119,24 @@ class RoutingReplay:
             rows, cols = rows[start : start + share], cols[start : start + share]
         return rows, cols
 
-    def before_forward(self, chunk: int, micro: dict[str, torch.Tensor], width_multiple: int) -> None:
+    def before_forward(self, chunk: int, micro: MicroBatch, width_multiple: int) -> None:
         """Give the chunk's hooks this micro-batch's replay targets (and the tokens to score)."""
         if self.action is not actions().REPLAY_FORWARD:
             return
-        if ROUTED_EXPERTS not in micro:
+        if micro.routing is None:
             raise ValueError(
                 "actor.megatron.router_replay: replay needs the batch's routed_experts (r3: returned by the "
                 "engine; r2: recorded by compute_log_prob) and this batch has none"
             )
         rows, cols = self._places(micro, width_multiple)
         hooks = self.chunks[chunk]
-        targets = replay_targets(micro[ROUTED_EXPERTS], rows.cpu(), cols.cpu(), [h.layer for h in hooks], self.topk)
+        targets = replay_targets(micro.routing, rows.cpu(), cols.cpu(), [h.layer for h in hooks], self.topk)
         scored = scored_tokens(micro, rows.cpu(), cols.cpu())
         for hook, target in zip(hooks, targets):
             hook.set_target_indices(target.to(micro["input_ids"].device))
             hook.scored = scored
 
-    def after_forward(self, chunk: int, micro: dict[str, torch.Tensor], width_multiple: int, key: int) -> None:
+    def after_forward(self, chunk: int, micro: MicroBatch, width_multiple: int, key: int) -> None:
         """A recording pass: add the chunk's picks for micro-batch ``key`` to its [rows, width, L, K]
         tensor (interleaved stages fill their layers of it at different times)."""
         if self.action is not actions().RECORD:

@@ -37,12 +37,8 @@ from nemo_dapo.policy.megatron.convert import model_shape
 from nemo_dapo.policy.megatron.cpu_compat import enable_cpu_compat
 from nemo_dapo.policy.megatron.export import iter_hf_weights
 from nemo_dapo.policy.megatron.router_loss import load_balancing_metric, per_routed_token
-from nemo_dapo.policy.microbatch import (
-    ROWS,
-    RowStats,
-    prompt_width,
-)
-from nemo_dapo.policy.routing import ROUTED_EXPERTS, place_micro_routing, routing_dtype
+from nemo_dapo.policy.microbatch import ROUTED_EXPERTS, MicroBatch, RowStats, prompt_width
+from nemo_dapo.policy.routing import place_micro_routing, routing_dtype
 from nemo_dapo.policy.update_loop import run_update
 from nemo_dapo.policy.weights import Bucket, bucketize
 from nemo_dapo.threads import use_cpu_threads
@@ -172,7 +168,7 @@ class MegatronPolicyWorker:
             hidden, labels, temperature, self.shape.vocab_size, entropy_grad, self.chunk_tokens
         )
 
-    def _response_stats(self, micro, hidden: torch.Tensor, temperature: float, entropy_grad: bool = True):
+    def _response_stats(self, micro: MicroBatch, hidden: torch.Tensor, temperature: float, entropy_grad: bool = True):
         """Log-probs and entropy of ``micro``'s response tokens, in [rows, response] form."""
         return inputs.response_stats(
             micro, hidden, lambda states, labels: self._stats(states, labels, temperature, entropy_grad)
@@ -182,7 +178,7 @@ class MegatronPolicyWorker:
     def width_multiple(self) -> int:
         return inputs.layout_width_multiple(self.layout, self.parallel)
 
-    def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[MicroBatch]:
         cp_rank = 0
         if self.parallel.context > 1:
             from megatron.core import parallel_state
@@ -190,7 +186,7 @@ class MegatronPolicyWorker:
             cp_rank = parallel_state.get_context_parallel_rank()
         return inputs.split_batch(batch, self.layout, self.parallel, self.max_token_len, cp_rank)
 
-    def _model_inputs(self, micro: dict[str, torch.Tensor]) -> dict:
+    def _model_inputs(self, micro: MicroBatch) -> dict:
         te = self.layout.transformer_impl == "transformer_engine"
         return inputs.model_inputs(micro, self.width_multiple, te)
 
@@ -198,13 +194,13 @@ class MegatronPolicyWorker:
         for chunk in self.chunks:
             chunk.train(train)
 
-    def _run_schedule(self, micros: list[dict[str, torch.Tensor]], loss_fn, forward_only: bool) -> None:
+    def _run_schedule(self, micros: list[MicroBatch], loss_fn, forward_only: bool) -> None:
         """Megatron's forward(-backward) schedule (pipelined when PP > 1) over the micro-batches."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
             source = next(data_iterator)
-            micro = {k: v.to(self.device, non_blocking=True) for k, v in source.items()}
+            micro = source.to(self.device)
             chunk = next(i for i, c in enumerate(self.chunks) if c is model)
             if self.replay is not None:
                 self.replay.before_forward(chunk, micro, self.width_multiple)
@@ -253,12 +249,12 @@ class MegatronPolicyWorker:
         stats = RowStats()
 
         def collect(micro, hidden):
-            # uniform micro-batches end with filler rows, which are not among ROWS
-            stats.add(micro[ROWS], *self._response_stats(micro, hidden, temperature))
+            # uniform micro-batches end with filler rows, which are not among its rows
+            stats.add(micro.rows, *self._response_stats(micro, hidden, temperature))
             return hidden.new_zeros(()), torch.tensor(0, dtype=torch.int), {}
 
         self._run_schedule(micros, collect, forward_only=True)
-        mask = batch["response_mask"].float()
+        mask = batch["loss_mask"].float()
         return {key: value * mask for key, value in self._placed_on_every_stage(stats, batch).items()}
 
     def _placed_on_every_stage(self, stats: RowStats, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -275,7 +271,7 @@ class MegatronPolicyWorker:
         assert self.replay is not None
         tokens = batch["input_ids"].shape
         shape = (*tokens, self.shape.num_layers, self.shape.experts_per_token)
-        parts = [(micro, self.replay.recorded[id(micro)]) for micro in micros if micro[ROWS].numel()]
+        parts = [(micro, self.replay.recorded[id(micro)]) for micro in micros if micro.rows.numel()]
         routing = place_micro_routing(shape, prompt_width(batch), parts, torch.int32)
         return reduce_recorded(routing.to(self.device)).cpu().to(routing_dtype(self.shape.num_experts))
 
@@ -311,7 +307,7 @@ class MegatronPolicyWorker:
             loss, micro_metrics = micro_batch_loss(log_probs, entropy, micro, mini, settings, correction, forward)
             for key, value in micro_metrics.items():
                 step_metrics.setdefault(key, []).append(value)
-            return loss, micro["response_mask"].sum().int(), {}
+            return loss, micro["loss_mask"].sum().int(), {}
 
         micros = self._micro_batches(mini.data)
         routed = sum(rows * width for rows, width in (inputs.input_shape(m, self.width_multiple) for m in micros))
