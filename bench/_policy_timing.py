@@ -13,6 +13,7 @@ import torch
 
 from nemo_dapo.config.schema import OptimConfig
 from nemo_dapo.model.builtin import resolve_builtin
+from nemo_dapo.policy.base import WorkerSettings
 from nemo_dapo.policy.torch_worker import TorchPolicyWorker
 
 
@@ -20,7 +21,11 @@ def policy_worker(model_name: str, dtype: str, max_token_len: int = 1024) -> Tor
     """A single-rank worker on a built-in model, with eager attention as the CPU preset runs it."""
     path = resolve_builtin(model_name, [], [])[0]
     return TorchPolicyWorker(
-        0, 1, "", path, OptimConfig(), dtype=dtype, attn_implementation="eager", max_token_len=max_token_len
+        0,
+        1,
+        "",
+        WorkerSettings(path, OptimConfig(), dtype=dtype, max_token_len=max_token_len),
+        attn_implementation="eager",
     )
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from nemo_dapo.algo.metric_names import combine_steps
-from nemo_dapo.policy.base import UpdateResult
+from nemo_dapo.policy.base import UpdateResult, WorkerSettings
 from nemo_dapo.policy.inputs import mini_batches_per_rank, worker_inputs
 from nemo_dapo.rollout.base import Generation, SamplingSettings
 
@@ -135,14 +135,16 @@ def run_single_process(cfg, save_to=None) -> dict:
         0,
         1,
         "",
-        cfg.model.path,
-        cfg.actor.optim,
-        dtype=cfg.model.dtype,
+        WorkerSettings(
+            cfg.model.path,
+            cfg.actor.optim,
+            dtype=cfg.model.dtype,
+            max_token_len=cfg.actor.max_token_len_per_micro_batch,
+            seed=cfg.trainer.seed,
+            num_threads=cfg.trainer.cpu_threads_per_worker,
+        ),
         attn_implementation=cfg.actor.attn_implementation,
         shared_prompt_forward=cfg.actor.shared_prompt_forward,
-        max_token_len=cfg.actor.max_token_len_per_micro_batch,
-        seed=cfg.trainer.seed,
-        num_threads=cfg.trainer.cpu_threads_per_worker,
     )
     with reward_manager(cfg) as reward:
         tokenizer = data.tokenizer

@@ -329,7 +329,7 @@ def main() -> None:
     print(f"layer spec: {impl}; precision: {'fp8 hybrid / delayed scaling' if fp8 else 'bf16'}", flush=True)
 
     from nemo_dapo.config.schema import MegatronConfig, OptimConfig
-    from nemo_dapo.policy.base import LossSettings
+    from nemo_dapo.policy.base import LossSettings, WorkerSettings
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
     work = tempfile.mkdtemp(prefix="megatron_smoke_")
@@ -347,8 +347,9 @@ def main() -> None:
         0,
         1,
         os.path.join(work, "rendezvous"),
-        model_dir,
-        OptimConfig(lr=1e-6, warmup_steps=0),
+        WorkerSettings(
+            model_dir, OptimConfig(lr=1e-6, warmup_steps=0), dtype="bfloat16", max_token_len=args.max_token_len
+        ),
         MegatronConfig(
             transformer_impl=impl,
             fp8=fp8,
@@ -356,8 +357,6 @@ def main() -> None:
             overlap_param_gather=True,
             sequence_packing=args.packing,
         ),
-        dtype="bfloat16",
-        max_token_len=args.max_token_len,
     )
     print(
         f"worker built in {time.perf_counter() - t0:.1f}s; device {worker.device}; "

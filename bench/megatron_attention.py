@@ -57,7 +57,7 @@ def run_variant(variant: str, model_dir: str, args, out: str) -> None:
     from logprob_memory import saved_bytes
 
     from nemo_dapo.config.schema import MegatronConfig, OptimConfig
-    from nemo_dapo.policy.base import LossSettings, MiniBatch
+    from nemo_dapo.policy.base import LossSettings, MiniBatch, WorkerSettings
     from nemo_dapo.policy.megatron import attention as megatron_attention
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
@@ -70,10 +70,8 @@ def run_variant(variant: str, model_dir: str, args, out: str) -> None:
         0,
         1,
         os.path.join(out, f"rdv_{variant}"),
-        model_dir,
-        OptimConfig(),
+        WorkerSettings(model_dir, OptimConfig(), max_token_len=1 << 20),
         MegatronConfig(sequence_packing=variant.endswith("packed")),
-        max_token_len=1 << 20,
     )
     batch = dapo_like_batch(args.rows, args.max_response, 400, seed=0)
     micro = worker._micro_batches(batch)[0]

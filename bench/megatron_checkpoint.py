@@ -56,16 +56,15 @@ def _remove_on_rank0(rank: int, path: str) -> None:
 
 def save_rank(rank: int, world_size: int, folder: str, out: str, optimizer_format: str, saves: int, dtype: str) -> None:
     from nemo_dapo.config.schema import MegatronConfig, OptimConfig
+    from nemo_dapo.policy.base import WorkerSettings
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
     worker = MegatronPolicyWorker(
         rank,
         world_size,
         os.path.join(out, f"rdv_{optimizer_format}"),
-        folder,
-        OptimConfig(),
+        WorkerSettings(folder, OptimConfig(), dtype=dtype),
         MegatronConfig(optimizer_checkpoint=optimizer_format),
-        dtype=dtype,
     )
     one_step(worker)
     root = Path(out, optimizer_format)

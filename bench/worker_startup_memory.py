@@ -24,6 +24,7 @@ from weight_sync import build_model
 
 def build_rank(rank: int, world_size: int, folder: str, out: str, pp: int, tp: int) -> None:
     from nemo_dapo.config.schema import MegatronConfig, OptimConfig
+    from nemo_dapo.policy.base import WorkerSettings
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
     start = time.perf_counter()
@@ -31,10 +32,8 @@ def build_rank(rank: int, world_size: int, folder: str, out: str, pp: int, tp: i
         rank,
         world_size,
         os.path.join(out, "rdv"),
-        folder,
-        OptimConfig(),
+        WorkerSettings(folder, OptimConfig(), num_threads=1),
         MegatronConfig(pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp),
-        num_threads=1,
     )
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     Path(out, f"rank{rank}.json").write_text(

@@ -6,6 +6,7 @@ import subprocess
 
 import pytest
 
+from nemo_dapo.policy.base import WorkerSettings
 from nemo_dapo.trainer.checkpoint import CheckpointError, CheckpointManager, CheckpointWriteError, verify
 
 
@@ -96,7 +97,7 @@ def test_a_full_disk_mid_save_keeps_the_previous_checkpoint_and_removes_the_part
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
     from tests.batches import optim_settings
 
-    worker = TorchPolicyWorker(0, 1, "", str(tiny_model_dir), optim_settings(), max_token_len=40)
+    worker = TorchPolicyWorker(0, 1, "", WorkerSettings(str(tiny_model_dir), optim_settings(), max_token_len=40))
     probe = CheckpointManager(tmp_path / "probe").save(1, lambda folder: worker.save(str(folder / "policy")))
     size = sum(p.stat().st_size for p in probe.rglob("*") if p.is_file())
     small = tmp_path / "small"

@@ -5,7 +5,7 @@ import torch
 
 from nemo_dapo.config.schema import OptimConfig
 from nemo_dapo.digest import digest_files
-from nemo_dapo.policy.base import LossSettings
+from nemo_dapo.policy.base import LossSettings, WorkerSettings
 from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.trainer.batching import build_rollout_batch
 from tests.listeners import is_loopback, our_listeners
@@ -30,9 +30,9 @@ def policy_group(model_dir, dp):
             dp,
             name=f"actor_dp{dp}",
             worker_kwargs={
-                "model_path": str(model_dir),
-                "optim": OptimConfig(lr=1e-2, warmup_steps=0, clip_grad=1e9),
-                "max_token_len": 64,
+                "settings": WorkerSettings(
+                    str(model_dir), OptimConfig(lr=1e-2, warmup_steps=0, clip_grad=1e9), max_token_len=64
+                )
             },
         )
     )

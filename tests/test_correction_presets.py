@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from nemo_dapo.config import load_config
+from nemo_dapo.policy.base import WorkerSettings
 from nemo_dapo.trainer.assembly import resolve_paths
 
 pytestmark = pytest.mark.slow
@@ -34,7 +35,7 @@ def components(tiny_model_dir, tiny_tokenizer):
             TorchPolicyWorker,
             1,
             name="actor",
-            worker_kwargs={"model_path": cfg.model.path, "optim": cfg.actor.optim},
+            worker_kwargs={"settings": WorkerSettings(cfg.model.path, cfg.actor.optim)},
         )
     )
     rollout = RolloutGroup(

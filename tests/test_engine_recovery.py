@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nemo_dapo.config.schema import OptimConfig
-from nemo_dapo.policy.base import LossSettings
+from nemo_dapo.policy.base import LossSettings, WorkerSettings
 from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.trainer.batching import build_rollout_batch
 
@@ -43,7 +43,7 @@ def groups(ray_cluster, tiny_model_dir):
             TorchPolicyWorker,
             1,
             name="policy",
-            worker_kwargs={"model_path": str(tiny_model_dir), "optim": OptimConfig(lr=3e-2, warmup_steps=0)},
+            worker_kwargs={"settings": WorkerSettings(str(tiny_model_dir), OptimConfig(lr=3e-2, warmup_steps=0))},
         )
     )
     engines = WorkerGroup(

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nemo_dapo.policy.base import WorkerSettings
 from tests.ranks import spawn
 
 pytestmark = [
@@ -39,7 +40,11 @@ def run_smoke_steps(rank: int, world_size: int, model_dir: str, work: str) -> No
     torch.cuda.max_memory_allocated = lambda *args: 0
     torch.set_num_threads(1)
     worker = MegatronPolicyWorker(
-        rank, world_size, os.path.join(work, "rdv"), model_dir, OptimConfig(lr=1e-6, warmup_steps=0), MegatronConfig()
+        rank,
+        world_size,
+        os.path.join(work, "rdv"),
+        WorkerSettings(model_dir, OptimConfig(lr=1e-6, warmup_steps=0)),
+        MegatronConfig(),
     )
     args = types.SimpleNamespace(steps=2, rows=4, prompt=16, response=32, varied_lengths=True, peak_flops=1e12)
     vocab, settings = 400, LossSettings()

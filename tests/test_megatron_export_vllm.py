@@ -5,6 +5,7 @@ import importlib.util
 import pytest
 import torch
 
+from nemo_dapo.policy.base import WorkerSettings
 from tests.ranks import spawn
 
 pytestmark = [
@@ -48,7 +49,7 @@ def greedy_after_export(rank: int, world_size: int, model_dir: str, out_file: st
             for ids in prompts
         ]
 
-    worker = MegatronPolicyWorker(0, 1, out_file + ".store", model_dir, OptimConfig())
+    worker = MegatronPolicyWorker(0, 1, out_file + ".store", WorkerSettings(model_dir, OptimConfig()))
     exported = list(worker.export_weights(bucket_bytes=1 << 16))
     checkpoint = read_hf_weights(model_dir)  # the checkpoint's names (per-expert for MoE)
     if hf.config.tie_word_embeddings:

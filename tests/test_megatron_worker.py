@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nemo_dapo.policy.base import WorkerSettings
 from tests.batches import LR, WARMUP, add_training_fields, exported, make_batch, optim_settings
 from tests.ranks import spawn
 
@@ -25,7 +26,7 @@ pytestmark = [
 
 def megatron_worker(rank: int, world_size: int, rendezvous: str, model_dir: str, **options):
     """A MegatronPolicyWorker as the trainer builds it: ``actor.megatron`` fields (by their config
-    names) go into its MegatronConfig, the rest are the worker's own arguments."""
+    names) go into its MegatronConfig, the rest into its WorkerSettings."""
     from dataclasses import fields
 
     from nemo_dapo.config.schema import MegatronConfig
@@ -33,8 +34,8 @@ def megatron_worker(rank: int, world_size: int, rendezvous: str, model_dir: str,
 
     names = {f.name for f in fields(MegatronConfig)}
     layout = MegatronConfig(**{k: v for k, v in options.items() if k in names})
-    rest = {k: v for k, v in options.items() if k not in names}
-    return MegatronPolicyWorker(rank, world_size, rendezvous, model_dir, optim_settings(), layout, **rest)
+    settings = WorkerSettings(model_dir, optim_settings(), **{k: v for k, v in options.items() if k not in names})
+    return MegatronPolicyWorker(rank, world_size, rendezvous, settings, layout)
 
 
 def run_megatron_rank(
@@ -106,7 +107,7 @@ def torch_reference(model_dir, loss: dict | None = None) -> dict:
     from nemo_dapo.policy.base import LossSettings, MiniBatch
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
 
-    worker = TorchPolicyWorker(0, 1, "", str(model_dir), optim_settings(), max_token_len=40)
+    worker = TorchPolicyWorker(0, 1, "", WorkerSettings(str(model_dir), optim_settings(), max_token_len=40))
     batch = make_batch()
     before = worker.compute_log_prob(batch)
     full = add_training_fields(batch, before["log_probs"])
@@ -776,7 +777,7 @@ def test_a_non_finite_gradient_skips_the_step_on_both_backends(backend, tmp_path
     else:
         from nemo_dapo.policy.torch_worker import TorchPolicyWorker
 
-        worker = TorchPolicyWorker(0, 1, "", str(tiny_model_dir), optim_settings(), max_token_len=40)
+        worker = TorchPolicyWorker(0, 1, "", WorkerSettings(str(tiny_model_dir), optim_settings(), max_token_len=40))
         result = nonfinite_then_finite(worker)
     assert result["skipped"]["actor/skipped_steps"] == [1.0] and result["taken"]["actor/skipped_steps"] == [0.0]
     assert all(torch.equal(result["after_skip"][k], v) for k, v in result["start"].items())  # nothing moved

@@ -7,7 +7,7 @@ Megatron's side (gathered from the last pipeline stage): tests/test_megatron_wor
 import pytest
 
 from nemo_dapo.config import correction_settings, load_config
-from nemo_dapo.policy.base import LossSettings
+from nemo_dapo.policy.base import LossSettings, WorkerSettings
 from nemo_dapo.policy.inputs import mini_batch_rows, mini_batches_per_rank, worker_inputs
 from nemo_dapo.trainer.old_policy import rows_scored_by_update
 from tests.batches import rollout_batch
@@ -21,7 +21,7 @@ def updated(tiny_model_dir, from_forward: bool) -> dict:
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
     from tests.batches import exported, optim_settings
 
-    worker = TorchPolicyWorker(0, 1, "", str(tiny_model_dir), optim_settings(), max_token_len=40)
+    worker = TorchPolicyWorker(0, 1, "", WorkerSettings(str(tiny_model_dir), optim_settings(), max_token_len=40))
     batch = rollout_batch()
     scored = worker.compute_log_prob(worker_inputs(batch))
     old = scored["log_probs"].clone()

@@ -7,7 +7,7 @@ import torch
 from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.config import load_config
 from nemo_dapo.config.validate import combination_notes
-from nemo_dapo.policy.base import LossSettings
+from nemo_dapo.policy.base import LossSettings, WorkerSettings
 from nemo_dapo.policy.inputs import mini_batches_per_rank
 from nemo_dapo.trainer.stages import add_overlong_filter
 from tests.batches import REASONS, rollout_batch
@@ -49,7 +49,7 @@ def update_gradient(model_dir, batch: RolloutBatch, max_token_len: int) -> dict:
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
     from tests.batches import optim_settings
 
-    worker = TorchPolicyWorker(0, 1, "", str(model_dir), optim_settings(), max_token_len=max_token_len)
+    worker = TorchPolicyWorker(0, 1, "", WorkerSettings(str(model_dir), optim_settings(), max_token_len=max_token_len))
     (minis,) = mini_batches_per_rank(batch, prompts_per_mini_batch=3, world_size=1, ppo_epochs=1)
     data = minis[0].data
     data["old_log_probs"] = worker.compute_log_prob(data)["log_probs"] - 0.05 * data["loss_mask"]

@@ -9,6 +9,7 @@ import torch
 from nemo_dapo.algo.loss import aggregate_loss
 from nemo_dapo.algo.policy_losses import get_policy_loss
 from nemo_dapo.config import ConfigError, load_config
+from nemo_dapo.policy.base import WorkerSettings
 
 BUILT_IN = ("dapo", "gspo", "gspo_token", "cispo", "gmpo")
 SEQUENCE_LOSSES = ("gspo", "gspo_token", "gmpo")
@@ -160,7 +161,7 @@ def test_a_user_registered_loss_is_used_by_name_in_a_real_worker(tiny_model_dir)
     batch = make_batch()
     pg_loss = {}
     for loss in ("dapo", name):  # a fresh worker each: the same weights see the same batch
-        worker = TorchPolicyWorker(0, 1, "", str(tiny_model_dir), optim_settings(), max_token_len=40)
+        worker = TorchPolicyWorker(0, 1, "", WorkerSettings(str(tiny_model_dir), optim_settings(), max_token_len=40))
         full = add_training_fields(batch, worker.compute_log_prob(batch)["log_probs"] - 0.1)
         mini = [MiniBatch(full, float(batch["loss_mask"].sum()), float(len(batch["input_ids"])))]
         pg_loss[loss] = sum(worker.update(mini, LossSettings(policy_loss=loss)).metrics["actor/pg_loss"])

@@ -5,7 +5,7 @@ import torch
 
 from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.config.schema import OptimConfig
-from nemo_dapo.policy.base import LossSettings
+from nemo_dapo.policy.base import LossSettings, WorkerSettings
 from nemo_dapo.policy.inputs import mini_batches_per_rank, worker_inputs
 from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.trainer.batching import build_rollout_batch
@@ -19,7 +19,7 @@ def engines(tiny_model_dir):
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
     engine = VLLMRolloutWorker(0, 1, "", str(tiny_model_dir), max_model_len=128)
-    policy = TorchPolicyWorker(0, 1, "", str(tiny_model_dir), OptimConfig(lr=1e-2, warmup_steps=0))
+    policy = TorchPolicyWorker(0, 1, "", WorkerSettings(str(tiny_model_dir), OptimConfig(lr=1e-2, warmup_steps=0)))
     return engine, policy
 
 
@@ -106,12 +106,12 @@ def test_torch_worker_checkpoint_restores_the_weights(family, request, tmp_path)
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
 
     model_dir = str(request.getfixturevalue(family))
-    saved = TorchPolicyWorker(0, 1, "", model_dir, OptimConfig())
+    saved = TorchPolicyWorker(0, 1, "", WorkerSettings(model_dir, OptimConfig()))
     with torch.no_grad():
         for param in saved.model.parameters():
             param.add_(torch.randn_like(param) * 0.01)  # not the weights a fresh worker starts from
     saved.save(str(tmp_path / "ckpt"))
-    loaded = TorchPolicyWorker(0, 1, "", model_dir, OptimConfig())
+    loaded = TorchPolicyWorker(0, 1, "", WorkerSettings(model_dir, OptimConfig()))
     loaded.load(str(tmp_path / "ckpt"))
     expected = saved.model.state_dict()
     assert all(torch.equal(t, expected[name]) for name, t in loaded.model.state_dict().items())
@@ -120,7 +120,7 @@ def test_torch_worker_checkpoint_restores_the_weights(family, request, tmp_path)
 def test_a_bf16_run_sends_the_engines_bf16_and_keeps_fp32_master_weights(tiny_model_dir):
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
 
-    policy = TorchPolicyWorker(0, 1, "", str(tiny_model_dir), OptimConfig(lr=1e-2), dtype="bfloat16")
+    policy = TorchPolicyWorker(0, 1, "", WorkerSettings(str(tiny_model_dir), OptimConfig(lr=1e-2), dtype="bfloat16"))
     sent = dict(pair for bucket in policy.export_weights() for pair in bucket)
     master = policy.model.state_dict()
     assert sent.keys() == master.keys()  # tied weights under each name (the engine reloads every layer)

@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from nemo_dapo.policy.base import WorkerSettings
 from tests.batches import make_batch
 from tests.ranks import spawn
 
@@ -86,12 +87,8 @@ def megatron_log_probs(rank: int, world_size: int, rendezvous: str, model_dir: s
         rank,
         world_size,
         rendezvous,
-        model_dir,
-        OptimConfig(),
+        WorkerSettings(model_dir, OptimConfig(), max_token_len=64, logits_chunk_tokens=7, trainable=False),
         MegatronConfig(tensor_model_parallel_size=world_size),
-        max_token_len=64,
-        logits_chunk_tokens=7,
-        trainable=False,
     )
     torch.save(worker.compute_log_prob(real_batch()), os.path.join(out_dir, f"rank{rank}.pt"))
 
@@ -132,7 +129,9 @@ def test_torch_megatron_tp1_tp3_and_vllm_score_the_same_sequences(smollm2_dir, t
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
 
     batch = real_batch()
-    worker = TorchPolicyWorker(0, 1, "", str(smollm2_dir), OptimConfig(), max_token_len=64, logits_chunk_tokens=5)
+    worker = TorchPolicyWorker(
+        0, 1, "", WorkerSettings(str(smollm2_dir), OptimConfig(), max_token_len=64, logits_chunk_tokens=5)
+    )
     torch_lp = worker.compute_log_prob(batch)["log_probs"]
     del worker
     results = {}

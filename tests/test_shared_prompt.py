@@ -7,7 +7,7 @@ import torch
 from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.config import load_config
 from nemo_dapo.errors import ConfigError
-from nemo_dapo.policy.base import LossSettings
+from nemo_dapo.policy.base import LossSettings, WorkerSettings
 from nemo_dapo.policy.inputs import mini_batches_per_rank, worker_inputs
 from nemo_dapo.policy.microbatch import MicroBatch, shares_prompts, trim_padding
 from nemo_dapo.policy.shared_prompt import distinct_prompts
@@ -40,7 +40,11 @@ def trained(model_dir, shared: bool, max_token_len: int = 1000) -> dict:
     from tests.batches import exported, optim_settings
 
     worker = TorchPolicyWorker(
-        0, 1, "", str(model_dir), optim_settings(), max_token_len=max_token_len, shared_prompt_forward=shared
+        0,
+        1,
+        "",
+        WorkerSettings(str(model_dir), optim_settings(), max_token_len=max_token_len),
+        shared_prompt_forward=shared,
     )
     batch = grouped_batch(worker.model.config.vocab_size)
     scored = worker.compute_log_prob(worker_inputs(batch))
@@ -78,7 +82,7 @@ def gradients(model_dir, shared: bool) -> dict[str, torch.Tensor]:
     from nemo_dapo.config.schema import OptimConfig
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
 
-    worker = TorchPolicyWorker(0, 1, "", str(model_dir), OptimConfig(), shared_prompt_forward=shared)
+    worker = TorchPolicyWorker(0, 1, "", WorkerSettings(str(model_dir), OptimConfig()), shared_prompt_forward=shared)
     data = worker_inputs(grouped_batch(worker.model.config.vocab_size))
     micro = trim_padding(data, list(range(data["input_ids"].shape[0])))
     (worker._forward(micro, 1.0)[0] * micro["loss_mask"]).sum().backward()

@@ -11,15 +11,41 @@ cuts its rows into typed :class:`~nemo_dapo.policy.microbatch.MicroBatch` es.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from nemo_dapo.algo.correction import CorrectionSettings
+from nemo_dapo.config.schema import OptimConfig
 
 # model.dtype names -> the compute dtype of either backend
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What every policy worker is built from, whatever its backend (the trainer fills it from the
+    config; a backend's own settings are its constructor's other arguments).
+
+    ``dtype``: the compute precision (``model.dtype``); weights, gradients and the optimizer stay
+    fp32. ``total_steps``: optimizer steps of the whole run (the learning-rate schedule's length).
+    ``max_token_len``: the token budget of a micro-batch. ``logits_chunk_tokens``: response tokens
+    per output-layer chunk (None: sized from the vocabulary). ``seed``: each rank seeds
+    ``seed + rank``. ``trainable``: False for a reference model (no optimizer, never updated).
+    ``num_threads`` / ``workers_per_node``: this worker's CPU threads, or its share of the node's
+    cores among the workers computing beside it."""
+
+    model_path: str
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    dtype: str = "float32"
+    total_steps: int = 1000
+    max_token_len: int = 16384
+    logits_chunk_tokens: int | None = None
+    seed: int = 1
+    trainable: bool = True
+    num_threads: int | None = None
+    workers_per_node: int | None = None
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,10 @@ import torch.distributed as dist
 from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.algo.logprob import chunk_tokens_for, chunked_token_stats, token_stats
-from nemo_dapo.config.schema import OptimConfig
 from nemo_dapo.logs import configure_logging
 from nemo_dapo.network import use_node_network
 from nemo_dapo.policy.actor_loss import micro_batch_loss
-from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, UpdateResult, require_trainable
+from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, UpdateResult, WorkerSettings, require_trainable
 from nemo_dapo.policy.lr_schedule import lr_lambda
 from nemo_dapo.policy.microbatch import MicroBatch, RowStats, micro_batches
 from nemo_dapo.policy.shared_prompt import hidden_before_responses
@@ -53,49 +52,43 @@ class TorchPolicyWorker:
         rank: int,
         world_size: int,
         rendezvous: str,
-        model_path: str,
-        optim: OptimConfig,
-        dtype: str = "float32",
+        settings: WorkerSettings,
         attn_implementation: str = "sdpa",
-        total_steps: int = 1000,
-        max_token_len: int = 16384,
-        seed: int = 1,
-        num_threads: int | None = None,
-        workers_per_node: int | None = None,
-        logits_chunk_tokens: int | None = None,
-        trainable: bool = True,
         shared_prompt_forward: bool = True,
     ) -> None:
-        """``dtype`` is the compute precision: the parameters, their gradients and the optimizer stay
-        fp32 (the master copy), matmuls run in ``dtype`` under autocast, and the log-prob and entropy
-        reductions are fp32 whatever ``dtype`` is. ``shared_prompt_forward``: each distinct prompt of
-        a micro-batch through the decoder once (:mod:`~nemo_dapo.policy.shared_prompt`)."""
+        """``settings.dtype`` is the compute precision: the parameters, their gradients and the
+        optimizer stay fp32 (the master copy), matmuls run in ``dtype`` under autocast, and the
+        log-prob and entropy reductions are fp32 whatever ``dtype`` is. ``shared_prompt_forward``:
+        each distinct prompt of a micro-batch through the decoder once
+        (:mod:`~nemo_dapo.policy.shared_prompt`)."""
         from transformers import AutoModelForCausalLM
 
         configure_logging()
-        use_cpu_threads(num_threads, workers_per_node or world_size, f"torch policy worker {rank}")
+        use_cpu_threads(settings.num_threads, settings.workers_per_node or world_size, f"torch policy worker {rank}")
         self.rank, self.world_size = rank, world_size
         init_data_parallel(rank, world_size, rendezvous)
-        torch.manual_seed(seed + rank)
+        torch.manual_seed(settings.seed + rank)
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32, attn_implementation=attn_implementation
+            settings.model_path, dtype=torch.float32, attn_implementation=attn_implementation
         )
         self.model.config.use_cache = False
-        self.compute_dtype = DTYPES[dtype]
-        self.chunk_tokens = logits_chunk_tokens or chunk_tokens_for(self.model.get_output_embeddings().weight.shape[0])
-        self.optim_cfg = optim
-        self.trainable = trainable
-        self.model.requires_grad_(trainable)  # a reference model (trainable=False) never updates
+        self.compute_dtype = DTYPES[settings.dtype]
+        self.chunk_tokens = settings.logits_chunk_tokens or chunk_tokens_for(
+            self.model.get_output_embeddings().weight.shape[0]
+        )
+        self.optim_cfg = optim = settings.optim
+        self.trainable = settings.trainable
+        self.model.requires_grad_(self.trainable)  # a reference model (trainable=False) never updates
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
-            lr=self.optim_cfg.lr,
-            betas=(self.optim_cfg.betas[0], self.optim_cfg.betas[1]),
-            eps=self.optim_cfg.eps,
-            weight_decay=self.optim_cfg.weight_decay,
+            lr=optim.lr,
+            betas=(optim.betas[0], optim.betas[1]),
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
             fused=True,  # one kernel over all parameters instead of a loop of small ops per tensor
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.optim_cfg, total_steps))
-        self.max_token_len = max_token_len
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, settings.total_steps))
+        self.max_token_len = settings.max_token_len
         self.shared_prompt_forward = shared_prompt_forward
 
     def ready(self) -> bool:

@@ -13,6 +13,7 @@ from nemo_dapo.config import Config
 from nemo_dapo.config.topology import is_colocated, needs_reference, policy_groups, total_optimizer_steps
 from nemo_dapo.config.validate import combination_notes, raise_problems, separate_groups_problems
 from nemo_dapo.model.builtin import resolve_builtin
+from nemo_dapo.policy.base import WorkerSettings
 from nemo_dapo.trainer.checkpoint import CheckpointManager
 from nemo_dapo.trainer.run_folder import RunFolder, refuse_mixing
 
@@ -56,19 +57,20 @@ def _policy_workers(
 ) -> WorkerGroup:
     from nemo_dapo.cluster.worker_group import WorkerGroup
 
-    kwargs = {
-        "model_path": cfg.model.path,
-        "optim": cfg.actor.optim,
-        "dtype": cfg.model.dtype,
-        "total_steps": total_optimizer_steps,
-        "max_token_len": cfg.actor.max_token_len_per_micro_batch,
-        "logits_chunk_tokens": cfg.actor.logits_chunk_tokens,
-        "seed": cfg.trainer.seed,
-        "trainable": trainable,
-        "num_threads": cfg.trainer.cpu_threads_per_worker,
-        "workers_per_node": workers_per_node(cfg, cfg.actor.num_workers),
-    }
+    settings = WorkerSettings(
+        model_path=cfg.model.path,
+        optim=cfg.actor.optim,
+        dtype=cfg.model.dtype,
+        total_steps=total_optimizer_steps,
+        max_token_len=cfg.actor.max_token_len_per_micro_batch,
+        logits_chunk_tokens=cfg.actor.logits_chunk_tokens,
+        seed=cfg.trainer.seed,
+        trainable=trainable,
+        num_threads=cfg.trainer.cpu_threads_per_worker,
+        workers_per_node=workers_per_node(cfg, cfg.actor.num_workers),
+    )
     worker_cls: type
+    kwargs: dict = {"settings": settings}
     if cfg.actor.backend == "megatron":
         from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 

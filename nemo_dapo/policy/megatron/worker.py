@@ -25,11 +25,11 @@ import torch
 from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.algo.logprob import chunk_tokens_for
-from nemo_dapo.config.schema import MegatronConfig, OptimConfig
+from nemo_dapo.config.schema import MegatronConfig
 from nemo_dapo.config.topology import Parallelism
 from nemo_dapo.logs import configure_logging
 from nemo_dapo.policy.actor_loss import micro_batch_loss
-from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, UpdateResult, require_trainable
+from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, UpdateResult, WorkerSettings, require_trainable
 from nemo_dapo.policy.lr_schedule import lr_lambda
 from nemo_dapo.policy.megatron import build, inputs, stages
 from nemo_dapo.policy.megatron import model as mm
@@ -65,52 +65,43 @@ class MegatronPolicyWorker:
         rank: int,
         world_size: int,
         rendezvous: str,
-        model_path: str,
-        optim: OptimConfig,
+        settings: WorkerSettings,
         layout: MegatronConfig | None = None,
-        dtype: str = "float32",
-        total_steps: int = 1000,
-        max_token_len: int = 16384,
-        seed: int = 1,
-        num_threads: int | None = None,
-        workers_per_node: int | None = None,
-        logits_chunk_tokens: int | None = None,
-        trainable: bool = True,
     ) -> None:
         """``layout`` is ``actor.megatron`` (validated with the whole config at start-up; only what
         the config cannot know, a GPU and TransformerEngine here, is checked on the rank)."""
         from transformers import AutoConfig
 
         configure_logging()
-        use_cpu_threads(num_threads, workers_per_node or world_size, f"Megatron policy worker {rank}")
+        use_cpu_threads(settings.num_threads, settings.workers_per_node or world_size, f"Megatron policy worker {rank}")
         self.layout = layout = layout or MegatronConfig()
         mm.require_runtime(layout)
         enable_cpu_compat()  # no-op when a GPU is present
         self.rank, self.world_size = rank, world_size
         self.parallel = Parallelism.of(layout)
-        mm.init_distributed(rank, world_size, rendezvous, self.parallel, seed)
+        mm.init_distributed(rank, world_size, rendezvous, self.parallel, settings.seed)
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         )
-        torch.manual_seed(seed + rank)
-        self.hf_config = AutoConfig.from_pretrained(model_path)
+        torch.manual_seed(settings.seed + rank)
+        self.hf_config = AutoConfig.from_pretrained(settings.model_path)
         self.shape = model_shape(self.hf_config)
-        self.config = mm.transformer_config(self.hf_config, DTYPES[dtype], layout)
+        self.config = mm.transformer_config(self.hf_config, DTYPES[settings.dtype], layout)
         self.config.finalize_model_grads_func = finalize_grads_without_token_scaling
-        self.optim_cfg = optim
-        self.lr_factor = lr_lambda(self.optim_cfg, total_steps)
-        self.max_token_len = max_token_len
+        self.optim_cfg = settings.optim
+        self.lr_factor = lr_lambda(self.optim_cfg, settings.total_steps)
+        self.max_token_len = settings.max_token_len
         columns = mm.padded_vocab_size(self.shape.vocab_size, self.parallel.tensor) // self.parallel.tensor
-        self.chunk_tokens = logits_chunk_tokens or chunk_tokens_for(columns)
+        self.chunk_tokens = settings.logits_chunk_tokens or chunk_tokens_for(columns)
         self.steps_done = 0
-        self.trainable = trainable
-        built = build.build_chunks(model_path, self.hf_config, self.config, self.shape, layout, self.device)
+        self.trainable = settings.trainable
+        built = build.build_chunks(settings.model_path, self.hf_config, self.config, self.shape, layout, self.device)
         self.models, self.output = built.models, built.output
         self.replay = self._routing_replay()
         self.optimizer = None
-        if trainable:
+        if self.trainable:
             self.chunks = build.wrap_for_training(self.models, self.config, layout)
-            self.optimizer = build.build_optimizer(self.chunks, optim, layout, self.config)
+            self.optimizer = build.build_optimizer(self.chunks, self.optim_cfg, layout, self.config)
         else:  # a reference model: weights only, no gradient buffers or optimizer state
             self.chunks = self.models
             for model in self.models:
