@@ -28,14 +28,13 @@ from nemo_dapo.algo.sampling import GroupAccumulator
 from nemo_dapo.config import Config, correction_settings, to_yaml
 from nemo_dapo.config.topology import cluster_gpus, prompts_per_round, total_training_steps
 from nemo_dapo.data import ResumableBatchSampler
-from nemo_dapo.errors import TrainingDiverged
 from nemo_dapo.policy.base import LossSettings
 from nemo_dapo.rng import restore_rng, rng_state
 from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.safe_load import load_state
 from nemo_dapo.trainer.batching import batch_from_items
 from nemo_dapo.trainer.checkpoint import CheckpointManager
-from nemo_dapo.trainer.health import LearningHealth
+from nemo_dapo.trainer.health import LearningHealth, NonFiniteSteps
 from nemo_dapo.trainer.old_policy import OldPolicyScores
 from nemo_dapo.trainer.preemption import Preempted, PreemptionSignals, record_preemption
 from nemo_dapo.trainer.sinks import SinkContext
@@ -46,6 +45,7 @@ from nemo_dapo.trainer.stages import (
     batch_metrics,
     score_batch,
 )
+from nemo_dapo.trainer.summary import finished_summary, write_summary
 from nemo_dapo.trainer.tracking import StageTimer, Tracker
 from nemo_dapo.trainer.validation import accuracy_metrics, mean_val_accuracy
 
@@ -140,8 +140,8 @@ class DAPOTrainer:
         self.global_step = 0
         self.weight_version = 0
         self.generated_samples = 0
-        self.nonfinite_in_a_row = 0  # training steps in a row with a skipped optimizer step
         self.health = LearningHealth()
+        self.nonfinite = NonFiniteSteps(cfg.trainer.max_nonfinite_steps)
         self.initial_val: dict[str, float] = {}
         self.total_steps = total_training_steps(cfg, len(train_data))
         self.rollout.set_weight_source(self._current_weights)  # for an engine replaced mid-run
@@ -349,8 +349,10 @@ class DAPOTrainer:
         resume_from = self.checkpoints.resolve_resume(self.cfg.checkpoint.resume)
         if resume_from is not None:
             self.load_checkpoint(resume_from)
-            finished = self._finished_summary()
+            done = self.global_step >= self.total_steps or self._budget_spent()
+            finished = finished_summary(self.output_dir, self.global_step, self.total_steps, done)
             if finished is not None:
+                self.tracker.close()
                 return finished
         elif self.cfg.trainer.val_before_train:
             self.initial_val = self.validate()
@@ -366,9 +368,10 @@ class DAPOTrainer:
                 last_val = self.validate()
                 metrics.update(last_val)
             self.tracker.log(metrics, self.global_step)
-            for warning in self.health.observe(self.global_step, metrics):
-                log.warning(warning)
-            self._count_skipped_steps(metrics.get(mn.SKIPPED_STEPS.name, 0.0))
+            skipped = self.nonfinite.observe(self.global_step, metrics.get(mn.SKIPPED_STEPS.name, 0.0))
+            for warning in [*self.health.observe(self.global_step, metrics), skipped]:
+                if warning:
+                    log.warning(warning)
             if self._due(self.cfg.trainer.save_freq) or done:
                 self.save_checkpoint()
             bar.update(1)
@@ -382,7 +385,9 @@ class DAPOTrainer:
         bar.close()
         self.finish_checkpoint()
         self.tracker.close()
-        return self._write_summary(last_val, time.time() - start)
+        return write_summary(
+            self.output_dir, self.initial_val, last_val, self.global_step, self.generated_samples, time.time() - start
+        )
 
     def _stop_preempted(self, signal_name: str, bar: tqdm) -> None:
         """Checkpoint (unless this step just did) and leave: the requeued job resumes from here."""
@@ -394,61 +399,9 @@ class DAPOTrainer:
         record_preemption(self.output_dir, self.global_step, signal_name)
         raise Preempted(self.global_step, signal_name)
 
-    def _count_skipped_steps(self, skipped: float) -> None:
-        """Warn about a step whose optimizer skipped a non-finite gradient; stop the run after
-        ``trainer.max_nonfinite_steps`` such steps in a row, before a checkpoint of them."""
-        if skipped == 0:
-            self.nonfinite_in_a_row = 0
-            return
-        self.nonfinite_in_a_row += 1
-        limit = self.cfg.trainer.max_nonfinite_steps
-        log.warning(
-            "step %d: %.0f%% of its optimizer steps skipped: the gradient was not finite (NaN or Inf); "
-            "weights and optimizer state are as before them (%d such step(s) in a row, the run stops at %s)",
-            self.global_step,
-            100 * skipped,
-            self.nonfinite_in_a_row,
-            limit if limit > 0 else "none (trainer.max_nonfinite_steps <= 0)",
-        )
-        if 0 < limit <= self.nonfinite_in_a_row:
-            raise TrainingDiverged(
-                f"steps {self.global_step - limit + 1}-{self.global_step}: every one skipped an optimizer step for a "
-                f"non-finite gradient (trainer.max_nonfinite_steps={limit}); stopped without checkpointing them. "
-                "Look at actor/grad_norm, the learning rate, the data of these steps (prompts.jsonl) and "
-                "model.dtype; resume from the last checkpoint with checkpoint.resume=auto"
-            )
-
-    def _finished_summary(self) -> dict | None:
-        """The run this checkpoint ends was complete, with its summary written: that summary
-        (marked ``already_complete``), left as it is, like the run's export; None otherwise."""
-        done = self.global_step >= self.total_steps or self._budget_spent()
-        summary_file = self.output_dir / "summary.json"
-        if not (done and summary_file.is_file()):
-            return None
-        log.info(
-            "the run is already complete (step %d of %d): summary.json and hf_export are left as they are",
-            self.global_step,
-            self.total_steps,
-        )
-        self.tracker.close()
-        return {**json.loads(summary_file.read_text()), "already_complete": True}
-
     def _due(self, freq: int) -> bool:
         return freq > 0 and self.global_step % freq == 0
 
     def _budget_spent(self) -> bool:
         budget = self.cfg.trainer.total_generated_samples
         return budget is not None and self.generated_samples >= budget
-
-    def _write_summary(self, last_val: dict[str, float], wall_s: float) -> dict:
-        summary = {
-            "initial_val_acc": mean_val_accuracy(self.initial_val),
-            "final_val_acc": mean_val_accuracy(last_val),
-            "steps": self.global_step,
-            "generated_samples": self.generated_samples,
-            "wall_s": wall_s,
-            "initial_val": self.initial_val,
-            "final_val": last_val,
-        }
-        (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        return summary

@@ -1,4 +1,5 @@
-"""Early warnings that a run stopped learning, with the settings to look at (once per kind).
+"""Early warnings that a run stopped learning, with the settings to look at (once per kind), and
+the guard that stops a run whose optimizer steps keep being skipped for non-finite gradients.
 
 Two collapses are common in GRPO-style training of a small model and are visible in the step
 metrics long before the held-out accuracy says so:
@@ -15,6 +16,7 @@ from __future__ import annotations
 import statistics
 
 from nemo_dapo.algo import metric_names as mn
+from nemo_dapo.errors import TrainingDiverged
 
 STEPS = 3
 LENGTH_FRACTION = 0.5
@@ -67,4 +69,34 @@ class LearningHealth:
             f"step {step}: the mean response length stayed below {LENGTH_FRACTION:.0%} of its start "
             f"({start:.1f} -> {recent[-1]:.1f} tokens) for {STEPS} steps: the policy is dropping what it wrote "
             f"before the answer. Likely causes: {CAUSES}"
+        )
+
+
+class NonFiniteSteps:
+    """Counts training steps in a row whose optimizer skipped a non-finite gradient (the workers
+    skip such a step, so weights and optimizer state stay as they were); past ``limit`` in a row
+    (``trainer.max_nonfinite_steps``; <= 0: never) the run stops, before a checkpoint of them."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.in_a_row = limit, 0
+
+    def observe(self, step: int, skipped: float) -> str | None:
+        """``skipped``: the fraction of this step's optimizer steps skipped. Returns the warning
+        for a step that skipped any; raises :class:`TrainingDiverged` at the limit."""
+        if skipped == 0:
+            self.in_a_row = 0
+            return None
+        self.in_a_row += 1
+        if 0 < self.limit <= self.in_a_row:
+            raise TrainingDiverged(
+                f"steps {step - self.limit + 1}-{step}: every one skipped an optimizer step for a non-finite "
+                f"gradient (trainer.max_nonfinite_steps={self.limit}); stopped without checkpointing them. Look at "
+                "actor/grad_norm, the learning rate, the data of these steps (prompts.jsonl) and model.dtype; "
+                "resume from the last checkpoint with checkpoint.resume=auto"
+            )
+        stop = self.limit if self.limit > 0 else "none (trainer.max_nonfinite_steps <= 0)"
+        return (
+            f"step {step}: {100 * skipped:.0f}% of its optimizer steps skipped: the gradient was not finite (NaN or "
+            f"Inf); weights and optimizer state are as before them ({self.in_a_row} such step(s) in a row, the run "
+            f"stops at {stop})"
         )
