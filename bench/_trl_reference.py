@@ -55,28 +55,14 @@ def reward_functions(cfg):
     return functions
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="smollm2_cpu")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+def trl_config(cfg, output: Path):
+    """TRL's GRPOConfig set to the algorithm of ``cfg`` (see the module docstring)."""
+    from trl import GRPOConfig
 
-    from nemo_dapo.config import load_config
-    from nemo_dapo.data.records import read_records
-    from nemo_dapo.trainer.assembly import resolve_paths
-
-    cfg = resolve_paths(load_config(args.config, args.overrides))
-    output = Path(cfg.trainer.output_dir)
-    output.mkdir(parents=True, exist_ok=True)
-    records = read_records(cfg.data.train_files)
-    data = Dataset.from_list([{"prompt": r.messages, "ground_truth": r.ground_truth} for r in records])
     n, prompts = cfg.rollout.n, cfg.data.train_batch_size
     bf16 = cfg.model.dtype == "bfloat16"
     optim = cfg.actor.optim
-    config = GRPOConfig(
+    return GRPOConfig(
         output_dir=str(output / "trl"),
         seed=cfg.trainer.seed,
         data_seed=cfg.data.seed,
@@ -110,6 +96,27 @@ def main() -> None:
         report_to=[],
         remove_unused_columns=False,
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="smollm2_cpu")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOTrainer
+
+    from nemo_dapo.config import load_config
+    from nemo_dapo.data.records import read_records
+    from nemo_dapo.trainer.assembly import resolve_paths
+
+    cfg = resolve_paths(load_config(args.config, args.overrides))
+    output = Path(cfg.trainer.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    records = read_records(cfg.data.train_files)
+    data = Dataset.from_list([{"prompt": r.messages, "ground_truth": r.ground_truth} for r in records])
+    config = trl_config(cfg, output)
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
 
