@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from nemo_dapo.algo.metric_names import combine_steps
+from nemo_dapo.digest import digest_files
 from nemo_dapo.policy.base import UpdateResult, WorkerSettings
 from nemo_dapo.policy.inputs import mini_batches_per_rank, worker_inputs
 from nemo_dapo.rollout.base import Generation, SamplingSettings
@@ -25,6 +26,7 @@ class InProcessPolicy:
     """The PolicyGroup calls the trainer makes, on one TorchPolicyWorker in this process."""
 
     world_size = 1
+    digest_files = staticmethod(digest_files)  # a checkpoint's file digests: one process hashes them all
 
     def __init__(self, worker) -> None:
         self.worker = worker
