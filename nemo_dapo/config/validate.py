@@ -158,6 +158,13 @@ def _check_megatron(cfg: Config, problems: _Problems) -> None:
     """Layouts Megatron would reject at start-up, after the cluster is already allocated."""
     if cfg.actor.backend != "megatron":
         return
+    if _check_megatron_sizes(cfg, problems):
+        _check_megatron_features(cfg, problems)
+
+
+def _check_megatron_sizes(cfg: Config, problems: _Problems) -> bool:
+    """The parallel sizes: each >= 1, and their products dividing the training ranks and a
+    mini-batch's sequences. False when a size is below 1 (nothing else is checked then)."""
     mg, key = cfg.actor.megatron, "actor.megatron"
     tp, pp, cp, ep = (
         mg.tensor_model_parallel_size,
@@ -174,7 +181,7 @@ def _check_megatron(cfg: Config, problems: _Problems) -> None:
     for name, size in sizes.items():
         problems.require(size >= 1, f"{key}.{name}", size, "must be >= 1")
     if min(sizes.values()) < 1:
-        return
+        return False
     vpp = mg.virtual_pipeline_model_parallel_size
     problems.require(
         vpp is None or (vpp >= 2 and pp >= 2),
@@ -193,6 +200,23 @@ def _check_megatron(cfg: Config, problems: _Problems) -> None:
             f"{key}: TP={tp} x EP={ep} x PP={pp} = {tp * ep * pp} must divide the {world} training "
             "ranks (the expert layout; expert DP is the quotient)"
         )
+    if world % (tp * pp * cp) == 0:
+        dp = world // (tp * pp * cp)
+        sequences = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+        problems.require(
+            sequences % dp == 0,
+            "actor.ppo_mini_batch_size",
+            cfg.actor.ppo_mini_batch_size,
+            f"x rollout.n = {sequences} sequences per optimizer step must split evenly over DP = {dp}",
+        )
+    return True
+
+
+def _check_megatron_features(cfg: Config, problems: _Problems) -> None:
+    """Features that need another setting (sequence parallelism, FP8, context parallelism,
+    overlapped gathers) and the numbers Megatron takes as they are."""
+    mg, key = cfg.actor.megatron, "actor.megatron"
+    tp, cp, ep = mg.tensor_model_parallel_size, mg.context_parallel_size, mg.expert_model_parallel_size
     problems.require(
         not mg.sequence_parallel or tp > 1,
         f"{key}.sequence_parallel",
@@ -237,15 +261,6 @@ def _check_megatron(cfg: Config, problems: _Problems) -> None:
         mg.ddp_bucket_size,
         "must be a positive number of parameters, or null for Megatron's default",
     )
-    if world % (tp * pp * cp) == 0:
-        dp = world // (tp * pp * cp)
-        sequences = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
-        problems.require(
-            sequences % dp == 0,
-            "actor.ppo_mini_batch_size",
-            cfg.actor.ppo_mini_batch_size,
-            f"x rollout.n = {sequences} sequences per optimizer step must split evenly over DP = {dp}",
-        )
 
 
 def _check_router_replay(cfg: Config, problems: _Problems) -> None:
