@@ -17,7 +17,7 @@ import torch
 
 from nemo_dapo.algo.metric_names import combine_steps
 from nemo_dapo.digest import digest_files
-from nemo_dapo.policy.base import UpdateResult, WorkerSettings
+from nemo_dapo.policy.base import UpdateResult
 from nemo_dapo.policy.inputs import mini_batches_per_rank, worker_inputs
 from nemo_dapo.rollout.base import Generation, SamplingSettings
 
@@ -127,8 +127,9 @@ class HFGenerate:
 def run_single_process(cfg, save_to=None) -> dict:
     """``nemo-dapo train`` with the single-process policy and HF generation; returns the summary.
     ``save_to``: a folder for the final weights (Hugging Face format)."""
+    from nemo_dapo.config.topology import total_optimizer_steps
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
-    from nemo_dapo.trainer.assembly import load_data, resolve_paths, reward_manager
+    from nemo_dapo.trainer.assembly import load_data, policy_settings, resolve_paths, reward_manager
     from nemo_dapo.trainer.fit import DAPOTrainer
 
     cfg = resolve_paths(cfg)
@@ -137,14 +138,7 @@ def run_single_process(cfg, save_to=None) -> dict:
         0,
         1,
         "",
-        WorkerSettings(
-            cfg.model.path,
-            cfg.actor.optim,
-            dtype=cfg.model.dtype,
-            max_token_len=cfg.actor.max_token_len_per_micro_batch,
-            seed=cfg.trainer.seed,
-            num_threads=cfg.trainer.cpu_threads_per_worker,
-        ),
+        policy_settings(cfg, total_optimizer_steps(cfg, len(data.train))),
         attn_implementation=cfg.actor.attn_implementation,
         shared_prompt_forward=cfg.actor.shared_prompt_forward,
     )

@@ -151,15 +151,13 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     from nemo_dapo.config import load_config
-    from nemo_dapo.policy.base import WorkerSettings
+    from nemo_dapo.config.topology import total_optimizer_steps
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
-    from nemo_dapo.trainer.assembly import load_data, resolve_paths, reward_manager
+    from nemo_dapo.trainer.assembly import load_data, policy_settings, resolve_paths, reward_manager
 
     cfg = resolve_paths(load_config(args.config, args.overrides))
     data = load_data(cfg)
-    settings = WorkerSettings(
-        cfg.model.path, cfg.actor.optim, dtype=cfg.model.dtype, max_token_len=cfg.actor.max_token_len_per_micro_batch
-    )
+    settings = policy_settings(cfg, total_optimizer_steps(cfg, len(data.train)))
     worker = TorchPolicyWorker(0, 1, "", settings, shared_prompt_forward=cfg.actor.shared_prompt_forward)
     saved = OUT / f"batch_{args.config}_seed{args.seed}_prompts{args.prompts}.pt"  # generation is the slow part
     if saved.exists():

@@ -52,12 +52,10 @@ def workers_per_node(cfg: Config, num_workers: int, gpus_per_worker: int = 1) ->
     return max(1, min(num_workers, cfg.trainer.n_gpus_per_node // gpus_per_worker))
 
 
-def _policy_workers(
-    cfg: Config, name: str, total_optimizer_steps: int, shared: SharedGPUs | None, trainable: bool = True
-) -> WorkerGroup:
-    from nemo_dapo.cluster.worker_group import WorkerGroup
-
-    settings = WorkerSettings(
+def policy_settings(cfg: Config, total_optimizer_steps: int, trainable: bool = True) -> WorkerSettings:
+    """What a policy worker is built from, read from the config: the training ranks, the reference
+    model (``trainable=False``) and the benches' in-process worker alike."""
+    return WorkerSettings(
         model_path=cfg.model.path,
         optim=cfg.actor.optim,
         dtype=cfg.model.dtype,
@@ -69,8 +67,15 @@ def _policy_workers(
         num_threads=cfg.trainer.cpu_threads_per_worker,
         workers_per_node=workers_per_node(cfg, cfg.actor.num_workers),
     )
+
+
+def _policy_workers(
+    cfg: Config, name: str, total_optimizer_steps: int, shared: SharedGPUs | None, trainable: bool = True
+) -> WorkerGroup:
+    from nemo_dapo.cluster.worker_group import WorkerGroup
+
     worker_cls: type
-    kwargs: dict = {"settings": settings}
+    kwargs: dict = {"settings": policy_settings(cfg, total_optimizer_steps, trainable)}
     if cfg.actor.backend == "megatron":
         from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 

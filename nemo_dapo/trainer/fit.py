@@ -349,8 +349,7 @@ class DAPOTrainer:
         resume_from = self.checkpoints.resolve_resume(self.cfg.checkpoint.resume)
         if resume_from is not None:
             self.load_checkpoint(resume_from)
-            done = self.global_step >= self.total_steps or self._budget_spent()
-            finished = finished_summary(self.output_dir, self.global_step, self.total_steps, done)
+            finished = finished_summary(self.output_dir, self.global_step, self.total_steps, self._run_done())
             if finished is not None:
                 self.tracker.close()
                 return finished
@@ -359,11 +358,11 @@ class DAPOTrainer:
             self.tracker.log(self.initial_val, self.global_step)
         last_val = dict(self.initial_val)
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="DAPO", dynamic_ncols=True)
-        while self.global_step < self.total_steps and not self._budget_spent():
+        while not self._run_done():
             self.finish_checkpoint(blocking=False)
             metrics = self.train_step()
             self.global_step += 1
-            done = self.global_step >= self.total_steps or self._budget_spent()
+            done = self._run_done()
             if self._due(self.cfg.trainer.test_freq) or (done and self.val_data is not None):
                 last_val = self.validate()
                 metrics.update(last_val)
@@ -402,6 +401,7 @@ class DAPOTrainer:
     def _due(self, freq: int) -> bool:
         return freq > 0 and self.global_step % freq == 0
 
-    def _budget_spent(self) -> bool:
+    def _run_done(self) -> bool:
+        """Every step taken, or the sample budget (``trainer.total_generated_samples``) spent."""
         budget = self.cfg.trainer.total_generated_samples
-        return budget is not None and self.generated_samples >= budget
+        return self.global_step >= self.total_steps or (budget is not None and self.generated_samples >= budget)
