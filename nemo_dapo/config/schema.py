@@ -237,7 +237,9 @@ class OptimConfig:
     weight_decay: float = setting(0.1, help="AdamW decoupled weight decay.")
     betas: list[float] = setting(factory=lambda: [0.9, 0.999], help="AdamW (beta1, beta2).")
     eps: float = setting(1e-8, help="AdamW epsilon.")
-    warmup_steps: int = setting(10, bounds=">= 0", help="Optimizer steps of linear warm-up from 0 to lr.")
+    warmup_steps: int = setting(
+        10, bounds=">= 0", help="Optimizer steps of linear warm-up to lr; the first runs at lr / warmup_steps."
+    )
     lr_schedule: str = setting(
         "constant",
         choices=("constant", "cosine"),
