@@ -6,8 +6,9 @@ import signal
 import subprocess
 
 import pytest
-from safetensors.torch import load_file
 from test_train_e2e import CLI, ENV, SMALL, last_per_step, records, train, wait_for
+
+from tests.train_runs import assert_same_first_update
 
 pytestmark = pytest.mark.slow
 
@@ -33,14 +34,7 @@ def test_max_staleness_zero_reproduces_the_sync_first_update(workdir):
     sync = train(workdir / "sync", *common)
     asyn = train(workdir / "async", "trainer.mode=async", "trainer.max_staleness=0", *common)
     assert sync.returncode == 0 and asyn.returncode == 0, (sync.stderr[-2000:], asyn.stderr[-2000:])
-    first = [records(workdir / run / "metrics.jsonl")[-1] for run in ("sync", "async")]
-    for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "actor/pg_clipfrac"):
-        assert first[0][key] == first[1][key], key
-    weights = [
-        load_file(workdir / run / "checkpoints" / "global_step_1" / "policy" / "model" / "model.safetensors")
-        for run in ("sync", "async")
-    ]
-    assert all((weights[0][k] == weights[1][k]).all() for k in weights[0])
+    assert_same_first_update(workdir / "sync", workdir / "async")
 
 
 def test_sigkill_then_resume_trains_each_inflight_prompt_exactly_once(workdir):

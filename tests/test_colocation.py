@@ -31,7 +31,12 @@ TWO_GPUS = [
     [
         (
             ["trainer.mode=async"],
-            r"trainer\.mode='async': the async trainer .* use trainer\.mode=sync, or "
+            r"trainer\.mode='async': the async and stream trainers .* use trainer\.mode=sync, or "
+            r"trainer\.colocate=false",
+        ),
+        (
+            ["trainer.mode=stream"],
+            r"trainer\.mode='stream': the async and stream trainers .* use trainer\.mode=sync, or "
             r"trainer\.colocate=false",
         ),
         (

@@ -185,3 +185,28 @@ def test_numbers_are_checked_against_the_bounds_their_fields_declare():
     assert "trainer.total_training_steps=0: must be >= 1 or null" in message
     assert "actor.optim.lr=-1.0: must be > 0" in message
     assert load_config("tiny_cpu", ["trainer.total_training_steps=null"]).trainer.total_training_steps is None
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["trainer.mode=stream", "actor.backend=megatron", "actor.megatron.router_replay=r3"],
+            r"trainer\.mode='stream': streaming engines return no MoE routing: use actor\.megatron\.router_replay=r2",
+        ),
+        (
+            ["trainer.mode=async", "trainer.total_generated_samples=1000"],
+            r"trainer\.total_generated_samples=1000: counts the sync and stream trainers' samples only",
+        ),
+        (["trainer.mode=stream", "rollout.max_inflight=0"], r"rollout\.max_inflight=0"),
+        (["trainer.mode=stream", "rollout.kv_after_update=drop"], r"rollout\.kv_after_update"),
+    ],
+)
+def test_streaming_settings_that_cannot_work_fail_at_load(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny_cpu", overrides)
+
+
+def test_a_sample_budget_counts_streamed_samples():
+    cfg = load_config("tiny_cpu", ["trainer.mode=stream", "trainer.total_generated_samples=1000"])
+    assert cfg.trainer.total_generated_samples == 1000 and cfg.rollout.kv_after_update == "recompute"

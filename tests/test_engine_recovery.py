@@ -1,8 +1,9 @@
 """A rollout engine that dies (SIGKILL) or stops answering (SIGSTOP) while generating, or stops
 taking weights during a weight sync, is replaced on its slot, given the policy's current weights,
-and its prompts are generated again (the sync trainer), or reissued through the data plane (the
-async trainer); one failure past ``rollout.max_restarts`` stops with the engine, the call and the
-logs named. Real Ray actors, real vLLM engines, a real torch policy."""
+and its prompts are generated again (the sync trainer), reissued through the data plane (the
+async trainer), or sent again to the replacement (the streaming trainer); one failure past
+``rollout.max_restarts`` stops with the engine, the call and the logs named. Real Ray actors,
+real vLLM engines, a real torch policy."""
 
 import os
 import signal
@@ -55,7 +56,7 @@ def groups(ray_cluster, tiny_model_dir):
         timeout_key="rollout.timeout_s",
         start_timeout_s=300,
     )
-    rollout = RolloutGroup(engines, max_restarts=4)
+    rollout = RolloutGroup(engines, max_restarts=5)
     rollout.set_weight_source(lambda: (policy.export_weights(1 << 16), 1))
     yield policy, rollout
     rollout.workers.shutdown()
@@ -136,6 +137,20 @@ def test_replaced_engines_generate_with_the_current_weights(groups, tiny_tokeniz
     assert [(p.key, p.attempt) for p in finished] == [("q0", 1), ("q1", 1), ("q2", 2), ("q3", 2)]
     assert_same([p.generation for p in finished], current)
 
+    # streaming trainer: engine 1 killed holding groups; its replacement gets the current weights,
+    # streams, and is sent those groups again
+    from nemo_dapo.cluster.streaming import StreamingEngines
+
+    stream = StreamingEngines(rollout, GREEDY, max_inflight=16, kv_after_update="recompute")
+    pid = engine_pid(rollout, 1)
+    stream.add([(f"k{i}", p) for i, p in enumerate(ids)])  # alternating: k1 and k3 go to engine 1
+    os.kill(pid, signal.SIGKILL)
+    taken: list = []
+    while len(taken) < len(ids):
+        taken += stream.take(1.0)
+    assert stream.resent == 2 and rollout.restarts == 5 and not stream.outstanding
+    assert_same([g.generation for g in sorted(taken, key=lambda g: g.key)], current)
+
     # one failure more than rollout.max_restarts: the run stops, naming the engine and where to look
     pid = engine_pid(rollout, 0)
     request = rollout.submit(ids, GREEDY)
@@ -143,6 +158,6 @@ def test_replaced_engines_generate_with_the_current_weights(groups, tiny_tokeniz
     with pytest.raises(
         RemoteCallError,
         match=r"rollout\.generate: a worker died .* their logs: /\S+/logs .*Rollout engine 0 failed while "
-        r"generating, after 4 engine restart\(s\) in this run \(rollout\.max_restarts=4\)",
+        r"generating, after 5 engine restart\(s\) in this run \(rollout\.max_restarts=5\)",
     ):
         rollout.collect(request)

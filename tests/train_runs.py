@@ -39,3 +39,19 @@ def expected_rounds(dataset_size: int, batch_size: int, seed: int, count: int) -
     while len(rounds) < count:
         rounds += [sorted(b) for b in sampler]
     return rounds[:count]
+
+
+def assert_same_first_update(first: Path, second: Path) -> dict:
+    """Two one-step runs made the same update, to the last bit: loss, gradient norm, score, clip
+    fraction and the checkpointed weights; returns the second run's step record."""
+    from safetensors.torch import load_file
+
+    steps = [records(run / "metrics.jsonl")[-1] for run in (first, second)]
+    for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "actor/pg_clipfrac"):
+        assert steps[0][key] == steps[1][key], key
+    weights = [
+        load_file(run / "checkpoints" / "global_step_1" / "policy" / "model" / "model.safetensors")
+        for run in (first, second)
+    ]
+    assert all((weights[0][k] == weights[1][k]).all() for k in weights[0])
+    return steps[1]

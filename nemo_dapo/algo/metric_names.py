@@ -146,7 +146,22 @@ ROUTER_AGREEMENT = {
 STALENESS_LAG = stats("staleness/lag", "policy versions a trained sample lags behind")
 DROPPED_STALE = metric("staleness/dropped_stale", Reduce.MAX, "groups dropped as too stale (cumulative)")
 REISSUED_PROMPTS = metric(
-    "recovery/reissued_prompts", Reduce.MAX, "async: prompts reissued after the last restore or a replaced engine"
+    "recovery/reissued_prompts",
+    Reduce.MAX,
+    "async and stream: prompts reissued after the last restore, a replaced engine or a stale drop",
+)
+
+# ---- streaming trainer (docs/architecture.md, "Streaming generation")
+TOKEN_LAG = stats("staleness/token_lag", "policy versions a trained token lags behind the policy it trains")
+PARTIAL_SHARE = metric(
+    "stream/partial_share", Reduce.MEAN, "fraction of trained samples whose tokens span two or more weight versions"
+)
+SAMPLES_IN_FLIGHT = metric("stream/samples_in_flight", Reduce.MEAN, "samples running in the engines at the step's end")
+ENGINE_BUSY = metric("stream/engine_busy", Reduce.MEAN, "fraction of the step's wall time the engines spent stepping")
+TRAINER_IDLE = metric("stream/trainer_idle", Reduce.MEAN, "fraction of the step the trainer waited for groups")
+GEN_TOKENS_PER_S = metric("stream/gen_tokens_per_s", Reduce.MEAN, "response tokens the engines finished per second")
+FILTERED_IN_STREAM = metric(
+    "stream/filtered_groups", Reduce.MAX, "groups dynamic sampling dropped as they arrived (cumulative)"
 )
 ENGINE_RESTARTS = metric(
     "recovery/engine_restarts", Reduce.MAX, "rollout engines replaced after dying or hanging (cumulative, this run)"

@@ -85,3 +85,14 @@ def staleness_metrics(versions: Sequence[int], current_version: int) -> dict[str
     lag is ``current_version - version``: 0 is on-policy.
     """
     return _stats(mn.STALENESS_LAG, current_version - torch.as_tensor(versions, dtype=torch.float64))
+
+
+def token_staleness_metrics(token_versions: torch.Tensor, mask: torch.Tensor, current_version: int) -> dict[str, float]:
+    """Streaming: the lag of every response token (``token_versions``, [B, R]) behind the policy
+    that trains on it, and the share of samples drawn by more than one version."""
+    drawn = mask.bool()
+    metrics = _stats(mn.TOKEN_LAG, (current_version - token_versions[drawn]).to(torch.float64))
+    lowest = torch.where(drawn, token_versions, token_versions.max() + 1).min(dim=1).values
+    highest = torch.where(drawn, token_versions, token_versions.min() - 1).max(dim=1).values
+    metrics[mn.PARTIAL_SHARE.name] = float((highest > lowest).float().mean())
+    return metrics

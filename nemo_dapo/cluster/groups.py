@@ -181,7 +181,7 @@ class RolloutGroup:
 
     def _send(self, request: GenerationRequest, rank: int, start: int, stop: int) -> EngineShare:
         if rank in self._cold:
-            self._warm_up(rank)
+            self.warm_up(rank)
         ref = self.workers.workers[rank].generate.remote(request.prompts[start:stop], request.sampling)
         return EngineShare(rank, start, stop, ref)
 
@@ -196,14 +196,14 @@ class RolloutGroup:
             failed = []
             for share, outcome in zip(pending, outcomes):
                 if isinstance(outcome, RemoteCallError):
-                    self._replace(share.rank, outcome)
+                    self.replace(share.rank, outcome)
                     failed.append(share)
                 else:
                     results[share.start : share.stop] = outcome
             pending = [self._send(request, s.rank, s.start, s.stop) for s in failed] if regenerate else []
         return results
 
-    def _replace(self, rank: int, error: RemoteCallError, stage: str = "while generating") -> None:
+    def replace(self, rank: int, error: RemoteCallError, stage: str = "while generating") -> None:
         if self.restarts >= self.max_restarts:
             raise RemoteCallError(
                 f"{error}. Rollout engine {rank} failed {stage}, after {self.restarts} engine "
@@ -219,7 +219,7 @@ class RolloutGroup:
             self._queues[rank] = self._new_queue()
         self._cold.add(rank)
 
-    def _warm_up(self, rank: int) -> None:
+    def warm_up(self, rank: int) -> None:
         """A replaced engine gets the policy's current weights before it generates."""
         if self._current_weights is None:
             raise RuntimeError("a replaced rollout engine needs the policy's weights: call set_weight_source first")
@@ -255,7 +255,7 @@ class RolloutGroup:
         outcomes = self.workers.settle([syncing[r][1] for r in live], "receive_weights", live)
         for rank, outcome in zip(live, outcomes):
             if isinstance(outcome, RemoteCallError):
-                self._replace(rank, outcome, "during a weight sync")
+                self.replace(rank, outcome, "during a weight sync")
             elif outcome != version:
                 raise RuntimeError(f"rollout engine {rank} reports weight version {outcome}, expected {version}")
             else:
@@ -292,7 +292,7 @@ class RolloutGroup:
                     if done or stuck:
                         error = self.workers.settle([pending], "receive_weights", [rank])[0] if done else None
                         del syncing[rank]
-                        self._replace(rank, self._sync_failure(rank, version, error), "during a weight sync")
+                        self.replace(rank, self._sync_failure(rank, version, error), "during a weight sync")
                         break
 
     def _sync_failure(self, rank: int, version: int, error) -> RemoteCallError:

@@ -457,6 +457,22 @@ class RolloutConfig:
         help="Longest the driver waits on one engine call (a generation round, a weight update); "
         "an engine silent that long is treated as dead. null: trainer.remote_timeout_s.",
     )
+    max_inflight: Optional[int] = setting(
+        None,
+        bounds=">= 1",
+        help="trainer.mode=stream: samples one engine runs at once; groups of n enter as others "
+        "finish. null: every sample the staleness bound admits ((max_staleness + 1) x "
+        "train_batch_size x n, over the engines).",
+    )
+    kv_after_update: str = setting(
+        "recompute",
+        choices=("recompute", "keep"),
+        help="trainer.mode=stream, a weight update reaching running samples: recompute (their "
+        "prompt and tokens so far are run again by the new weights, then they go on: every token "
+        "is drawn on keys and values of the weights that drew it) or keep (they go on with the "
+        "keys and values the old weights computed: no recompute, slightly off the new policy). "
+        "Either way a sample keeps its tokens, log-probs and remaining budget.",
+    )
     max_restarts: int = setting(
         3,
         bounds=">= 0",
@@ -513,16 +529,23 @@ class CheckpointConfig:
 class TrainerConfig:
     mode: str = setting(
         "sync",
-        choices=("sync", "async"),
+        choices=("sync", "async", "stream"),
         help="sync: generate, then train, then sync weights. async: the engines generate the next "
-        "round while the policy trains on this one (off-policy by up to max_staleness).",
+        "round while the policy trains on this one (off-policy by up to max_staleness). stream: "
+        "the engines generate continuously, prompts enter as others finish, groups are scored and "
+        "filtered as they arrive, weights load into the running engines (docs/architecture.md, "
+        "Streaming generation).",
     )
     parameter_sync_step: int = setting(1, bounds=">= 1", help="async: local updates between two weight syncs.")
     max_staleness: int = setting(
         1,
         bounds=">= 0",
         help="async: the oldest policy lag (versions) a trajectory may have; older ones "
-        "are dropped and their prompts reissued.",
+        "are dropped and their prompts reissued. stream: the bound at admission: a prompt enters "
+        "only while fewer than (version + max_staleness + 1) x train_batch_size unfiltered groups "
+        "were admitted, so a sample's first token lags the policy that trains on it by at most "
+        "max_staleness versions (a group that still ends up older is dropped, counted, and its "
+        "prompt reissued). 0: on-policy, generation and training take turns.",
     )
     project_name: str = setting("nemo-dapo", help="W&B project and MLflow experiment the run logs into.")
     experiment_name: str = setting("dapo", help="Run name in TensorBoard, W&B and MLflow.")

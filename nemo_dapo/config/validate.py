@@ -306,10 +306,10 @@ def _check_placement(cfg: Config, problems: _Problems) -> None:
         return
     fix = "or set trainer.colocate=false to give each group GPUs of its own"
     problems.require(
-        cfg.trainer.mode != "async",
+        cfg.trainer.mode == "sync",
         "trainer.mode",
         cfg.trainer.mode,
-        "the async trainer generates while it trains, so it cannot share GPUs with the engines "
+        "the async and stream trainers generate while they train, so they cannot share GPUs with the engines "
         "(trainer.colocate=true): use trainer.mode=sync, or trainer.colocate=false with "
         "actor.num_workers + rollout.num_workers x rollout.tensor_parallel_size <= the job's GPUs",
     )
@@ -408,10 +408,16 @@ def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
     budget = trainer.total_generated_samples
     problems.require(budget is None or budget >= 1, "trainer.total_generated_samples", budget, "must be >= 1 or null")
     problems.require(
-        budget is None or trainer.mode == "sync",
+        budget is None or trainer.mode != "async",
         "trainer.total_generated_samples",
         budget,
-        "counts the synchronous trainer's rounds only: use trainer.mode=sync or leave it null",
+        "counts the sync and stream trainers' samples only: use trainer.mode=sync or stream, or leave it null",
+    )
+    problems.require(
+        trainer.mode != "stream" or cfg.actor.megatron.router_replay != "r3" or cfg.actor.backend != "megatron",
+        "trainer.mode",
+        trainer.mode,
+        "streaming engines return no MoE routing: use actor.megatron.router_replay=r2 (or off), or trainer.mode=sync",
     )
     problems.require(bool(trainer.output_dir), "trainer.output_dir", trainer.output_dir, "must name a folder")
     problems.require(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")

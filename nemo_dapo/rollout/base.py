@@ -27,6 +27,29 @@ class Generation:
     # MoE routing replay (r3): per sample, the top-k expert ids of every token the engine ran,
     # [tokens, layers, k] with tokens = prompt + response - 1 (the last token is sampled, never run)
     routed_experts: list = field(default_factory=list)
+    # streaming engines (docs/architecture.md, "Streaming generation"): per sample, the weight
+    # version that drew each token; empty from a round-based generate
+    token_versions: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class StreamedGroup:
+    """What the driver takes: a finished group's samples and the version it was admitted under."""
+
+    key: str
+    generation: Generation
+    admitted_version: int
+
+
+@dataclass
+class StreamStats:
+    """The engine's share of an interval: time spent stepping, and what it holds now."""
+
+    busy_s: float = 0.0
+    wall_s: float = 0.0
+    samples_running: int = 0
+    groups_waiting: int = 0
+    tokens: int = 0  # output tokens of the groups finished in the interval
 
 
 class RolloutWorker(Protocol):
@@ -41,6 +64,19 @@ class RolloutWorker(Protocol):
         """:meth:`update_weights` from buckets that arrive on a Ray queue (``[ref]`` items, ``None`` ends)."""
 
     def weight_version(self) -> int: ...
+
+    def start_stream(self, max_inflight: int, kv_after_update: str) -> None:
+        """Generate continuously from now on (``trainer.mode=stream``): groups run as they are
+        added, up to ``max_inflight`` samples at once; weights load without draining them."""
+
+    def stream_add(self, groups: list[tuple[str, list[int]]], sampling: SamplingSettings) -> None:
+        """Queue ``(key, prompt ids)`` groups of ``sampling.n`` samples."""
+
+    def stream_take(self, wait_s: float) -> list[StreamedGroup]:
+        """The groups finished since the last call (waiting up to ``wait_s`` for the first)."""
+
+    def stream_stats(self) -> StreamStats:
+        """Stepping time, wall time and finished tokens since the last call; what runs now."""
 
     def sleep(self) -> None:
         """Free the engine's device memory while training ranks share its GPUs (a documented no-op

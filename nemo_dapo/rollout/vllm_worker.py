@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from nemo_dapo.logs import configure_logging, verbose
 from nemo_dapo.network import use_node_network
-from nemo_dapo.rollout.base import Generation, SamplingSettings
+from nemo_dapo.rollout.base import Generation, SamplingSettings, StreamedGroup, StreamStats
 from nemo_dapo.threads import cpu_tensor_parallel_threads, use_cpu_threads
+
+if TYPE_CHECKING:
+    from nemo_dapo.rollout.vllm_stream import EngineStream
 
 log = logging.getLogger(__name__)
 CPU_BLOCK_SIZE = 32
@@ -102,6 +106,7 @@ class VLLMRolloutWorker:
         self.routing = "native" if native else "capture" if return_routing else None
         self.rank = rank
         self._version = 0
+        self._stream: EngineStream | None = None  # once start_stream was called
         self._on_cpu = current_platform.is_cpu()
         self.sleep_mode = enable_sleep_mode and current_platform.is_sleep_mode_available()
         self._asleep: set[str] = set()  # the sleeping memory tags (weights, kv_cache)
@@ -151,11 +156,12 @@ class VLLMRolloutWorker:
     def ready(self) -> bool:
         return True
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Generation]:
+    @staticmethod
+    def _params(sampling: SamplingSettings, final_only: bool = False):
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(
+        return SamplingParams(
             n=sampling.n,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -163,7 +169,17 @@ class VLLMRolloutWorker:
             max_tokens=sampling.max_tokens,
             logprobs=0,
             seed=sampling.seed,
+            **({"output_kind": RequestOutputKind.FINAL_ONLY} if final_only else {}),
         )
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Generation]:
+        """The n samples of every prompt. While the engine streams, the prompts join its stream
+        (the stepping thread is the only one that steps the engine) and this call waits for them."""
+        from vllm.inputs import TokensPrompt
+
+        if self._stream is not None:
+            return self._generate_in_stream(prompts, sampling)
+        params = self._params(sampling)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         captured = self._captured_routing(outputs) if self.routing == "capture" else {}
         return [self._to_generation(output, captured) for output in outputs]
@@ -190,16 +206,76 @@ class VLLMRolloutWorker:
                 generation.routed_experts.append(captured[f"{request_output.request_id}/{sample.index}"][:ran])
         return generation
 
+    # ----------------------------------------------------------------- streaming (trainer.mode=stream)
+    def start_stream(self, max_inflight: int, kv_after_update: str) -> None:
+        """Generate continuously from now on: groups join as :meth:`stream_add` sends them, up to
+        ``max_inflight`` samples at once, and weights load without draining them
+        (:mod:`~nemo_dapo.rollout.vllm_stream`)."""
+        from nemo_dapo.rollout.vllm_stream import EngineStream
+
+        if self.routing is not None:
+            raise ValueError("streaming generation does not return MoE routing (router_replay r3)")
+        self._stream = EngineStream(
+            self.llm.llm_engine, self._version, max_inflight, kv_after_update, self._streamed_generation
+        )
+
+    def stream_add(self, groups: list[tuple[str, list[int]]], sampling: SamplingSettings) -> None:
+        """Queue ``(key, prompt ids)`` groups of ``sampling.n`` samples; they enter as slots free."""
+        from nemo_dapo.rollout.vllm_stream import StreamGroup
+
+        self._streaming().add([StreamGroup(key, list(ids), self._params(sampling, True)) for key, ids in groups])
+
+    def stream_take(self, wait_s: float) -> list[StreamedGroup]:
+        """The groups finished since the last call (waiting up to ``wait_s`` for the first)."""
+        return self._streaming().take(wait_s)
+
+    def stream_stats(self) -> StreamStats:
+        return self._streaming().stats()
+
+    def _streaming(self) -> EngineStream:
+        if self._stream is None:
+            raise RuntimeError("this engine is not streaming: call start_stream first")
+        return self._stream
+
+    def _generate_in_stream(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Generation]:
+        from nemo_dapo.rollout.vllm_stream import StreamGroup
+
+        tag = uuid.uuid4().hex[:8]
+        keys = [f"generate-{tag}-{i}" for i in range(len(prompts))]
+        groups = [StreamGroup(key, list(ids), self._params(sampling, True)) for key, ids in zip(keys, prompts)]
+        self._streaming().add(groups, private=True)
+        return [group.generation for group in self._streaming().take(float("inf"), keys)]
+
+    def _streamed_generation(self, group) -> Generation:
+        from nemo_dapo.rollout.vllm_stream import token_versions
+
+        generation = self._to_generation(group.output, {})
+        samples = sorted(group.output.outputs, key=lambda s: s.index)
+        generation.token_versions = [
+            token_versions(s.weight_versions, len(s.token_ids), group.admitted_version) for s in samples
+        ]
+        return generation
+
+    # ----------------------------------------------------------------- weights
     def update_weights(self, buckets: Iterable[list[tuple]], version: int) -> int:
         """One reload over all buckets, each loaded on every engine rank as it arrives (a reload
-        that skipped some layers would re-initialise them). ``buckets`` is consumed lazily."""
-        self.llm.collective_rpc("start_bucket_reload")
-        for bucket in buckets:
-            self.llm.collective_rpc("reload_bucket", args=(bucket,))
-        self.llm.collective_rpc("finish_bucket_reload")
-        # cached prompt KV was computed by the old weights: drop it, or new samples attend to stale keys
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+        that skipped some layers would re-initialise them). ``buckets`` is consumed lazily. While
+        streaming, the reload runs between two engine steps and the running samples go on
+        (:meth:`~nemo_dapo.rollout.vllm_stream.EngineStream.load_weights`)."""
+
+        def load() -> None:
+            self.llm.collective_rpc("start_bucket_reload")
+            for bucket in buckets:
+                self.llm.collective_rpc("reload_bucket", args=(bucket,))
+            self.llm.collective_rpc("finish_bucket_reload")
+
+        if self._stream is not None:
+            self._stream.load_weights(load, version)
+        else:
+            load()
+            # cached prompt KV was computed by the old weights: drop it, or new samples attend to stale keys
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
         self._version = version
         return self._version
 

@@ -79,6 +79,9 @@ def build_rollout_batch(
         "policy_version": torch.tensor([versions[p] for p in source], dtype=torch.long),
         "aborted": torch.tensor([reason == "abort" for reason in finish]),
     }
+    if generations and generations[0].token_versions:  # streaming: the version that drew each token
+        drawn_by = [versions for g in generations for versions in g.token_versions]
+        tensors["token_versions"] = _pad_rows(drawn_by, response_width, 0, torch.long)
     if generations and generations[0].routed_experts:
         tensors.update(_routing_halves(rows_prompt, rows_response, generations, prompt_width, response_width))
     repeated = {name: [values[p] for p in source] for name, values in fields.items()}

@@ -261,10 +261,11 @@ class DAPOTrainer:
         """The policy's weights as streamed buckets, with their version."""
         return self.policy.export_weights(WEIGHT_BUCKET_BYTES), self.weight_version
 
-    def _record_prompts(self, consumed: list[int], batch: RolloutBatch) -> None:
+    def _record_prompts(self, consumed: list[int], batch: RolloutBatch, extra: dict | None = None) -> None:
         """Which dataset rows each step drew and trained on (audit trail for resume)."""
         with open(self.output_dir / "prompts.jsonl", "a", encoding="utf-8") as handle:
             record = {"step": self.global_step + 1, "consumed": consumed, "trained": sorted(set(batch["prompt_index"]))}
+            record |= extra or {}
             if "prompt_key" in batch:  # async: which issued prompt, and which attempt of it, was trained
                 record["prompt_keys"] = sorted({f"{k}#{a}" for k, a in zip(batch["prompt_key"], batch["attempt"])})
             handle.write(json.dumps(record) + "\n")

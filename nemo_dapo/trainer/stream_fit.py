@@ -1,0 +1,226 @@
+"""The streaming DAPO trainer (``trainer.mode=stream``; docs/architecture.md, "Streaming generation").
+
+The engines generate continuously (:mod:`~nemo_dapo.rollout.vllm_stream`); the driver keeps
+them fed and takes groups as they finish:
+
+1. admission: a prompt (a group of ``rollout.n`` samples) enters while fewer than
+   ``(version + max_staleness + 1) x train_batch_size`` unfiltered groups were admitted (AReaL's
+   bound on off-policyness; ``version``: the weight syncs so far): a group's first token then lags
+   the policy that trains on it by at most ``max_staleness`` versions, unless it finishes later
+   than groups admitted after it;
+2. arrival: finished groups are scored at once; under dynamic sampling a group without signal is
+   dropped and its slot goes to the next prompt at once, with the sync trainer's bound on wasted
+   generation (``max_num_gen_batches x gen_batch_size`` groups per step);
+3. a step trains the ``train_batch_size`` kept groups issued first with the synchronous trainer's
+   :meth:`train_on_batch` (old log-probs, rollout correction with the engines' per-token
+   log-probs, advantages, update) and loads the new weights into the running engines. A group
+   older than ``max_staleness`` versions is not trained: it is counted and its prompt reissued.
+
+A checkpoint keeps the dataset rows drawn but not trained; a resumed run issues them again
+first (counted), so no prompt is lost and none is trained twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from nemo_dapo.algo import metric_names as mn
+from nemo_dapo.algo.batch import RolloutBatch
+from nemo_dapo.algo.metrics import staleness_metrics, token_staleness_metrics
+from nemo_dapo.algo.sampling import DynamicSamplingExhausted, filter_metric, group_keep_mask
+from nemo_dapo.cluster.streaming import StreamingEngines
+from nemo_dapo.safe_load import load_state
+from nemo_dapo.trainer.batching import batch_from_items
+from nemo_dapo.trainer.fit import DAPOTrainer
+from nemo_dapo.trainer.stages import score_batch
+from nemo_dapo.trainer.tracking import StageTimer
+
+log = logging.getLogger(__name__)
+POLL_S = 1.0  # longest one engine waits for a finished group before answering the driver
+
+
+@dataclass
+class KeptGroup:
+    """A finished, scored group waiting for a step: its rows and its place in issue order."""
+
+    sequence: int
+    batch: RolloutBatch
+    admitted_version: int
+
+
+class StreamDAPOTrainer(DAPOTrainer):
+    """Replaces :meth:`train_step` and the checkpointed state of :class:`DAPOTrainer` (its hook
+    contract); validation's generate joins the engines' streams."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        cfg = self.cfg
+        self.batch_groups, self.max_staleness = cfg.data.train_batch_size, cfg.trainer.max_staleness
+        per_engine = cfg.rollout.max_inflight or max(
+            cfg.rollout.n, -(-(self.max_staleness + 1) * self.batch_groups * cfg.rollout.n // cfg.rollout.num_workers)
+        )
+        self.engines = StreamingEngines(self.rollout, self._sampling(), per_engine, cfg.rollout.kv_after_update)
+        self.issued = 0  # sequence number of the next prompt sent (its group key is g<sequence>)
+        self.admitted = 0  # groups admitted since the start, less those filtered or dropped
+        self.synced = 0  # weight syncs since the start: the bound's version
+        self.in_flight: dict[str, tuple[int, int]] = {}  # group key -> (sequence, dataset row)
+        self.kept: list[KeptGroup] = []
+        self.to_issue: deque[int] = deque()  # dataset rows to send before drawing new ones
+        self.filtered = self.dropped_stale = self.reissued = 0
+        self._consumed: list[int] = []  # rows drawn from the sampler this step (prompts.jsonl)
+        self._filtered_rows: list[int] = []  # rows dynamic sampling dropped this step
+        self.engines.load()  # the engines' busy time counts from here
+
+    # ----------------------------------------------------------------- admission
+    def _next_row(self) -> int:
+        if not self.to_issue:
+            rows = self._next_prompt_indices()
+            self._consumed += rows
+            self.to_issue.extend(rows)
+        return self.to_issue.popleft()
+
+    def _admit(self) -> None:
+        """Send prompts while the staleness bound has room."""
+        room = (self.synced + self.max_staleness + 1) * self.batch_groups - self.admitted
+        if room <= 0:
+            return
+        groups = []
+        for _ in range(room):
+            row, key = self._next_row(), f"g{self.issued}"
+            self.in_flight[key] = (self.issued, row)
+            self.issued += 1
+            groups.append((key, self.train_data[row]["prompt_ids"]))
+        self.admitted += room
+        self.engines.add(groups)
+
+    # ----------------------------------------------------------------- arrival
+    def _arrivals(self, timer: StageTimer, poll: int) -> int:
+        """Take what finished, score it, keep the informative groups; returns groups arrived."""
+        with timer("gen"):
+            self._admit()
+            finished = self.engines.take(POLL_S)
+        if not finished:
+            return 0
+        places = [self.in_flight.pop(group.key) for group in finished]
+        self.generated_samples += sum(len(group.generation.token_ids) for group in finished)
+        batch = batch_from_items(
+            [self.train_data[row] for _, row in places],
+            [group.generation for group in finished],
+            f"s{self.global_step}p{poll}",
+            self.tokenizer.pad_token_id,
+            [group.admitted_version for group in finished],
+        )
+        with timer("reward"):
+            score_batch(batch, self.reward, self.tokenizer)
+        keep = self._keep_rows(batch)
+        uids = batch["uid"]
+        for position, ((sequence, row), group) in enumerate(zip(places, finished)):
+            rows = [i for i, uid in enumerate(uids) if uid == f"s{self.global_step}p{poll}:{position}"]
+            if keep[rows[0]]:
+                self.kept.append(KeptGroup(sequence, batch.select(rows), group.admitted_version))
+            else:
+                self._filtered_rows.append(row)
+                self.filtered += 1
+                self.admitted -= 1  # its slot goes to the next prompt
+        return len(finished)
+
+    def _keep_rows(self, batch: RolloutBatch) -> torch.Tensor:
+        if self.accumulator is None:
+            return torch.ones(len(batch), dtype=torch.bool)
+        return group_keep_mask(batch["uid"], filter_metric(batch, self.cfg.algorithm.filter_groups.metric))[0]
+
+    def _check_waste(self, arrived: int, kept_before: int) -> None:
+        """The sync trainer's bound on generation spent to fill one batch, in groups."""
+        filtering = self.cfg.algorithm.filter_groups
+        limit = filtering.max_num_gen_batches * self.cfg.data.effective_gen_batch_size
+        if self.accumulator is not None and filtering.max_num_gen_batches > 0 and arrived >= limit:
+            raise DynamicSamplingExhausted(
+                f"dynamic sampling in the stream kept {len(self.kept) - kept_before}/{self.batch_groups} "
+                f"informative groups of {arrived} generated for this step (algorithm.filter_groups."
+                f"max_num_gen_batches={filtering.max_num_gen_batches} x data.gen_batch_size). Raise "
+                "algorithm.filter_groups.max_num_gen_batches (<= 0 means unbounded) or data.gen_batch_size; "
+                "the data may also be too easy or too hard for the model (all answers right or all wrong)."
+            )
+
+    def _take_batch(self, timer: StageTimer) -> tuple[RolloutBatch, dict[str, float]]:
+        """The first-issued ``train_batch_size`` kept groups not older than ``max_staleness``."""
+        arrived, kept_before, poll = 0, len(self.kept), 0
+        while True:
+            fresh = [g for g in self.kept if self.weight_version - g.admitted_version <= self.max_staleness]
+            for stale in [g for g in self.kept if g not in fresh]:
+                self.dropped_stale += 1
+                self.reissued += 1
+                self.admitted -= 1
+                self.to_issue.appendleft(int(stale.batch["prompt_index"][0]))
+            self.kept = sorted(fresh, key=lambda g: g.sequence)
+            if len(self.kept) >= self.batch_groups:
+                break
+            self._check_waste(arrived, kept_before)
+            arrived += self._arrivals(timer, poll)
+            poll += 1
+        taken, self.kept = self.kept[: self.batch_groups], self.kept[self.batch_groups :]
+        metrics = {}
+        if arrived:
+            metrics[mn.KEPT_GROUP_FRACTION.name] = (len(self.kept) + len(taken) - kept_before) / arrived
+        return RolloutBatch.concat(g.batch for g in taken), metrics
+
+    # ----------------------------------------------------------------- one trainer step
+    def train_step(self) -> dict[str, float]:
+        timer = StageTimer()
+        step_start = time.perf_counter()
+        batch, metrics = self._take_batch(timer)
+        self._admit()  # the engines work on while the policy trains
+        metrics.update(staleness_metrics(batch["policy_version"].tolist(), self.weight_version))
+        metrics.update(token_staleness_metrics(batch["token_versions"], batch["response_mask"], self.weight_version))
+        metrics.update(self.train_on_batch(batch, timer))
+        with timer("sync_weights"):
+            self.sync_weights()  # into the running engines
+        self.synced += 1
+        self._admit()
+        self._finish_step_metrics(batch, metrics, timer, step_start)
+        metrics.update(self._stream_metrics(timer, time.perf_counter() - step_start))
+        self._record_stream_prompts(batch)
+        return metrics
+
+    def _record_stream_prompts(self, batch: RolloutBatch) -> None:
+        """prompts.jsonl, plus the rows dynamic sampling dropped in the stream this step."""
+        consumed, self._consumed = self._consumed, []
+        self._record_prompts(consumed, batch, {"filtered": sorted(self._filtered_rows)})
+        self._filtered_rows = []
+
+    def _stream_metrics(self, timer: StageTimer, step_s: float) -> dict[str, float]:
+        load = self.engines.load()
+        return {
+            mn.GENERATED_SAMPLES.name: float(self.generated_samples),
+            mn.SAMPLES_IN_FLIGHT.name: float(load.samples_running),
+            mn.ENGINE_BUSY.name: load.busy_fraction,
+            mn.TRAINER_IDLE.name: (timer.seconds.get("gen", 0.0)) / max(step_s, 1e-9),
+            mn.GEN_TOKENS_PER_S.name: load.tokens / max(load.wall_s / self.cfg.rollout.num_workers, 1e-9),
+            mn.FILTERED_IN_STREAM.name: float(self.filtered),
+            mn.DROPPED_STALE.name: float(self.dropped_stale),
+            mn.REISSUED_PROMPTS.name: float(self.reissued + self.engines.resent),
+        }
+
+    # ----------------------------------------------------------------- checkpoints
+    def _untrained_rows(self) -> list[int]:
+        """Dataset rows drawn and not trained, in issue order: in flight, kept, not yet sent."""
+        waiting = sorted(self.in_flight.values()) + [(g.sequence, int(g.batch["prompt_index"][0])) for g in self.kept]
+        return [row for _, row in sorted(waiting)] + list(self.to_issue)
+
+    def trainer_state(self) -> dict:
+        return {**super().trainer_state(), "stream_untrained": self._untrained_rows()}
+
+    def load_checkpoint(self, path) -> None:
+        """Every step trained ``train_batch_size`` groups: so many were admitted and count against
+        the bound; the rows drawn and not trained are issued again first."""
+        super().load_checkpoint(path)
+        self.synced = self.global_step
+        self.admitted = self.global_step * self.batch_groups
+        self.to_issue = deque(load_state(path / "trainer_state.pt")["stream_untrained"])
+        self.reissued = len(self.to_issue)
+        log.info("reissued %d prompts drawn but not trained before the checkpoint", self.reissued)

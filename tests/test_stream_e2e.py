@@ -1,0 +1,86 @@
+"""The streaming trainer end to end (trainer.mode=stream): reproduces sync at max_staleness=0,
+learns with dynamic sampling inside the stream, and loses and repeats no prompt across a SIGKILL."""
+
+import json
+import os
+import signal
+import subprocess
+from collections import Counter
+
+import pytest
+import torch
+from test_train_e2e import CLI, ENV, SMALL, last_per_step, records, train, wait_for
+
+from tests.train_runs import assert_same_first_update
+
+pytestmark = pytest.mark.slow
+STREAM = ["trainer.mode=stream"]
+
+
+def test_max_staleness_zero_reproduces_the_sync_first_update(workdir):
+    """On-policy streaming admits one batch, trains it, syncs: the same samples (the engine's
+    random draws do not depend on how requests arrive when they arrive together), the same
+    update to the last bit."""
+    common = [
+        "trainer.total_training_steps=1",
+        "trainer.save_freq=1",
+        "trainer.cpu_threads_per_worker=1",
+        "algorithm.filter_groups.enable=false",  # a sync round is then one batch, as a stream's
+        *SMALL,
+    ]
+    sync = train(workdir / "sync", *common)
+    stream = train(workdir / "stream", *STREAM, "trainer.max_staleness=0", *common)
+    assert sync.returncode == 0 and stream.returncode == 0, (sync.stderr[-2000:], stream.stderr[-2000:])
+    assert assert_same_first_update(workdir / "sync", workdir / "stream")["staleness/token_lag/max"] == 0
+
+
+def test_stream_learns_filters_groups_as_they_arrive_and_bounds_staleness(workdir):
+    out = workdir / "stream"
+    done = train(out, *STREAM, "trainer.total_training_steps=40", "trainer.test_freq=20", "trainer.save_freq=40")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_val_acc"] > summary["initial_val_acc"] + 0.05, summary
+    steps = [r for r in records(out / "metrics.jsonl") if "stream/engine_busy" in r]
+    assert len(steps) == 40
+    assert all(r["staleness/lag/max"] <= 1 for r in steps)  # max_staleness=1, the preset's
+    assert sum(r["staleness/lag/mean"] for r in steps) > 10  # generation overlapped training
+    assert all(0 < r["stream/engine_busy"] <= 1 for r in steps)
+    prompts = records(out / "prompts.jsonl")
+    trained = [row for r in prompts for row in r["trained"]]
+    filtered = [row for r in prompts for row in r["filtered"]]
+    consumed = [row for r in prompts for row in r["consumed"]]
+    assert all(len(r["trained"]) == 32 for r in prompts)  # the tiny preset's train_batch_size
+    assert filtered, "no group without signal arrived in 40 steps"
+    assert steps[-1]["stream/filtered_groups"] == len(filtered)
+    assert not Counter(trained) + Counter(filtered) - Counter(consumed)  # none trained or dropped twice
+
+
+def latest_state(out):
+    folders = sorted((out / "checkpoints").glob("global_step_*"), key=lambda p: int(p.name.split("_")[-1]))
+    return torch.load(folders[-1] / "trainer_state.pt", weights_only=False)
+
+
+def test_sigkill_then_resume_with_samples_in_flight_loses_and_repeats_nothing(workdir):
+    out = workdir / "run"
+    steps = [*STREAM, "trainer.save_freq=2", *SMALL]
+    command = [*CLI, "train", f"trainer.output_dir={out}", "trainer.total_training_steps=8", *steps]
+    victim = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True, env=ENV
+    )
+    wait_for(out / "checkpoints" / "global_step_4", victim, timeout=300)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    at_kill = latest_state(out)
+    untrained = at_kill["stream_untrained"]
+    assert untrained, "nothing was in flight at the checkpoint"
+    resumed = train(out, "trainer.total_training_steps=8", *steps)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"reissued {len(untrained)} prompts" in resumed.stderr
+    by_step = last_per_step(records(out / "prompts.jsonl"))
+    assert sorted(by_step) == list(range(1, 9))
+    trained = [row for step in sorted(by_step) for row in by_step[step]["trained"]]
+    assert len(trained) == len(set(trained)) == 8 * 8  # every trained prompt exactly once, 8 per step
+    after = {row for step in range(at_kill["global_step"] + 1, 9) for row in by_step[step]["trained"]}
+    after |= {row for step in range(at_kill["global_step"] + 1, 9) for row in by_step[step]["filtered"]}
+    left = set(latest_state(out)["stream_untrained"])
+    assert set(untrained) <= after | left  # what was in flight was trained, filtered, or is still waiting
