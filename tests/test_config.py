@@ -199,6 +199,7 @@ def test_numbers_are_checked_against_the_bounds_their_fields_declare():
             r"trainer\.total_generated_samples=1000: counts the sync and stream trainers' samples only",
         ),
         (["trainer.mode=stream", "rollout.max_inflight=0"], r"rollout\.max_inflight=0"),
+        (["trainer.max_token_staleness=1"], r"trainer\.max_token_staleness=1: only the streaming trainer"),
         (["trainer.mode=stream", "rollout.kv_after_update=drop"], r"rollout\.kv_after_update"),
     ],
 )

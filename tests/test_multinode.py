@@ -292,11 +292,13 @@ def test_a_job_survives_a_stop_signal_dead_nodes_an_outside_requeue_and_sigterm(
 def test_nemo_run_submits_through_its_local_tunnel_and_the_job_completes(cluster):
     """`nemo-dapo launch --executor slurm` on the login node (ctl): NeMo-Run packages the committed
     code, writes its batch script and submits it with sbatch; the job starts Ray over two nodes
-    (torch policy ranks at DP=2, one per node) and completes."""
+    (torch policy ranks at DP=2, one per node) and completes, with the streaming trainer (its
+    engine on one node streams while the ranks on both train)."""
     home = cluster.work / "nemorun_home"  # not .../nemo_run/...: NeMo-Run rewrites that
     launch = [sys.executable, "-m", "nemo_dapo.cli", "launch", "--config", "tiny_cpu", "--executor", "slurm"]
     allocation = ["--nodes", "2", "--gpus-per-node", "0", "--time", "00:20:00", "--python", sys.executable]
     run = ["trainer.placement_strategy=SPREAD", "actor.num_workers=2", "trainer.cpu_threads_per_worker=1"]
+    run += ["trainer.mode=stream"]
     printed = cluster.on(
         "ctl",
         "env",
@@ -318,5 +320,7 @@ def test_nemo_run_submits_through_its_local_tunnel_and_the_job_completes(cluster
         job.run("scancel", job.id)
     trainer_log = "".join(p.read_text() for p in (home / "experiments").rglob("log-nemo-dapo-tiny_cpu-train_*.out"))
     assert re.search(r"actor: 2 worker\(s\) on 2 node\(s\)", trainer_log), trainer_log[-3000:]
-    summary = json.loads((home / "experiments" / "nemo-dapo-tiny_cpu" / "outputs" / "summary.json").read_text())
-    assert summary["steps"] == 3
+    outputs_dir = home / "experiments" / "nemo-dapo-tiny_cpu" / "outputs"
+    assert json.loads((outputs_dir / "summary.json").read_text())["steps"] == 3
+    steps = [json.loads(line) for line in (outputs_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["stream/engine_busy"] > 0 for r in steps if "actor/pg_loss" in r] == [True] * 3

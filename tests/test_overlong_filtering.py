@@ -92,3 +92,26 @@ def test_start_up_explains_filtering_together_with_the_soft_punishment():
     assert "soft punishment acts on the finished responses longer than 48 tokens" in note
     alone = load_config("tiny_cpu", ["algorithm.overlong_filtering=true", "reward.overlong_buffer.enable=false"])
     assert combination_notes(alone) == []
+
+
+def test_tokens_older_than_max_token_staleness_leave_the_loss_and_compose_with_overlong_filtering():
+    """Streaming: a sample drawn across an update keeps its newer tokens; a truncated one stays out."""
+    from nemo_dapo.trainer.stages import add_stale_token_mask
+
+    batch = rollout_batch()
+    versions = torch.full_like(batch["responses"], 5)
+    versions[:, :2] = 3  # every sample's first two tokens drawn two versions back
+    batch.add("token_versions", versions)
+    untouched = rollout_batch()
+    assert add_stale_token_mask(untouched, 5, None) == {} and "loss_mask" not in untouched
+    metrics = add_stale_token_mask(batch, current_version=5, max_token_staleness=1)
+    response = batch["response_mask"]
+    expected = response.clone()
+    expected[:, :2] = 0
+    assert torch.equal(batch["loss_mask"], expected)
+    assert metrics["stream/stale_token_fraction"] == pytest.approx(float(response[:, :2].sum() / response.sum()))
+    add_overlong_filter(batch, config(True))
+    assert batch["loss_mask"][TRUNCATED].sum() == 0
+    kept = [i for i in range(6) if i not in TRUNCATED]
+    assert torch.equal(batch["loss_mask"][kept], expected[kept])
+    assert add_stale_token_mask(rollout_batch(), 5, 2) == {}  # a round-based batch has no versions

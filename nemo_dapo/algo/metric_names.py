@@ -156,6 +156,9 @@ TOKEN_LAG = stats("staleness/token_lag", "policy versions a trained token lags b
 PARTIAL_SHARE = metric(
     "stream/partial_share", Reduce.MEAN, "fraction of trained samples whose tokens span two or more weight versions"
 )
+STALE_TOKEN_FRACTION = metric(
+    "stream/stale_token_fraction", Reduce.MEAN, "fraction of trained tokens trainer.max_token_staleness masked"
+)
 SAMPLES_IN_FLIGHT = metric("stream/samples_in_flight", Reduce.MEAN, "samples running in the engines at the step's end")
 ENGINE_BUSY = metric("stream/engine_busy", Reduce.MEAN, "fraction of the step's wall time the engines spent stepping")
 TRAINER_IDLE = metric("stream/trainer_idle", Reduce.MEAN, "fraction of the step the trainer waited for groups")

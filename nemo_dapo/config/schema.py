@@ -547,6 +547,13 @@ class TrainerConfig:
         "max_staleness versions (a group that still ends up older is dropped, counted, and its "
         "prompt reissued). 0: on-policy, generation and training take turns.",
     )
+    max_token_staleness: Optional[int] = setting(
+        None,
+        bounds=">= 0",
+        help="stream: tokens drawn by weights more than this many versions older than the policy "
+        "that trains on them leave the loss (the rest of their sample stays); null: every token "
+        "counts (the rollout correction still weighs each by its own behaviour log-prob).",
+    )
     project_name: str = setting("nemo-dapo", help="W&B project and MLflow experiment the run logs into.")
     experiment_name: str = setting("dapo", help="Run name in TensorBoard, W&B and MLflow.")
     output_dir: str = setting("outputs/dapo", help="Checkpoints, logs, TensorBoard events and summary.json.")

@@ -414,6 +414,13 @@ def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
         "counts the sync and stream trainers' samples only: use trainer.mode=sync or stream, or leave it null",
     )
     problems.require(
+        trainer.max_token_staleness is None or trainer.mode == "stream",
+        "trainer.max_token_staleness",
+        trainer.max_token_staleness,
+        "only the streaming trainer draws one sample with several weight versions: "
+        "set trainer.mode=stream or leave it null",
+    )
+    problems.require(
         trainer.mode != "stream" or cfg.actor.megatron.router_replay != "r3" or cfg.actor.backend != "megatron",
         "trainer.mode",
         trainer.mode,

@@ -57,8 +57,21 @@ def add_overlong_filter(batch: RolloutBatch, cfg: Config) -> dict[str, float]:
     if not cfg.algorithm.overlong_filtering:
         return {}
     truncated = torch.tensor([reason == "length" for reason in batch["finish_reason"]])
-    batch.add("loss_mask", batch["response_mask"] * (~truncated).to(batch["response_mask"].dtype)[:, None])
+    kept = (~truncated).to(batch["response_mask"].dtype)[:, None]
+    batch.add("loss_mask", loss_mask(batch) * kept, overwrite="loss_mask" in batch)
     return {mn.OVERLONG_FILTERED.name: float(truncated.float().mean())}
+
+
+def add_stale_token_mask(batch: RolloutBatch, current_version: int, max_token_staleness: int | None) -> dict:
+    """Streaming (``trainer.max_token_staleness``): tokens drawn by weights more than that many
+    versions older than the policy that trains on them leave the loss and its denominators, as
+    overlong filtering takes out whole rows; the rest of their sample stays."""
+    if max_token_staleness is None or "token_versions" not in batch:
+        return {}
+    fresh = (current_version - batch["token_versions"] <= max_token_staleness).to(batch["response_mask"].dtype)
+    batch.add("loss_mask", loss_mask(batch) * fresh, overwrite="loss_mask" in batch)
+    drawn = batch["response_mask"].bool()
+    return {mn.STALE_TOKEN_FRACTION.name: float(1.0 - fresh[drawn].float().mean())}
 
 
 def add_rollout_correction(batch: RolloutBatch, settings: CorrectionSettings) -> dict[str, float]:

@@ -37,7 +37,7 @@ from nemo_dapo.cluster.streaming import StreamingEngines
 from nemo_dapo.safe_load import load_state
 from nemo_dapo.trainer.batching import batch_from_items
 from nemo_dapo.trainer.fit import DAPOTrainer
-from nemo_dapo.trainer.stages import score_batch
+from nemo_dapo.trainer.stages import add_stale_token_mask, score_batch
 from nemo_dapo.trainer.tracking import StageTimer
 
 log = logging.getLogger(__name__)
@@ -177,6 +177,7 @@ class StreamDAPOTrainer(DAPOTrainer):
         self._admit()  # the engines work on while the policy trains
         metrics.update(staleness_metrics(batch["policy_version"].tolist(), self.weight_version))
         metrics.update(token_staleness_metrics(batch["token_versions"], batch["response_mask"], self.weight_version))
+        metrics.update(add_stale_token_mask(batch, self.weight_version, self.cfg.trainer.max_token_staleness))
         metrics.update(self.train_on_batch(batch, timer))
         with timer("sync_weights"):
             self.sync_weights()  # into the running engines
