@@ -3,6 +3,7 @@ learns with dynamic sampling inside the stream, and loses and repeats no prompt 
 
 import json
 import os
+import re
 import signal
 import subprocess
 from collections import Counter
@@ -84,3 +85,15 @@ def test_sigkill_then_resume_with_samples_in_flight_loses_and_repeats_nothing(wo
     after |= {row for step in range(at_kill["global_step"] + 1, 9) for row in by_step[step]["filtered"]}
     left = set(latest_state(out)["stream_untrained"])
     assert set(untrained) <= after | left  # what was in flight was trained, filtered, or is still waiting
+
+
+def test_dynamic_sampling_in_the_stream_stops_at_its_generation_bound(workdir):
+    """Filtering on a metric almost every group shares (no tiny answer reaches the overlong
+    buffer): the stream gives up after max_num_gen_batches x gen_batch_size groups (checked
+    between arrivals), as sync does, instead of generating forever."""
+    bound = ["algorithm.filter_groups.metric=overlong", "algorithm.filter_groups.max_num_gen_batches=2"]
+    done = train(workdir / "bound", *STREAM, *bound, "trainer.total_training_steps=2", *SMALL)
+    assert done.returncode != 0
+    found = re.search(r"dynamic sampling in the stream kept \d/8 informative groups of (\d+) generated", done.stderr)
+    assert found, done.stderr[-3000:]
+    assert 2 * 12 <= int(found.group(1)) <= 2 * 12 + 16  # the bound, overshot by at most one arrival poll
