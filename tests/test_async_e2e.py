@@ -6,9 +6,8 @@ import signal
 import subprocess
 
 import pytest
-from test_train_e2e import CLI, ENV, SMALL, last_per_step, records, train, wait_for
 
-from tests.train_runs import assert_same_first_update
+from tests.train_runs import CLI, ENV, SMALL, assert_same_first_update, last_per_step, records, train, wait_for
 
 pytestmark = pytest.mark.slow
 

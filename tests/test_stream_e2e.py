@@ -10,9 +10,8 @@ from collections import Counter
 
 import pytest
 import torch
-from test_train_e2e import CLI, ENV, SMALL, last_per_step, records, train, wait_for
 
-from tests.train_runs import assert_same_first_update
+from tests.train_runs import CLI, ENV, SMALL, assert_same_first_update, last_per_step, records, train, wait_for
 
 pytestmark = pytest.mark.slow
 STREAM = ["trainer.mode=stream"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_runs import CLI, ENV, SMALL, expected_rounds, last_per_step, records, train
+from tests.train_runs import CLI, ENV, SMALL, expected_rounds, last_per_step, records, train, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -163,14 +163,6 @@ def assert_wandb_and_mlflow_have(out: Path, name: str, values: dict[int, float])
     logged = {step: row[name] for step, row in wandb_history(run_file).items() if name in row}
     assert logged == pytest.approx(values), name
     assert mlflow_history(out, runs["mlflow"], mlflow_metric_name(name)) == pytest.approx(values), name
-
-
-def wait_for(path: Path, process: subprocess.Popen, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while not path.exists():
-        assert process.poll() is None, process.stderr.read()[-3000:]
-        assert time.time() < deadline, f"{path} did not appear"
-        time.sleep(0.2)
 
 
 def test_sigkill_resume_same_prompts_then_fallback_and_new_dp_size(workdir):

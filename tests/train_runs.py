@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from nemo_dapo.data import ResumableBatchSampler
@@ -55,3 +56,11 @@ def assert_same_first_update(first: Path, second: Path) -> dict:
     ]
     assert all((weights[0][k] == weights[1][k]).all() for k in weights[0])
     return steps[1]
+
+
+def wait_for(path: Path, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        assert time.time() < deadline, f"{path} did not appear"
+        time.sleep(0.2)
