@@ -130,7 +130,7 @@ class StreamDAPOTrainer(DAPOTrainer):
         return len(finished)
 
     def _keep_rows(self, batch: RolloutBatch) -> torch.Tensor:
-        if self.accumulator is None:
+        if not self.cfg.algorithm.filter_groups.enable:
             return torch.ones(len(batch), dtype=torch.bool)
         return group_keep_mask(batch["uid"], filter_metric(batch, self.cfg.algorithm.filter_groups.metric))[0]
 
@@ -138,7 +138,7 @@ class StreamDAPOTrainer(DAPOTrainer):
         """The sync trainer's bound on generation spent to fill one batch, in groups."""
         filtering = self.cfg.algorithm.filter_groups
         limit = filtering.max_num_gen_batches * self.cfg.data.effective_gen_batch_size
-        if self.accumulator is not None and filtering.max_num_gen_batches > 0 and arrived >= limit:
+        if filtering.enable and filtering.max_num_gen_batches > 0 and arrived >= limit:
             raise DynamicSamplingExhausted(
                 f"dynamic sampling in the stream kept {len(self.kept) - kept_before}/{self.batch_groups} "
                 f"informative groups of {arrived} generated for this step (algorithm.filter_groups."
@@ -151,12 +151,15 @@ class StreamDAPOTrainer(DAPOTrainer):
         """The first-issued ``train_batch_size`` kept groups not older than ``max_staleness``."""
         arrived, kept_before, poll = 0, len(self.kept), 0
         while True:
-            fresh = [g for g in self.kept if self.weight_version - g.admitted_version <= self.max_staleness]
-            for stale in [g for g in self.kept if g not in fresh]:
-                self.dropped_stale += 1
-                self.reissued += 1
-                self.admitted -= 1
-                self.to_issue.appendleft(int(stale.batch["prompt_index"][0]))
+            fresh: list[KeptGroup] = []
+            for group in self.kept:
+                if self.weight_version - group.admitted_version <= self.max_staleness:
+                    fresh.append(group)
+                else:  # finished after groups admitted later: not trained, its prompt reissued
+                    self.dropped_stale += 1
+                    self.reissued += 1
+                    self.admitted -= 1
+                    self.to_issue.appendleft(int(group.batch["prompt_index"][0]))
             self.kept = sorted(fresh, key=lambda g: g.sequence)
             if len(self.kept) >= self.batch_groups:
                 break
