@@ -151,6 +151,18 @@ def test_timing_throughput_staleness():
     assert s["staleness/lag/mean"] == pytest.approx(5 / 3)
 
 
+def test_token_staleness_counts_drawn_tokens_and_samples_spanning_versions():
+    from nemo_dapo.algo.metrics import token_staleness_metrics
+
+    versions = torch.tensor([[4, 4, 5, 0], [5, 5, 5, 5], [3, 3, 0, 0]])  # padding holds 0
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
+    m = token_staleness_metrics(versions, mask, current_version=5)
+    lags = [1, 1, 0, 0, 0, 0, 0, 2, 2]
+    assert m["staleness/token_lag/mean"] == pytest.approx(sum(lags) / len(lags))
+    assert m["staleness/token_lag/max"] == 2 and m["staleness/token_lag/min"] == 0
+    assert m["stream/partial_share"] == pytest.approx(1 / 3)  # only the first sample spans two versions
+
+
 def test_reduce_metrics_mean_max_min():
     r = combine_steps({"actor/pg_loss": [1, 3], "x/max": [1, 5], "x/min": [2, -1], "empty": []})
     assert r == {"actor/pg_loss": 2.0, "x/max": 5.0, "x/min": -1.0}
