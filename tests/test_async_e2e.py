@@ -1,13 +1,10 @@
 """The asynchronous trainer end to end: learns, matches sync at max_staleness=0, recovers in-flight prompts."""
 
 import json
-import os
-import signal
-import subprocess
 
 import pytest
 
-from tests.train_runs import CLI, ENV, SMALL, assert_same_first_update, last_per_step, records, train, wait_for
+from tests.train_runs import SMALL, assert_same_first_update, last_per_step, records, sigkill_after_checkpoint, train
 
 pytestmark = pytest.mark.slow
 
@@ -39,13 +36,7 @@ def test_max_staleness_zero_reproduces_the_sync_first_update(workdir):
 def test_sigkill_then_resume_trains_each_inflight_prompt_exactly_once(workdir):
     out = workdir / "run"
     steps = ["trainer.mode=async", "trainer.save_freq=2", "algorithm.filter_groups.enable=false", *SMALL]
-    command = [*CLI, "train", f"trainer.output_dir={out}", "trainer.total_training_steps=8", *steps]
-    victim = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True, env=ENV
-    )
-    wait_for(out / "checkpoints" / "global_step_4", victim, timeout=300)
-    os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait()
+    sigkill_after_checkpoint(out, steps, total_steps=8, at_step=4)
     resumed = train(out, "trainer.total_training_steps=8", *steps)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "reissued" in resumed.stderr

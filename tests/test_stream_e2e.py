@@ -2,16 +2,13 @@
 learns with dynamic sampling inside the stream, and loses and repeats no prompt across a SIGKILL."""
 
 import json
-import os
 import re
-import signal
-import subprocess
 from collections import Counter
 
 import pytest
 import torch
 
-from tests.train_runs import CLI, ENV, SMALL, assert_same_first_update, last_per_step, records, train, wait_for
+from tests.train_runs import SMALL, assert_same_first_update, last_per_step, records, sigkill_after_checkpoint, train
 
 pytestmark = pytest.mark.slow
 STREAM = ["trainer.mode=stream"]
@@ -63,13 +60,7 @@ def latest_state(out):
 def test_sigkill_then_resume_with_samples_in_flight_loses_and_repeats_nothing(workdir):
     out = workdir / "run"
     steps = [*STREAM, "trainer.save_freq=2", *SMALL]
-    command = [*CLI, "train", f"trainer.output_dir={out}", "trainer.total_training_steps=8", *steps]
-    victim = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True, env=ENV
-    )
-    wait_for(out / "checkpoints" / "global_step_4", victim, timeout=300)
-    os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait()
+    sigkill_after_checkpoint(out, steps, total_steps=8, at_step=4)
     at_kill = latest_state(out)
     untrained = at_kill["stream_untrained"]
     assert untrained, "nothing was in flight at the checkpoint"

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -64,3 +65,19 @@ def wait_for(path: Path, process: subprocess.Popen, timeout: float) -> None:
         assert process.poll() is None, process.stderr.read()[-3000:]
         assert time.time() < deadline, f"{path} did not appear"
         time.sleep(0.2)
+
+
+def sigkill_after_checkpoint(output: Path, overrides: list[str], total_steps: int, at_step: int) -> None:
+    """Start `nemo-dapo train` and SIGKILL its whole process group once checkpoint ``at_step`` exists."""
+    command = [*CLI, "train", f"trainer.output_dir={output}", f"trainer.total_training_steps={total_steps}"]
+    victim = subprocess.Popen(
+        [*command, *overrides],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=ENV,
+    )
+    wait_for(output / "checkpoints" / f"global_step_{at_step}", victim, timeout=300)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
