@@ -4,7 +4,15 @@ import json
 
 import pytest
 
-from tests.train_runs import SMALL, assert_same_first_update, last_per_step, records, sigkill_after_checkpoint, train
+from tests.train_runs import (
+    FIRST_STEP,
+    SMALL,
+    assert_same_first_update,
+    last_per_step,
+    records,
+    sigkill_after_checkpoint,
+    train,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -23,14 +31,10 @@ def test_async_run_learns_and_reports_staleness(workdir):
     assert sum(r["staleness/lag/mean"] for r in rows) > 30  # generation really overlapped training
 
 
-def test_max_staleness_zero_reproduces_the_sync_first_update(workdir):
-    # the same thread count in both modes (async divides the cores between engine and policy by
-    # default): the same arithmetic, so the same numbers to the last bit
-    common = ["trainer.total_training_steps=1", "trainer.save_freq=1", "trainer.cpu_threads_per_worker=1", *SMALL]
-    sync = train(workdir / "sync", *common)
-    asyn = train(workdir / "async", "trainer.mode=async", "trainer.max_staleness=0", *common)
-    assert sync.returncode == 0 and asyn.returncode == 0, (sync.stderr[-2000:], asyn.stderr[-2000:])
-    assert_same_first_update(workdir / "sync", workdir / "async")
+def test_max_staleness_zero_reproduces_the_sync_first_update(workdir, sync_first_step):
+    asyn = train(workdir / "async", "trainer.mode=async", "trainer.max_staleness=0", *FIRST_STEP)
+    assert asyn.returncode == 0, asyn.stderr[-2000:]
+    assert_same_first_update(sync_first_step, workdir / "async")
 
 
 def test_sigkill_then_resume_trains_each_inflight_prompt_exactly_once(workdir):

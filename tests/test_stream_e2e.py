@@ -8,27 +8,27 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.train_runs import SMALL, assert_same_first_update, last_per_step, records, sigkill_after_checkpoint, train
+from tests.train_runs import (
+    FIRST_STEP,
+    SMALL,
+    assert_same_first_update,
+    last_per_step,
+    records,
+    sigkill_after_checkpoint,
+    train,
+)
 
 pytestmark = pytest.mark.slow
 STREAM = ["trainer.mode=stream"]
 
 
-def test_max_staleness_zero_reproduces_the_sync_first_update(workdir):
+def test_max_staleness_zero_reproduces_the_sync_first_update(workdir, sync_first_step):
     """On-policy streaming admits one batch, trains it, syncs: the same samples (the engine's
     random draws do not depend on how requests arrive when they arrive together), the same
     update to the last bit."""
-    common = [
-        "trainer.total_training_steps=1",
-        "trainer.save_freq=1",
-        "trainer.cpu_threads_per_worker=1",
-        "algorithm.filter_groups.enable=false",  # a sync round is then one batch, as a stream's
-        *SMALL,
-    ]
-    sync = train(workdir / "sync", *common)
-    stream = train(workdir / "stream", *STREAM, "trainer.max_staleness=0", *common)
-    assert sync.returncode == 0 and stream.returncode == 0, (sync.stderr[-2000:], stream.stderr[-2000:])
-    assert assert_same_first_update(workdir / "sync", workdir / "stream")["staleness/token_lag/max"] == 0
+    stream = train(workdir / "stream", *STREAM, "trainer.max_staleness=0", *FIRST_STEP)
+    assert stream.returncode == 0, stream.stderr[-2000:]
+    assert assert_same_first_update(sync_first_step, workdir / "stream")["staleness/token_lag/max"] == 0
 
 
 def test_stream_learns_filters_groups_as_they_arrive_and_bounds_staleness(workdir):
