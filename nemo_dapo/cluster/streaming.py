@@ -1,7 +1,7 @@
 """The engines as one stream (``trainer.mode=stream``): groups go to the engine with the fewest
-samples outstanding, finished groups come back from every engine, and an engine that dies or
-hangs is replaced (the rollout group's restart budget), given the current weights, and sent its
-outstanding groups again, so no prompt is lost."""
+groups outstanding (every group is ``rollout.n`` samples), finished groups come back from every
+engine, and an engine that dies or hangs is replaced (the rollout group's restart budget), given
+the current weights, and sent its outstanding groups again, so no prompt is lost."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ class StreamingEngines:
         workers.gather(refs, "start_stream")
 
     def add(self, groups: list[tuple[str, list[int]]]) -> None:
-        """Send ``(key, prompt ids)`` groups, each to the engine with the fewest samples outstanding."""
+        """Send ``(key, prompt ids)`` groups, each to the engine with the fewest groups outstanding."""
         per_rank: dict[int, list[tuple[str, list[int]]]] = {}
         load = [0] * self.rollout.workers.world_size
         for sent in self.outstanding.values():

@@ -108,10 +108,11 @@ class StreamDAPOTrainer(DAPOTrainer):
             return 0
         places = [self.in_flight.pop(group.key) for group in finished]
         self.generated_samples += sum(len(group.generation.token_ids) for group in finished)
+        prefix = f"s{self.global_step}p{poll}"
         batch = batch_from_items(
             [self.train_data[row] for _, row in places],
             [group.generation for group in finished],
-            f"s{self.global_step}p{poll}",
+            prefix,
             self.tokenizer.pad_token_id,
             [group.admitted_version for group in finished],
         )
@@ -120,7 +121,7 @@ class StreamDAPOTrainer(DAPOTrainer):
         keep = self._keep_rows(batch)
         uids = batch["uid"]
         for position, ((sequence, row), group) in enumerate(zip(places, finished)):
-            rows = [i for i, uid in enumerate(uids) if uid == f"s{self.global_step}p{poll}:{position}"]
+            rows = [i for i, uid in enumerate(uids) if uid == f"{prefix}:{position}"]
             if keep[rows[0]]:
                 self.kept.append(KeptGroup(sequence, batch.select(rows), group.admitted_version))
             else:
