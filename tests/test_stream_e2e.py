@@ -36,9 +36,12 @@ def test_stream_learns_filters_groups_as_they_arrive_and_bounds_staleness(workdi
     done = train(out, *STREAM, "trainer.total_training_steps=40", "trainer.test_freq=20", "trainer.save_freq=40")
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["final_val_acc"] > summary["initial_val_acc"] + 0.05, summary
     steps = [r for r in records(out / "metrics.jsonl") if "stream/engine_busy" in r]
     assert len(steps) == 40
+    # learning, on two measures: held-out accuracy (320 samples, sd ~0.025 at each end; 3 seeds of
+    # bench/trainer_modes.py gained 0.051 +- 0.016 in 30 steps) and the trained batches' score
+    first, last = (sum(r["critic/score/mean"] for r in part) / 10 for part in (steps[:10], steps[-10:]))
+    assert summary["final_val_acc"] > summary["initial_val_acc"] + 0.02 and last > first + 0.05, (summary, first, last)
     assert all(r["staleness/lag/max"] <= 1 for r in steps)  # max_staleness=1, the preset's
     assert sum(r["staleness/lag/mean"] for r in steps) > 10  # generation overlapped training
     assert all(0 < r["stream/engine_busy"] <= 1 for r in steps)
