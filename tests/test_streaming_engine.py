@@ -116,3 +116,20 @@ def test_the_prefix_cache_serves_no_keys_of_older_weights(tiny_model_dir, tiny_t
     mask = batch["response_mask"].bool()
     assert (batch["rollout_log_probs"] - under_new)[mask].abs().max() < TOLERANCE
     engine._stream.stop()
+
+
+def test_groups_beyond_max_inflight_wait_in_the_engine_and_enter_as_slots_free(tiny_model_dir, tiny_tokenizer):
+    from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
+
+    engine = VLLMRolloutWorker(0, 1, "", str(tiny_model_dir), max_model_len=256)
+    engine.start_stream(max_inflight=RAMBLING.n, kv_after_update="recompute")  # one group at a time
+    ids = prompt_ids(tiny_tokenizer, ["12+3", "45-7", "8+8"])
+    engine.stream_add([(k, p) for k, p in zip("abc", ids)], RAMBLING)
+    deadline = time.monotonic() + 60
+    while (stats := engine.stream_stats()).samples_running == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert (stats.samples_running, stats.groups_waiting) == (RAMBLING.n, 2)
+    assert [g.key for g in take_all(engine, 3)] == ["a", "b", "c"]
+    stats = engine.stream_stats()
+    assert (stats.samples_running, stats.groups_waiting) == (0, 0) and stats.tokens > 0
+    engine._stream.stop()

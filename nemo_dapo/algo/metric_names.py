@@ -160,6 +160,9 @@ STALE_TOKEN_FRACTION = metric(
     "stream/stale_token_fraction", Reduce.MEAN, "fraction of trained tokens trainer.max_token_staleness masked"
 )
 SAMPLES_IN_FLIGHT = metric("stream/samples_in_flight", Reduce.MEAN, "samples running in the engines at the step's end")
+GROUPS_QUEUED = metric(
+    "stream/groups_queued", Reduce.MEAN, "groups sent to the engines and waiting for a slot (rollout.max_inflight)"
+)
 ENGINE_BUSY = metric("stream/engine_busy", Reduce.MEAN, "fraction of the step's wall time the engines spent stepping")
 TRAINER_IDLE = metric("stream/trainer_idle", Reduce.MEAN, "fraction of the step the trainer waited for groups")
 GEN_TOKENS_PER_S = metric("stream/gen_tokens_per_s", Reduce.MEAN, "response tokens the engines finished per second")

@@ -30,6 +30,7 @@ class EngineLoad:
     busy_s: float
     wall_s: float
     samples_running: int
+    groups_waiting: int
     tokens: int
 
     @property
@@ -89,12 +90,14 @@ class StreamingEngines:
         return finished
 
     def load(self) -> EngineLoad:
-        """Stepping time, wall time, running samples and finished tokens since the last call."""
+        """Stepping time, wall time, running samples, queued groups and finished tokens since the
+        last call."""
         parts = self.rollout.workers.call_all("stream_stats")
         return EngineLoad(
             busy_s=sum(p.busy_s for p in parts),
             wall_s=sum(p.wall_s for p in parts),
             samples_running=sum(p.samples_running for p in parts),
+            groups_waiting=sum(p.groups_waiting for p in parts),
             tokens=sum(p.tokens for p in parts),
         )
 
