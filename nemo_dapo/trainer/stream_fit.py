@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from nemo_dapo.algo import metric_names as mn
-from nemo_dapo.algo.batch import RolloutBatch
+from nemo_dapo.algo.batch import RolloutBatch, group_rows
 from nemo_dapo.algo.metrics import staleness_metrics, token_staleness_metrics
 from nemo_dapo.algo.sampling import DynamicSamplingExhausted, filter_metric, group_keep_mask
 from nemo_dapo.cluster.streaming import StreamingEngines
@@ -119,9 +119,9 @@ class StreamDAPOTrainer(DAPOTrainer):
         with timer("reward"):
             score_batch(batch, self.reward, self.tokenizer)
         keep = self._keep_rows(batch)
-        uids = batch["uid"]
+        members = group_rows(batch["uid"])
         for position, ((sequence, row), group) in enumerate(zip(places, finished)):
-            rows = [i for i, uid in enumerate(uids) if uid == f"{prefix}:{position}"]
+            rows = members[f"{prefix}:{position}"]
             if keep[rows[0]]:
                 self.kept.append(KeptGroup(sequence, batch.select(rows), group.admitted_version))
             else:
