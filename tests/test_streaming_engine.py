@@ -128,8 +128,8 @@ def test_groups_beyond_max_inflight_wait_in_the_engine_and_enter_as_slots_free(t
     deadline = time.monotonic() + 60
     while (stats := engine.stream_stats()).samples_running == 0 and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert (stats.samples_running, stats.groups_waiting) == (RAMBLING.n, 2)
+    assert (stats.samples_running, stats.groups_queued) == (RAMBLING.n, 2)
     assert [g.key for g in take_all(engine, 3)] == ["a", "b", "c"]
     stats = engine.stream_stats()
-    assert (stats.samples_running, stats.groups_waiting) == (0, 0) and stats.tokens > 0
+    assert (stats.samples_running, stats.groups_queued) == (0, 0) and stats.tokens > 0
     engine._stream.stop()

@@ -30,7 +30,7 @@ class EngineLoad:
     busy_s: float
     wall_s: float
     samples_running: int
-    groups_waiting: int
+    groups_queued: int
     tokens: int
 
     @property
@@ -97,7 +97,7 @@ class StreamingEngines:
             busy_s=sum(p.busy_s for p in parts),
             wall_s=sum(p.wall_s for p in parts),
             samples_running=sum(p.samples_running for p in parts),
-            groups_waiting=sum(p.groups_waiting for p in parts),
+            groups_queued=sum(p.groups_queued for p in parts),
             tokens=sum(p.tokens for p in parts),
         )
 

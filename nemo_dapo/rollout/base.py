@@ -48,7 +48,7 @@ class StreamStats:
     busy_s: float = 0.0
     wall_s: float = 0.0
     samples_running: int = 0
-    groups_waiting: int = 0
+    groups_queued: int = 0
     tokens: int = 0  # output tokens of the groups finished in the interval
 
 

@@ -203,7 +203,7 @@ class EngineStream:
             now = time.monotonic()
             stats, self._stats = self._stats, StreamStats()
             stats.wall_s, self._since = now - self._since, now
-            stats.samples_running, stats.groups_waiting = self._samples_running, len(self._waiting)
+            stats.samples_running, stats.groups_queued = self._samples_running, len(self._waiting)
         return stats
 
     def stop(self) -> None:
