@@ -191,10 +191,6 @@ def test_numbers_are_checked_against_the_bounds_their_fields_declare():
     "overrides,message",
     [
         (
-            ["trainer.mode=stream", "actor.backend=megatron", "actor.megatron.router_replay=r3"],
-            r"trainer\.mode='stream': streaming engines return no MoE routing: use actor\.megatron\.router_replay=r2",
-        ),
-        (
             ["trainer.mode=async", "trainer.total_generated_samples=1000"],
             r"trainer\.total_generated_samples=1000: counts the sync and stream trainers' samples only",
         ),

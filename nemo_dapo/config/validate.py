@@ -420,12 +420,6 @@ def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
         "only the streaming trainer draws one sample with several weight versions: "
         "set trainer.mode=stream or leave it null",
     )
-    problems.require(
-        trainer.mode != "stream" or cfg.actor.megatron.router_replay != "r3" or cfg.actor.backend != "megatron",
-        "trainer.mode",
-        trainer.mode,
-        "streaming engines return no MoE routing: use actor.megatron.router_replay=r2 (or off), or trainer.mode=sync",
-    )
     problems.require(bool(trainer.output_dir), "trainer.output_dir", trainer.output_dir, "must name a folder")
     problems.require(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
     problems.require(

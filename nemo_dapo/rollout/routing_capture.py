@@ -6,8 +6,10 @@ the routing off the model instead: a forward hook on every MoE block's gate take
 its router logits (the choice vLLM's fused top-k makes, exact ties apart) and files each
 scheduled token under its request and position, which the model runner's batch layout gives
 (``input_batch.req_ids``, ``query_start_loc``, ``positions``). Every token the engine runs is
-filed, so prefix caching must be off (a cached prompt block is not run again). The functions
-run inside the engine's worker through ``collective_rpc``.
+filed, so prefix caching must be off (a cached prompt block is not run again). A token run again
+(a sample recomputed after a weight update or a preemption) is filed again and its latest routing
+wins: the experts that computed the keys its later tokens attended to. The functions run inside
+the engine's worker through ``collective_rpc``.
 """
 
 from __future__ import annotations
@@ -69,10 +71,12 @@ def install_routing_capture(worker, topk: int) -> int:
     return len(blocks)
 
 
-def take_routing(worker, request_ids: list[str], layers: int) -> dict[str, torch.Tensor]:
+def take_routing(worker, request_ids: list[str], layers: int, keep_others: bool = False) -> dict[str, torch.Tensor]:
     """The captured routing of the engine's requests whose ids start with one of ``request_ids``
     (vLLM files sample i of request r as ``i_r-<suffix>``, a lone sample as ``r-<suffix>``),
-    keyed by that id and sample: ``"r/i"``; everything else captured is dropped."""
+    keyed by that id and sample: ``"r/i"``. Everything else captured is dropped after a
+    round-based ``generate`` (nothing else runs), kept while streaming (``keep_others``: the
+    requests still running)."""
     capture: RoutingCapture = worker.model_runner.nemo_dapo_routing
     wanted = set(request_ids)
     found = {}
@@ -80,6 +84,6 @@ def take_routing(worker, request_ids: list[str], layers: int) -> dict[str, torch
         match = re.fullmatch(r"(?:(\d+)_)?(.+)-[^-]+", internal)
         if match and match.group(2) in wanted:
             found[f"{match.group(2)}/{match.group(1) or 0}"] = capture.take(internal, layers)
-        else:
+        elif not keep_others:
             capture.chunks.pop(internal)
     return found

@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +45,7 @@ class StreamGroup:
     params: object  # vllm.SamplingParams, n samples, final output only
     admitted_version: int = -1  # the engine's weight version when the group entered the engine
     output: object = None  # vllm.RequestOutput once finished
+    routing: dict = field(default_factory=dict)  # captured MoE routing once finished: "key/sample" -> ids
 
 
 def token_versions(weight_versions, num_tokens: int, fallback: int) -> list[int]:
@@ -66,12 +67,15 @@ class EngineStream:
         max_inflight: int,
         kv_after_update: str,
         to_generation: Callable[[StreamGroup], Generation],
+        take_routing: Callable[[list[str]], dict] | None = None,
     ) -> None:
+        """``take_routing``: for engines whose MoE routing is read off the model (r3, docs/moe.md),
+        the finished groups' captured routing by request key, taken between two steps."""
         if kv_after_update not in KV_AFTER_UPDATE:
             raise ValueError(f"kv_after_update must be one of {KV_AFTER_UPDATE}, not {kv_after_update!r}")
         self.engine, self.version = engine, version  # engine: vLLM's in-process LLMEngine
         self.max_inflight, self.kv_after_update = max_inflight, kv_after_update
-        self._to_generation = to_generation
+        self._to_generation, self._take_routing = to_generation, take_routing
         self._cond = threading.Condition()
         self._count = threading.Lock()
         self._callers = 0  # threads waiting for a step boundary: they go first
@@ -130,13 +134,19 @@ class EngineStream:
             self._samples_running += n
 
     def _collect(self, outputs) -> None:
+        finished = []
         for output in outputs:
             if output.finished:
                 group = self._running.pop(output.request_id)
                 group.output = output
                 self._samples_running -= group.params.n  # type: ignore[attr-defined]
                 self._stats.tokens += sum(len(sample.token_ids) for sample in output.outputs)
-                self._done[group.key] = group
+                finished.append(group)
+        if finished and self._take_routing is not None:
+            captured = self._take_routing([group.key for group in finished])
+            for group in finished:
+                group.routing = {k: v for k, v in captured.items() if k.rpartition("/")[0] == group.key}
+        self._done.update((group.key, group) for group in finished)
 
     # ----------------------------------------------------------------- calls from the driver
     @contextmanager

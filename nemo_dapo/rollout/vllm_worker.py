@@ -190,6 +190,12 @@ class VLLMRolloutWorker:
         ids = [output.request_id for output in outputs]
         return self.llm.collective_rpc(take_routing, args=(ids, self._moe_layers))[0]
 
+    def _finished_routing(self, keys: list[str]) -> dict:
+        """The captured routing of finished stream groups; the running ones' stays in the capture."""
+        from nemo_dapo.rollout.routing_capture import take_routing
+
+        return self.llm.collective_rpc(take_routing, args=(keys, self._moe_layers, True))[0]
+
     def _to_generation(self, request_output, captured: dict) -> Generation:
         generation = Generation()
         for sample in sorted(request_output.outputs, key=lambda s: s.index):
@@ -210,13 +216,13 @@ class VLLMRolloutWorker:
     def start_stream(self, max_inflight: int, kv_after_update: str) -> None:
         """Generate continuously from now on: groups join as :meth:`stream_add` sends them, up to
         ``max_inflight`` samples at once, and weights load without draining them
-        (:mod:`~nemo_dapo.rollout.vllm_stream`)."""
+        (:mod:`~nemo_dapo.rollout.vllm_stream`). An engine that returns MoE routing (r3) returns
+        it for streamed samples too, each token's from the weights that last ran it."""
         from nemo_dapo.rollout.vllm_stream import EngineStream
 
-        if self.routing is not None:
-            raise ValueError("streaming generation does not return MoE routing (router_replay r3)")
+        take_routing = self._finished_routing if self.routing == "capture" else None
         self._stream = EngineStream(
-            self.llm.llm_engine, self._version, max_inflight, kv_after_update, self._streamed_generation
+            self.llm.llm_engine, self._version, max_inflight, kv_after_update, self._streamed_generation, take_routing
         )
 
     def stream_add(self, groups: list[tuple[str, list[int]]], sampling: SamplingSettings) -> None:
@@ -249,7 +255,7 @@ class VLLMRolloutWorker:
     def _streamed_generation(self, group) -> Generation:
         from nemo_dapo.rollout.vllm_stream import token_versions
 
-        generation = self._to_generation(group.output, {})
+        generation = self._to_generation(group.output, group.routing)
         samples = sorted(group.output.outputs, key=lambda s: s.index)
         generation.token_versions = [
             token_versions(s.weight_versions, len(s.token_ids), group.admitted_version) for s in samples
