@@ -7,8 +7,9 @@ Every mode trains the same number of samples (``--steps`` x ``train_batch_size``
 first 3 steps are dropped from the timings as warm-up. Per mode, over the seeds: seconds per step,
 ms per trained sample, trained response tokens per second of wall time, the engines' busy
 fraction (stream: the time they spent stepping; sync and async: not measured by the engines,
-given as generation's share of the step for sync) and held-out accuracy at the end. Writes
-``outputs/bench_trainer_modes/result.json``.
+given as generation's share of the step for sync), the stream's starved fraction (its engines
+held no sample) and its busy share of the time they had samples, the response length, and
+held-out accuracy at the end. Writes ``outputs/bench_trainer_modes/result.json``.
 """
 
 from __future__ import annotations
@@ -47,11 +48,15 @@ def measure(config: str, mode: str, steps: int, seed: int, overrides: list[str],
     step_s = statistics.mean(r["perf/time_per_step"] for r in timed)
     tokens = sum(r["response_length/mean"] * cfg.data.train_batch_size * cfg.rollout.n for r in timed)
     busy = [r.get("stream/engine_busy", r["timing_s/gen"] / r["perf/time_per_step"]) for r in timed]
+    starved = statistics.mean(r["stream/engine_starved"] for r in timed) if mode == "stream" else None
     return {
         "step_s": step_s,
         "ms_per_trained_sample": 1000 * step_s / (cfg.data.train_batch_size * cfg.rollout.n),
         "trained_tokens_per_s": tokens / sum(r["perf/time_per_step"] for r in timed),
         "engine_busy": statistics.mean(busy) if mode != "async" else None,
+        "engine_starved": starved,
+        "engine_busy_fed": statistics.mean(busy) / (1 - starved) if starved is not None and starved < 1 else None,
+        "response_length": statistics.mean(r["response_length/mean"] for r in timed),
         "generated_samples": rows[-1].get("rollout/generated_samples"),
         "final_val_acc": mean_val_accuracy(rows[-1]),
         "initial_val_acc": summary["initial_val_acc"],
@@ -78,14 +83,20 @@ def main() -> None:
         for mode in modes
     }
     (root / "result.json").write_text(json.dumps({"config": args.config, "steps": args.steps, **result}, indent=1))
-    print("| mode | s/step | ms per trained sample | trained tokens/s | engine busy | held-out acc (end) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    columns = {
+        "s/step": "step_s",
+        "ms per trained sample": "ms_per_trained_sample",
+        "trained tokens/s": "trained_tokens_per_s",
+        "response length": "response_length",
+        "engine busy": "engine_busy",
+        "engine starved": "engine_starved",
+        "busy while fed": "engine_busy_fed",
+        "held-out acc (end)": "final_val_acc",
+    }
+    print("| mode | " + " | ".join(columns) + " |")
+    print("| --- " * (len(columns) + 1) + "|")
     for mode in modes:
-        runs = result[mode]
-        print(
-            f"| {mode} | {mean(runs, 'step_s')} | {mean(runs, 'ms_per_trained_sample')} | "
-            f"{mean(runs, 'trained_tokens_per_s')} | {mean(runs, 'engine_busy')} | {mean(runs, 'final_val_acc')} |"
-        )
+        print(f"| {mode} | " + " | ".join(mean(result[mode], key) for key in columns.values()) + " |")
 
 
 if __name__ == "__main__":

@@ -132,4 +132,8 @@ def test_groups_beyond_max_inflight_wait_in_the_engine_and_enter_as_slots_free(t
     assert [g.key for g in take_all(engine, 3)] == ["a", "b", "c"]
     stats = engine.stream_stats()
     assert (stats.samples_running, stats.groups_queued) == (0, 0) and stats.tokens > 0
+    assert stats.starved_s < 0.1 * stats.wall_s  # it had samples until the last group finished
+    time.sleep(0.3)
+    stats = engine.stream_stats()
+    assert 0.9 * stats.wall_s < stats.starved_s <= stats.wall_s and stats.busy_s == 0
     engine._stream.stop()

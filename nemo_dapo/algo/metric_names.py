@@ -164,6 +164,11 @@ GROUPS_QUEUED = metric(
     "stream/groups_queued", Reduce.MEAN, "groups sent to the engines and waiting for a slot (rollout.max_inflight)"
 )
 ENGINE_BUSY = metric("stream/engine_busy", Reduce.MEAN, "fraction of the step's wall time the engines spent stepping")
+ENGINE_STARVED = metric(
+    "stream/engine_starved",
+    Reduce.MEAN,
+    "fraction of the step's wall time the engines held no sample (admission closed by the staleness bound)",
+)
 TRAINER_IDLE = metric("stream/trainer_idle", Reduce.MEAN, "fraction of the step the trainer waited for groups")
 GEN_TOKENS_PER_S = metric("stream/gen_tokens_per_s", Reduce.MEAN, "response tokens the engines finished per second")
 FILTERED_IN_STREAM = metric(

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from nemo_dapo.cluster.groups import RolloutGroup
 from nemo_dapo.errors import RemoteCallError
-from nemo_dapo.rollout.base import SamplingSettings, StreamedGroup
+from nemo_dapo.rollout.base import SamplingSettings, StreamedGroup, StreamStats
 
 log = logging.getLogger(__name__)
 
@@ -21,21 +21,6 @@ class Outstanding:
 
     rank: int
     prompt_ids: list[int]
-
-
-@dataclass
-class EngineLoad:
-    """The engines' stream statistics over one interval, summed."""
-
-    busy_s: float
-    wall_s: float
-    samples_running: int
-    groups_queued: int
-    tokens: int
-
-    @property
-    def busy_fraction(self) -> float:
-        return self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
 class StreamingEngines:
@@ -89,17 +74,10 @@ class StreamingEngines:
                     finished.append(group)
         return finished
 
-    def load(self) -> EngineLoad:
-        """Stepping time, wall time, running samples, queued groups and finished tokens since the
-        last call."""
-        parts = self.rollout.workers.call_all("stream_stats")
-        return EngineLoad(
-            busy_s=sum(p.busy_s for p in parts),
-            wall_s=sum(p.wall_s for p in parts),
-            samples_running=sum(p.samples_running for p in parts),
-            groups_queued=sum(p.groups_queued for p in parts),
-            tokens=sum(p.tokens for p in parts),
-        )
+    def load(self) -> StreamStats:
+        """Stepping, starved and wall time, running samples, queued groups and finished tokens since
+        the last call, summed over the engines."""
+        return StreamStats.total(self.rollout.workers.call_all("stream_stats"))
 
     def _recover(self, rank: int, error: RemoteCallError) -> None:
         self.rollout.replace(rank, error, "while streaming")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Protocol
 
 
@@ -43,13 +43,27 @@ class StreamedGroup:
 
 @dataclass
 class StreamStats:
-    """The engine's share of an interval: time spent stepping, and what it holds now."""
+    """An engine's share of an interval (or several engines' summed): time spent stepping, time
+    it held nothing to run, and what it holds now."""
 
     busy_s: float = 0.0
     wall_s: float = 0.0
+    starved_s: float = 0.0  # no sample running or queued: the driver had sent nothing more
     samples_running: int = 0
     groups_queued: int = 0
     tokens: int = 0  # output tokens of the groups finished in the interval
+
+    @staticmethod
+    def total(parts: Iterable[StreamStats]) -> StreamStats:
+        return StreamStats(*(sum(values) for values in zip(*(astuple(p) for p in parts), strict=True)))
+
+    @property
+    def busy_fraction(self) -> float:
+        return self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def starved_fraction(self) -> float:
+        return self.starved_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
 class RolloutWorker(Protocol):

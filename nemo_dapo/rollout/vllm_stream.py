@@ -86,6 +86,7 @@ class EngineStream:
         self._samples_running = 0
         self._stats = StreamStats()
         self._since = time.monotonic()
+        self._starved_since: float | None = None  # when the engine last ran out of samples
         self._error: BaseException | None = None
         self._stopped = False
         # OpenMP's thread count belongs to each native thread: the stepping thread must use the
@@ -105,7 +106,10 @@ class EngineStream:
                     while self._callers or not (self._waiting or self._running):
                         if self._stopped:
                             return
+                        if self._starved_since is None and not (self._waiting or self._running):
+                            self._starved_since = time.monotonic()
                         self._cond.wait(0.01 if self._callers else 0.5)
+                    self._count_starved(time.monotonic(), until_now=False)
                     self._admit()
                     started = time.perf_counter()
                     outputs = self.engine.step()
@@ -116,6 +120,13 @@ class EngineStream:
             with self._cond:
                 self._error = error
                 self._cond.notify_all()
+
+    def _count_starved(self, now: float, until_now: bool) -> None:
+        """Book the time without samples up to ``now``: the interval ends there (``until_now``,
+        still starved) or the samples came."""
+        if self._starved_since is not None:
+            self._stats.starved_s += now - self._starved_since
+            self._starved_since = now if until_now else None
 
     def _admit(self) -> None:
         """Groups enter the engine while their samples fit under ``max_inflight`` (one always may)."""
@@ -207,10 +218,11 @@ class EngineStream:
                 raise RuntimeError("vLLM refused to recompute its running samples after a weight update")
 
     def stats(self) -> StreamStats:
-        """The interval since the last call: stepping time, wall time, tokens finished; what the
-        engine holds now."""
+        """The interval since the last call: stepping time, time without samples, wall time,
+        tokens finished; what the engine holds now."""
         with self.paused():
             now = time.monotonic()
+            self._count_starved(now, until_now=True)
             stats, self._stats = self._stats, StreamStats()
             stats.wall_s, self._since = now - self._since, now
             stats.samples_running, stats.groups_queued = self._samples_running, len(self._waiting)

@@ -205,6 +205,7 @@ class StreamDAPOTrainer(DAPOTrainer):
             mn.SAMPLES_IN_FLIGHT.name: float(load.samples_running),
             mn.GROUPS_QUEUED.name: float(load.groups_queued),
             mn.ENGINE_BUSY.name: load.busy_fraction,
+            mn.ENGINE_STARVED.name: load.starved_fraction,
             mn.TRAINER_IDLE.name: (timer.seconds.get("gen", 0.0)) / max(step_s, 1e-9),
             mn.GEN_TOKENS_PER_S.name: load.tokens / max(load.wall_s / self.cfg.rollout.num_workers, 1e-9),
             mn.FILTERED_IN_STREAM.name: float(self.filtered),
