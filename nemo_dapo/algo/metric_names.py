@@ -167,7 +167,7 @@ ENGINE_BUSY = metric("stream/engine_busy", Reduce.MEAN, "fraction of the step's 
 ENGINE_STARVED = metric(
     "stream/engine_starved",
     Reduce.MEAN,
-    "fraction of the step's wall time the engines held no sample (admission closed by the staleness bound)",
+    "fraction of the step's wall time the engines held no sample (mostly: admission closed by the staleness bound)",
 )
 TRAINER_IDLE = metric("stream/trainer_idle", Reduce.MEAN, "fraction of the step the trainer waited for groups")
 GEN_TOKENS_PER_S = metric("stream/gen_tokens_per_s", Reduce.MEAN, "response tokens the engines finished per second")
