@@ -15,10 +15,14 @@ TOLERANCE = 1e-4  # float32 on both sides; observed max |diff| ~ 3e-6
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
+    from torch._dynamo.utils import counters
+
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
+    compiled_before = counters["frames"]["total"]
     engine = VLLMRolloutWorker(0, 1, "", str(tiny_model_dir), max_model_len=128)
+    engine.compiled_frames = counters["frames"]["total"] - compiled_before  # its start returned log-probs
     policy = TorchPolicyWorker(0, 1, "", WorkerSettings(str(tiny_model_dir), OptimConfig(lr=1e-2, warmup_steps=0)))
     return engine, policy
 
@@ -63,11 +67,13 @@ def test_generation_shapes_and_finish_reasons(engines, tiny_tokenizer):
     assert all(batch["responses"][i, int(lengths[i]) - 1].item() == eos for i in stopped)  # EOS counted
 
 
-def test_engines_run_eagerly_on_cpu_and_with_cuda_graphs_on_gpus_unless_told():
+def test_engines_run_eagerly_on_cpu_and_with_cuda_graphs_on_gpus_unless_told(engines):
     from nemo_dapo.rollout.vllm_worker import runs_eagerly
 
     assert runs_eagerly(None, on_cpu=True) and not runs_eagerly(None, on_cpu=False)
     assert runs_eagerly(True, on_cpu=False) and not runs_eagerly(False, on_cpu=True)
+    # an eager CPU engine compiles nothing, not even the sampler's rank function (1.6-3 s a start)
+    assert engines[0].compiled_frames == 0
 
 
 def test_logprobs_match_before_and_after_weight_update(engines, tiny_tokenizer):

