@@ -175,3 +175,38 @@ def test_shares_by_size_balance_the_bytes(tmp_path):
     shares = shares_by_size(tmp_path, list(sizes), 2)
     assert sorted(n for share in shares for n in share) == sorted(sizes)  # every file once
     assert sorted(sum(sizes[n] for n in share) for share in shares) == [900, 1000]
+
+
+def test_a_complete_run_is_known_from_its_summary_and_trainer_state_alone(tmp_path):
+    """What `nemo-dapo train` reads before Ray starts: a summary, and the newest checkpoint's
+    trainer state (checked against its manifest) at the last step. Weights are not read; a
+    damaged state means not complete (the trainer then falls back and says so)."""
+    import json
+
+    import torch
+
+    from nemo_dapo.config import load_config
+    from nemo_dapo.config.topology import prompts_per_round, updates_per_step
+    from nemo_dapo.trainer.summary import completed_run
+
+    def config(*overrides):
+        return load_config("tiny_cpu", [f"trainer.output_dir={tmp_path}", *overrides])
+
+    def state(folder):
+        torch.save({"global_step": 4, "generated_samples": 96}, folder / "trainer_state.pt")
+        (folder / "weights.bin").write_bytes(b"weights")
+
+    never = lambda: pytest.fail("the dataset is read only for a run counted in epochs")  # noqa: E731
+    folder = CheckpointManager(tmp_path / "checkpoints").save(4, state)
+    assert completed_run(config("trainer.total_training_steps=4"), never) is None  # no summary yet
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 4}))
+    assert completed_run(config("trainer.total_training_steps=4"), never) == {"steps": 4, "already_complete": True}
+    assert completed_run(config("trainer.total_training_steps=5"), never) is None
+    assert completed_run(config("trainer.total_training_steps=5", "trainer.total_generated_samples=96"), never)
+    epochs = config("trainer.total_training_steps=null", "trainer.total_epochs=1")
+    per_step = prompts_per_round(epochs) * updates_per_step(epochs)
+    assert completed_run(epochs, lambda: 4 * per_step) and not completed_run(epochs, lambda: 5 * per_step)
+    (folder / "weights.bin").write_bytes(b"damaged")  # not read here
+    assert completed_run(config("trainer.total_training_steps=4"), never)
+    (folder / "trainer_state.pt").write_bytes((folder / "trainer_state.pt").read_bytes()[:-1] + b"!")
+    assert completed_run(config("trainer.total_training_steps=4"), never) is None

@@ -333,41 +333,39 @@ def without_pad_token(model_dir: Path, copy: Path) -> Path:
     return copy
 
 
-def test_running_a_finished_run_again_leaves_its_summary_and_export_as_they_are(workdir, tiny_model_dir):
-    """Also: a tokenizer without a pad token trains (padded with its EOS token, said once)."""
+def test_a_run_made_to_collapse_is_warned_about_once_and_running_it_again_changes_nothing(workdir, tiny_model_dir):
+    """A learning rate that wrecks the tiny model after its first update (dynamic sampling off):
+    some first-step samples are right, none after; the trainer names the collapse and its causes.
+    The model's tokenizer has no pad token (padded with its EOS token, said once). The finished
+    run started again is found complete before Ray starts and leaves its summary and export."""
     model = without_pad_token(Path(tiny_model_dir), workdir / "no_pad_model")
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(model).pad_token_id is None
     out = workdir / "run"
-    first = train(out, "trainer.total_training_steps=2", f"model.path={model}", *SMALL)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "has no pad token: padding with its EOS token '<|im_end|>'" in first.stderr
-    summary = (out / "summary.json").read_bytes()
-    exported = {p.name: p.stat().st_mtime_ns for p in (out / "hf_export").iterdir()}
-    again = train(out, "trainer.total_training_steps=2", f"model.path={model}", *SMALL)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "the run is already complete (step 2 of 2)" in again.stderr
-    assert (out / "summary.json").read_bytes() == summary
-    assert {p.name: p.stat().st_mtime_ns for p in (out / "hf_export").iterdir()} == exported
-
-
-def test_a_run_made_to_collapse_is_warned_about_once(workdir):
-    """A learning rate that wrecks the tiny model after its first update (dynamic sampling off):
-    some first-step samples are right, none after; the trainer names the collapse and its causes."""
-    out = workdir / "run"
-    done = train(
-        out,
+    run = [
+        f"model.path={model}",
         "algorithm.filter_groups.enable=false",
         "actor.optim.lr=0.5",
         "trainer.total_training_steps=5",
         "trainer.save_freq=0",
         *SMALL,
         "data.gen_batch_size=8",
-    )
+    ]
+    done = train(out, *run)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "has no pad token: padding with its EOS token '<|im_end|>'" in done.stderr
     accuracy = [row["critic/acc/mean"] for row in records(out / "metrics.jsonl") if "critic/acc/mean" in row]
     assert accuracy[0] > 0 and accuracy[1:] == [0.0] * 4
     warnings = re.findall(r"step (\d+): no training sample was correct in the last 3 steps.*", done.stderr)
     assert warnings == ["4"]
     assert "algorithm.filter_groups.enable=false" in done.stderr and "actor.optim.lr" in done.stderr
+
+    summary = (out / "summary.json").read_bytes()
+    exported = {p.name: p.stat().st_mtime_ns for p in (out / "hf_export").iterdir()}
+    again = train(out, *run)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "the run is already complete (step 5 of 5)" in again.stderr
+    assert "worker(s) on" not in again.stderr  # known before any worker was placed
+    assert (out / "summary.json").read_bytes() == summary
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "hf_export").iterdir()} == exported

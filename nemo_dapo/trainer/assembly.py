@@ -16,6 +16,7 @@ from nemo_dapo.model.builtin import resolve_builtin
 from nemo_dapo.policy.base import WorkerSettings
 from nemo_dapo.trainer.checkpoint import CheckpointManager
 from nemo_dapo.trainer.run_folder import RunFolder, refuse_mixing
+from nemo_dapo.trainer.summary import completed_run
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -280,6 +281,9 @@ def run_training(cfg: Config) -> dict:
     try:
         checkpoints = CheckpointManager(Path(cfg.trainer.output_dir) / "checkpoints").step_folders()
         refuse_mixing(checkpoints, cfg.checkpoint.resume, cfg.trainer.output_dir)
+        finished = completed_run(cfg, lambda: len(load_data(resolve_paths(cfg)).train))
+        if finished is not None:  # said before Ray or any worker starts
+            return {**finished, "hf_export": str(Path(cfg.trainer.output_dir) / "hf_export")}
         return _run_claimed(cfg)
     finally:
         folder.release()
@@ -321,10 +325,8 @@ def _run_claimed(cfg: Config) -> dict:
             trainer = DAPOTrainer(*common, ref_policy=ref)
         summary = trainer.fit()
         export_dir = Path(cfg.trainer.output_dir) / "hf_export"
-        if not summary.get("already_complete"):
-            export_hf(trainer.checkpoints.step_folders()[0][1], cfg.model.path, export_dir, overwrite=True)
-        summary["hf_export"] = str(export_dir)
-        return summary
+        export_hf(trainer.checkpoints.step_folders()[0][1], cfg.model.path, export_dir, overwrite=True)
+        return {**summary, "hf_export": str(export_dir)}
     finally:
         if reward is not None:
             reward.close()

@@ -18,6 +18,7 @@ from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.algo.metrics import staleness_metrics
 from nemo_dapo.safe_load import load_state
 from nemo_dapo.trainer.batching import batch_from_items
+from nemo_dapo.trainer.checkpoint import TRAINER_STATE
 from nemo_dapo.trainer.data_plane import DataPlane
 from nemo_dapo.trainer.fit import DAPOTrainer
 from nemo_dapo.trainer.prompt_queue import PromptQueue
@@ -117,5 +118,5 @@ class AsyncDAPOTrainer(DAPOTrainer):
     def load_checkpoint(self, path) -> None:
 
         super().load_checkpoint(path)
-        self.reissued = self.queue.restore(load_state(path / "trainer_state.pt"), self.global_step)
+        self.reissued = self.queue.restore(load_state(path / TRAINER_STATE), self.global_step)
         log.info("reissued %d in-flight prompts after restore", self.reissued)

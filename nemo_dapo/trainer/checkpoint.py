@@ -22,6 +22,7 @@ from nemo_dapo.digest import ALGORITHM, digest_files, legacy_sha256
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.pt"  # the trainer's own state: step, sampler, RNG (trainer/fit.py)
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 STAGING_PREFIX = ".tmp_global_step_"
 
@@ -53,9 +54,10 @@ def write_manifest(folder: Path, hasher: Hasher = digest_files) -> None:
     (folder / MANIFEST).write_text(json.dumps({"algorithm": ALGORITHM, "files": files}, indent=1))
 
 
-def verify(folder: str | Path, hasher: Hasher = digest_files) -> Path:
+def verify(folder: str | Path, hasher: Hasher = digest_files, only: Sequence[str] | None = None) -> Path:
     """Raise :class:`CheckpointError` unless every file of the manifest is present and intact: sizes
-    first (cheap), then the digests, all files in one ``hasher`` call."""
+    first (cheap), then the digests, all files in one ``hasher`` call. ``only``: just these files
+    of the manifest (the ones a caller is about to read; one not listed is missing)."""
     folder = Path(folder)
     manifest = folder / MANIFEST
     if not manifest.is_file():
@@ -65,6 +67,11 @@ def verify(folder: str | Path, hasher: Hasher = digest_files) -> Path:
         files = record["files"]
     except (ValueError, KeyError) as err:
         raise CheckpointError(f"{manifest}: unreadable manifest ({err})") from None
+    if only is not None:
+        unlisted = sorted(set(only) - set(files))
+        if unlisted:
+            raise CheckpointError(f"{folder}: file {unlisted[0]} is not in the manifest")
+        files = {name: files[name] for name in only}
     for name, expected in files.items():
         path = folder / name
         if not path.is_file():

@@ -33,7 +33,7 @@ from nemo_dapo.rng import restore_rng, rng_state
 from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.safe_load import load_state
 from nemo_dapo.trainer.batching import batch_from_items
-from nemo_dapo.trainer.checkpoint import CheckpointManager
+from nemo_dapo.trainer.checkpoint import TRAINER_STATE, CheckpointManager
 from nemo_dapo.trainer.health import LearningHealth, NonFiniteSteps
 from nemo_dapo.trainer.old_policy import OldPolicyScores
 from nemo_dapo.trainer.preemption import Preempted, PreemptionSignals, record_preemption
@@ -45,7 +45,7 @@ from nemo_dapo.trainer.stages import (
     batch_metrics,
     score_batch,
 )
-from nemo_dapo.trainer.summary import finished_summary, write_summary
+from nemo_dapo.trainer.summary import write_summary
 from nemo_dapo.trainer.tracking import StageTimer, Tracker
 from nemo_dapo.trainer.validation import accuracy_metrics, mean_val_accuracy
 
@@ -308,7 +308,7 @@ class DAPOTrainer:
 
         def write(folder: Path) -> None:
             self.policy.save(str(folder / "policy"), asynchronous=asynchronous)
-            torch.save(self.trainer_state(), folder / "trainer_state.pt")
+            torch.save(self.trainer_state(), folder / TRAINER_STATE)
             (folder / "config.yaml").write_text(to_yaml(self.cfg))
 
         self.pending_checkpoint = self.checkpoints.stage(self.global_step, write)
@@ -325,7 +325,7 @@ class DAPOTrainer:
 
     def load_checkpoint(self, path: Path) -> None:
         self.policy.load(str(path / "policy"))
-        state = load_state(path / "trainer_state.pt")
+        state = load_state(path / TRAINER_STATE)
         self.global_step = state["global_step"]
         self.sampler.load_state_dict(state["sampler"])
         self._sampler_iter = None
@@ -350,10 +350,6 @@ class DAPOTrainer:
         resume_from = self.checkpoints.resolve_resume(self.cfg.checkpoint.resume)
         if resume_from is not None:
             self.load_checkpoint(resume_from)
-            finished = finished_summary(self.output_dir, self.global_step, self.total_steps, self._run_done())
-            if finished is not None:
-                self.tracker.close()
-                return finished
         elif self.cfg.trainer.val_before_train:
             self.initial_val = self.validate()
             self.tracker.log(self.initial_val, self.global_step)

@@ -36,6 +36,7 @@ from nemo_dapo.algo.sampling import DynamicSamplingExhausted, filter_metric, gro
 from nemo_dapo.cluster.streaming import StreamingEngines
 from nemo_dapo.safe_load import load_state
 from nemo_dapo.trainer.batching import batch_from_items
+from nemo_dapo.trainer.checkpoint import TRAINER_STATE
 from nemo_dapo.trainer.fit import DAPOTrainer
 from nemo_dapo.trainer.stages import add_stale_token_mask, score_batch
 from nemo_dapo.trainer.tracking import StageTimer
@@ -228,6 +229,6 @@ class StreamDAPOTrainer(DAPOTrainer):
         super().load_checkpoint(path)
         self.synced = self.global_step
         self.admitted = self.global_step * self.batch_groups
-        self.to_issue = deque(load_state(path / "trainer_state.pt")["stream_untrained"])
+        self.to_issue = deque(load_state(path / TRAINER_STATE)["stream_untrained"])
         self.reissued = len(self.to_issue)
         log.info("reissued %d prompts drawn but not trained before the checkpoint", self.reissued)

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
+from nemo_dapo.config import Config
+from nemo_dapo.config.topology import total_training_steps
+from nemo_dapo.safe_load import load_state
+from nemo_dapo.trainer.checkpoint import TRAINER_STATE, CheckpointError, CheckpointManager, verify
 from nemo_dapo.trainer.validation import mean_val_accuracy
 
 log = logging.getLogger(__name__)
@@ -34,11 +39,30 @@ def write_summary(
     return summary
 
 
-def finished_summary(output_dir: Path, step: int, total_steps: int, done: bool) -> dict | None:
-    """The summary of a run that was complete (``done``) with its summary written, marked
-    ``already_complete`` and left as it is, like the run's export; None otherwise."""
-    summary_file = output_dir / SUMMARY
-    if not (done and summary_file.is_file()):
+def completed_run(cfg: Config, dataset_size: Callable[[], int]) -> dict | None:
+    """The summary of a run found complete in ``trainer.output_dir``, marked ``already_complete``
+    and left as it is, like the run's export; None when the run has steps left (or has not begun).
+
+    Complete: its summary is written and the checkpoint it would resume from holds the last step
+    (or the spent ``trainer.total_generated_samples``). Known before Ray or a worker starts, from
+    the driver alone: of that checkpoint only ``trainer_state.pt`` is read, checked against the
+    manifest (the weights are not; the resumed trainer checks everything). A damaged state is
+    not complete here: the trainer then falls back to an older checkpoint and says so.
+    ``dataset_size`` is called only for a run counted in epochs."""
+    summary_file = Path(cfg.trainer.output_dir) / SUMMARY
+    manager = CheckpointManager(Path(cfg.trainer.output_dir) / "checkpoints")
+    resume = cfg.checkpoint.resume
+    candidates = [path for _, path in manager.step_folders()[:1]] if resume == "auto" else [Path(resume)]
+    if resume == "disable" or not summary_file.is_file() or not candidates:
+        return None
+    try:
+        state = load_state(verify(candidates[0], only=[TRAINER_STATE]) / TRAINER_STATE)
+    except CheckpointError:
+        return None
+    total_steps = total_training_steps(cfg, 0 if cfg.trainer.total_training_steps else dataset_size())
+    budget = cfg.trainer.total_generated_samples
+    step, generated = state["global_step"], state.get("generated_samples", 0)
+    if step < total_steps and (budget is None or generated < budget):
         return None
     log.info(
         "the run is already complete (step %d of %d): summary.json and hf_export are left as they are",
