@@ -31,51 +31,48 @@ def test_max_staleness_zero_reproduces_the_sync_first_update(workdir, sync_first
     assert assert_same_first_update(sync_first_step, workdir / "stream")["staleness/token_lag/max"] == 0
 
 
-def test_stream_learns_filters_groups_as_they_arrive_and_bounds_staleness(workdir):
-    out = workdir / "stream"
-    done = train(out, *STREAM, "trainer.total_training_steps=40", "trainer.test_freq=20", "trainer.save_freq=40")
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    steps = [r for r in records(out / "metrics.jsonl") if "stream/engine_busy" in r]
-    assert len(steps) == 40
-    # learning, on two measures: held-out accuracy (320 samples, sd ~0.025 at each end; 3 seeds of
-    # bench/trainer_modes.py gained 0.051 +- 0.016 in 30 steps) and the trained batches' score
-    first, last = (sum(r["critic/score/mean"] for r in part) / 10 for part in (steps[:10], steps[-10:]))
-    assert summary["final_val_acc"] > summary["initial_val_acc"] + 0.02 and last > first + 0.05, (summary, first, last)
-    assert all(r["staleness/lag/max"] <= 1 for r in steps)  # max_staleness=1, the preset's
-    assert sum(r["staleness/lag/mean"] for r in steps) > 10  # generation overlapped training
-    assert all(0 < r["stream/engine_busy"] <= 1 for r in steps)
-    prompts = records(out / "prompts.jsonl")
-    trained = [row for r in prompts for row in r["trained"]]
-    filtered = [row for r in prompts for row in r["filtered"]]
-    consumed = [row for r in prompts for row in r["consumed"]]
-    assert all(len(r["trained"]) == 32 for r in prompts)  # the tiny preset's train_batch_size
-    assert filtered, "no group without signal arrived in 40 steps"
-    assert steps[-1]["stream/filtered_groups"] == len(filtered)
-    assert not Counter(trained) + Counter(filtered) - Counter(consumed)  # none trained or dropped twice
-
-
 def latest_state(out):
     folders = sorted((out / "checkpoints").glob("global_step_*"), key=lambda p: int(p.name.split("_")[-1]))
     return torch.load(folders[-1] / "trainer_state.pt", weights_only=False)
 
 
-def test_sigkill_then_resume_with_samples_in_flight_loses_and_repeats_nothing(workdir):
-    out = workdir / "run"
-    steps = [*STREAM, "trainer.save_freq=2", *SMALL]
-    sigkill_after_checkpoint(out, steps, total_steps=8, at_step=4)
+def test_stream_learns_filters_as_groups_arrive_bounds_staleness_and_loses_nothing_across_a_sigkill(workdir):
+    """40 steps of the tiny preset streamed, SIGKILLed (the whole process group) once checkpoint
+    10 exists and resumed to the end: it learns with dynamic sampling inside the stream, keeps
+    max_staleness=1 with generation overlapping training, and every row in flight at the
+    checkpoint is trained, filtered or still waiting, none trained or dropped twice."""
+    out = workdir / "stream"
+    run = [*STREAM, "trainer.test_freq=20", "trainer.save_freq=10"]
+    sigkill_after_checkpoint(out, run, total_steps=40, at_step=10)
     at_kill = latest_state(out)
     untrained = at_kill["stream_untrained"]
     assert untrained, "nothing was in flight at the checkpoint"
-    resumed = train(out, "trainer.total_training_steps=8", *steps)
+    resumed = train(out, "trainer.total_training_steps=40", *run)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"reissued {len(untrained)} prompts" in resumed.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    steps = list(last_per_step([r for r in records(out / "metrics.jsonl") if "stream/engine_busy" in r]).values())
+    assert len(steps) == 40
+    # learning, on two measures: held-out accuracy (320 samples, sd ~0.025 at each end) and the
+    # trained batches' score; this run at seeds 1-5 gained +0.065 to +0.106 and +0.050 to +0.161
+    first, last = (sum(r["critic/score/mean"] for r in part) / 10 for part in (steps[:10], steps[-10:]))
+    assert summary["final_val_acc"] > summary["initial_val_acc"] + 0.02 and last > first + 0.03, (summary, first, last)
+    assert all(r["staleness/lag/max"] <= 1 for r in steps)  # max_staleness=1, the preset's
+    assert sum(r["staleness/lag/mean"] for r in steps) > 10  # generation overlapped training
+    assert all(0 < r["stream/engine_busy"] <= 1 for r in steps)
+
     by_step = last_per_step(records(out / "prompts.jsonl"))
-    assert sorted(by_step) == list(range(1, 9))
-    trained = [row for step in sorted(by_step) for row in by_step[step]["trained"]]
-    assert len(trained) == len(set(trained)) == 8 * 8  # every trained prompt exactly once, 8 per step
-    after = {row for step in range(at_kill["global_step"] + 1, 9) for row in by_step[step]["trained"]}
-    after |= {row for step in range(at_kill["global_step"] + 1, 9) for row in by_step[step]["filtered"]}
+    assert sorted(by_step) == list(range(1, 41))
+    prompts = [by_step[step] for step in sorted(by_step)]
+    trained = [row for r in prompts for row in r["trained"]]
+    filtered = [row for r in prompts for row in r["filtered"]]
+    consumed = [row for r in prompts for row in r["consumed"]]
+    assert all(len(r["trained"]) == 32 for r in prompts)  # the tiny preset's train_batch_size
+    assert filtered, "no group without signal arrived in 40 steps"
+    resumed_filtered = [row for r in prompts[at_kill["global_step"] :] for row in r["filtered"]]
+    assert steps[-1]["stream/filtered_groups"] == len(resumed_filtered)  # counted by the resumed run
+    assert not Counter(trained) + Counter(filtered) - Counter(consumed)  # none trained or dropped twice
+    after = {row for r in prompts[at_kill["global_step"] :] for row in r["trained"] + r["filtered"]}
     left = set(latest_state(out)["stream_untrained"])
     assert set(untrained) <= after | left  # what was in flight was trained, filtered, or is still waiting
 
