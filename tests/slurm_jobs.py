@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -53,21 +54,27 @@ class Job:
             )
             time.sleep(0.5)
 
-    def release_requeued(self, restarts: int) -> None:
+    def release_requeued(self, restarts: int, gone: Callable[[], bool] = lambda: True) -> None:
         """Start the requeued job now: Slurm may hold a requeued job for about two minutes
         (BeginTime), which also lets its last run's processes end; released at once, it must wait
         for its nodes to finish that (a node still completing the old run refuses the new one's
-        credential). A job Slurm started again on its own is left as it is."""
+        credential), for ``gone``, the processes Slurm does not track (daemons the last run
+        started, such as a Ray head, whose port and folder the next run reuses), and start in a
+        later second than the requeue: slurmd refuses a credential made in the second its job's
+        last one was revoked ("Job credential revoked", the job failed). A job Slurm started
+        again on its own is left as it is."""
         self.wait_for(
             f"requeue #{restarts}",
             lambda: self.field("Restarts") == str(restarts) and self.field("JobState") in ("PENDING", "RUNNING"),
         )
         if self.field("JobState") == "RUNNING":
             return
+        revoked = time.time()
         self.wait_for(
             "its nodes to finish the last run",
-            lambda: not self.run("sinfo", "--noheader", "--states=completing", "--format=%N").strip(),
+            lambda: not self.run("sinfo", "--noheader", "--states=completing", "--format=%N").strip() and gone(),
         )
+        time.sleep(max(0.0, revoked + 2 - time.time()))
         command = [*self.prefix, "scontrol", "update", f"JobId={self.id}", "StartTime=now"]
         done = subprocess.run(command, capture_output=True, text=True, env=self.env, timeout=60)
         # the hold may have ended on its own in between: then the job is already starting

@@ -197,6 +197,22 @@ def test_dapo_spans_two_nodes_and_learns_like_one(cluster, tmp_path):
         assert metric(out / "metrics.jsonl", 1, name) == metric(local / "metrics.jsonl", 1, name), name
 
 
+def ray_leftovers(job: Job, nodes: list[str]) -> list[str]:
+    """Processes of the job's Ray (its session folder /tmp/ray_<job id> in their arguments) still
+    alive on ``nodes`` (a node is a network namespace: its processes are that namespace's)."""
+    found = []
+    for node in nodes:
+        pids = subprocess.run(["ip", "netns", "pids", f"nd-{node}"], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if f"/tmp/ray_{job.id}" in command:
+                found.append(f"{node}: {command[:120]}")
+    return found
+
+
 def run_section(log: str, restart: int) -> str:
     """What the batch script printed in one run of the job (restart 0, 1, ...)."""
     return log.split("dapo: restart ")[restart + 1]
@@ -221,6 +237,7 @@ def test_a_job_survives_a_stop_signal_dead_nodes_an_outside_requeue_and_sigterm(
         *TWO_NODES,
         "actor.num_workers=2",
         "actor.megatron.pipeline_model_parallel_size=2",
+        "rollout.tensor_parallel_size=1",  # a TP=2 engine across nodes: the two-node test's
         f"trainer.total_training_steps={total}",
         "trainer.save_freq=2",
         "checkpoint.keep_last=3",
@@ -237,17 +254,24 @@ def test_a_job_survives_a_stop_signal_dead_nodes_an_outside_requeue_and_sigterm(
         assert job.field("JobState") == "RUNNING", "the run finished before the next incident"
         return resumed
 
+    def release(restarts: int) -> None:
+        job.release_requeued(restarts, gone=lambda: not ray_leftovers(job, list(NODES)))
+
     def node_lost(node: str, restarts: int) -> None:
-        """Release the requeued job once Slurm knows the node is down (else it may place it there)."""
-        job.wait_for(f"{node} down", lambda: "down" in cluster.node_state(node), timeout=120)
-        job.release_requeued(restarts)
+        """Once the job is requeued, tell Slurm the node is down, as a cluster's node health check
+        does (Slurm's own detection waits out SlurmdTimeout), and release the job: it must not be
+        placed on the dead node."""
+        job.wait_for(f"requeue #{restarts}", lambda: job.field("Restarts") == str(restarts))
+        job.run("scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=killed by the test")
+        assert "down" in cluster.node_state(node)
+        release(restarts)
 
     try:
         # 1. USR1 to the batch shell (the time-limit warning): checkpoint, exit 3, requeue
         job.wait_for("first checkpoint", lambda: newest_checkpoint(ckpt) >= 2, timeout=300)
         assert placed_on(job.log(), 0) == {"n1", "n2"}
         job.run("scancel", "--batch", "--signal=USR1", job.id)
-        job.release_requeued(restarts=1)
+        release(restarts=1)
         stop = json.loads((ckpt / "preemptions.jsonl").read_text().splitlines()[0])
         assert stop["signal"] == "SIGUSR1"
         # 2. the second node dies: the trainer fails (exit 1), the job requeues itself once
@@ -265,7 +289,7 @@ def test_a_job_survives_a_stop_signal_dead_nodes_an_outside_requeue_and_sigterm(
         # 4. SIGTERM to every process of the job, batch shell and Ray included
         after_new_checkpoint(3)
         job.run("scancel", "--full", "--signal=TERM", job.id)
-        job.release_requeued(restarts=4)
+        release(restarts=4)
         job.wait_for("completion", lambda: job.field("JobState") == "COMPLETED", timeout=400)
     finally:
         job.run("scancel", job.id)
