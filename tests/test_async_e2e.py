@@ -18,14 +18,14 @@ pytestmark = pytest.mark.slow
 
 
 def test_async_run_learns_bounds_staleness_and_trains_each_inflight_prompt_once_across_a_sigkill(workdir):
-    """40 steps of the tiny preset, SIGKILLed (the whole process group) once checkpoint 10 exists
+    """80 steps of the tiny preset, SIGKILLed (the whole process group) once checkpoint 20 exists
     and resumed to the end: it learns, respects max_staleness=1 with generation overlapping
     training, and the prompts in flight at the checkpoint are reissued and trained, every
     trained prompt exactly once."""
     out = workdir / "async"
-    run = ["trainer.mode=async", "trainer.test_freq=20", "trainer.save_freq=10"]
-    sigkill_after_checkpoint(out, run, total_steps=40, at_step=10)
-    at_kill = torch.load(out / "checkpoints" / "global_step_10" / "trainer_state.pt", weights_only=False)
+    run = ["trainer.mode=async", "trainer.test_freq=0", "trainer.save_freq=20"]
+    sigkill_after_checkpoint(out, run, total_steps=80, at_step=20)
+    at_kill = torch.load(out / "checkpoints" / "global_step_20" / "trainer_state.pt", weights_only=False)
     inflight = {
         key
         for tags in at_kill["data_plane"]["tags"].values()
@@ -33,26 +33,25 @@ def test_async_run_learns_bounds_staleness_and_trains_each_inflight_prompt_once_
         if tag.get("is_prompt") and tag["status"] in ("pending", "running")
     }
     assert inflight, "nothing was in flight at the checkpoint"
-    resumed = train(out, "trainer.total_training_steps=40", *run)
+    resumed = train(out, "trainer.total_training_steps=80", *run)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     rows = list(last_per_step([r for r in records(out / "metrics.jsonl") if "staleness/lag/max" in r]).values())
-    assert len(rows) == 40
-    # learning, read where it is measured precisely: the trained batches' score (2,560 samples at
-    # each end; this run at seeds 1-5 gained 0.058-0.124). Held-out accuracy (320 samples) moves
-    # -0.016 to +0.115 in 40 async steps at those seeds (uninterrupted: +0.018 to +0.063), so it
-    # is held only to not falling below its start beyond that noise.
+    assert len(rows) == 80
+    # learning, on two measures: the trained batches' score (first and last 10 steps) and held-out
+    # accuracy (200 problems x 4). This run at seeds 1-5 gained +0.150 to +0.268 and +0.019 to
+    # +0.141 (40 steps gained -0.016 to +0.115 held-out: too few to tell learning from noise).
     first, last = (sum(r["critic/score/mean"] for r in part) / 10 for part in (rows[:10], rows[-10:]))
-    assert last > first + 0.04 and summary["final_val_acc"] > summary["initial_val_acc"] - 0.03, (summary, first, last)
+    assert last > first + 0.1 and summary["final_val_acc"] > summary["initial_val_acc"], (summary, first, last)
     assert all(r["staleness/lag/max"] <= 1 for r in rows)  # max_staleness=1 is respected
-    assert sum(r["staleness/lag/mean"] for r in rows) > 30  # generation really overlapped training
+    assert sum(r["staleness/lag/mean"] for r in rows) > 60  # generation really overlapped training
 
     assert "reissued" in resumed.stderr
     by_step = last_per_step(records(out / "prompts.jsonl"))
-    assert sorted(by_step) == list(range(1, 41))
+    assert sorted(by_step) == list(range(1, 81))
     trained = [key for step in sorted(by_step) for key in by_step[step]["prompt_keys"]]
     prompt_ids = [key.split("#")[0] for key in trained]
-    assert len(prompt_ids) == len(set(prompt_ids)) == 40 * 32  # every trained prompt exactly once, 32 per step
+    assert len(prompt_ids) == len(set(prompt_ids)) == 80 * 32  # every trained prompt exactly once, 32 per step
     reissued = [key for key in trained if key.endswith("#2")]
     assert reissued, "the prompts in flight at the checkpoint were not reissued"
     assert {key.split("#")[0] for key in reissued} <= inflight  # second attempts: of those only

@@ -37,38 +37,40 @@ def latest_state(out):
 
 
 def test_stream_learns_filters_as_groups_arrive_bounds_staleness_and_loses_nothing_across_a_sigkill(workdir):
-    """40 steps of the tiny preset streamed, SIGKILLed (the whole process group) once checkpoint
-    10 exists and resumed to the end: it learns with dynamic sampling inside the stream, keeps
+    """80 steps of the tiny preset streamed, SIGKILLed (the whole process group) once checkpoint
+    20 exists and resumed to the end: it learns with dynamic sampling inside the stream, keeps
     max_staleness=1 with generation overlapping training, and every row in flight at the
     checkpoint is trained, filtered or still waiting, none trained or dropped twice."""
     out = workdir / "stream"
-    run = [*STREAM, "trainer.test_freq=20", "trainer.save_freq=10"]
-    sigkill_after_checkpoint(out, run, total_steps=40, at_step=10)
+    run = [*STREAM, "trainer.test_freq=0", "trainer.save_freq=20"]
+    sigkill_after_checkpoint(out, run, total_steps=80, at_step=20)
     at_kill = latest_state(out)
     untrained = at_kill["stream_untrained"]
     assert untrained, "nothing was in flight at the checkpoint"
-    resumed = train(out, "trainer.total_training_steps=40", *run)
+    resumed = train(out, "trainer.total_training_steps=80", *run)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"reissued {len(untrained)} prompts" in resumed.stderr
     summary = json.loads((out / "summary.json").read_text())
     steps = list(last_per_step([r for r in records(out / "metrics.jsonl") if "stream/engine_busy" in r]).values())
-    assert len(steps) == 40
-    # learning, on two measures: held-out accuracy (320 samples, sd ~0.025 at each end) and the
-    # trained batches' score; this run at seeds 1-5 gained +0.065 to +0.106 and +0.050 to +0.161
+    assert len(steps) == 80
+    # learning, on two measures: held-out accuracy (200 problems x 4) and the trained batches'
+    # score (first and last 10 steps). This run gained +0.090 to +0.158 and +0.172 to +0.226 at
+    # seeds 1-4 (seed 1 three times: arrivals depend on timing); 40 steps gained +0.003 to +0.106
+    # and +0.019 to +0.161, too few to tell learning from noise.
     first, last = (sum(r["critic/score/mean"] for r in part) / 10 for part in (steps[:10], steps[-10:]))
-    assert summary["final_val_acc"] > summary["initial_val_acc"] + 0.02 and last > first + 0.03, (summary, first, last)
+    assert summary["final_val_acc"] > summary["initial_val_acc"] + 0.05 and last > first + 0.1, (summary, first, last)
     assert all(r["staleness/lag/max"] <= 1 for r in steps)  # max_staleness=1, the preset's
-    assert sum(r["staleness/lag/mean"] for r in steps) > 10  # generation overlapped training
+    assert sum(r["staleness/lag/mean"] for r in steps) > 20  # generation overlapped training
     assert all(0 < r["stream/engine_busy"] <= 1 for r in steps)
 
     by_step = last_per_step(records(out / "prompts.jsonl"))
-    assert sorted(by_step) == list(range(1, 41))
+    assert sorted(by_step) == list(range(1, 81))
     prompts = [by_step[step] for step in sorted(by_step)]
     trained = [row for r in prompts for row in r["trained"]]
     filtered = [row for r in prompts for row in r["filtered"]]
     consumed = [row for r in prompts for row in r["consumed"]]
     assert all(len(r["trained"]) == 32 for r in prompts)  # the tiny preset's train_batch_size
-    assert filtered, "no group without signal arrived in 40 steps"
+    assert filtered, "no group without signal arrived in 80 steps"
     resumed_filtered = [row for r in prompts[at_kill["global_step"] :] for row in r["filtered"]]
     assert steps[-1]["stream/filtered_groups"] == len(resumed_filtered)  # counted by the resumed run
     assert not Counter(trained) + Counter(filtered) - Counter(consumed)  # none trained or dropped twice
