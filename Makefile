@@ -22,7 +22,7 @@ train: $(STAMP)
 	$(BIN)/nemo-dapo train $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
 
 # Re-resolve pyproject.toml in a scratch venv and record it in tools/cpu-lock.txt (then run `make test`)
 lock:

@@ -1,12 +1,15 @@
-"""Shared fixtures: the tiny model is built once per machine (cached) and reused by every test."""
+"""Shared fixtures: the tiny model is built once per machine (cached) and reused by every test; one
+local Ray serves the modules that need one."""
 
 import os
+import sys
 
 import pytest
 
 from nemo_dapo.cluster.ray_env import apply_loopback_env
 
 apply_loopback_env()  # before any test imports ray / vllm / torch.distributed
+pytest_plugins = ["tests.lanes"]  # `make test` runs in two lanes
 
 
 @pytest.fixture(scope="session")
@@ -68,3 +71,22 @@ def smollm2_dir():
     from nemo_dapo.model.smollm2 import ensure_smollm2
 
     return ensure_smollm2()
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """The pytest process's Ray on loopback (4 CPUs): started by the first module that asks, kept
+    for the next (each module shuts its worker groups down), stopped at the end of the session.
+    A module that needs another Ray (test_colocation's GPUs) stops this one first."""
+    from nemo_dapo.cluster.ray_env import init_ray
+
+    return init_ray(num_cpus=4)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stop_ray_at_the_end():
+    yield
+    if "ray" in sys.modules:
+        from nemo_dapo.cluster.ray_env import shutdown_ray
+
+        shutdown_ray()

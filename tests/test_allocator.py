@@ -6,7 +6,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from nemo_dapo.cluster.allocator import REUSE_FREED_MEMORY, allocator_env, keeps_freed_memory
+
+pytestmark = pytest.mark.quiet  # counts page faults
 
 # frees and reallocates ten 40 MB blocks (above glibc's largest default mmap threshold, 32 MiB, as
 # a vocabulary's logit chunk is) as a training pass frees its activations; prints the minor page

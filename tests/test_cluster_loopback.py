@@ -11,14 +11,6 @@ from nemo_dapo.trainer.batching import build_rollout_batch
 from tests.listeners import is_loopback, our_listeners
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
-
-    yield init_ray(num_cpus=4)
-    shutdown_ray()
-
-
 def policy_group(model_dir, dp):
     from nemo_dapo.cluster.groups import PolicyGroup
     from nemo_dapo.cluster.worker_group import WorkerGroup
@@ -56,7 +48,7 @@ def chat_prompts(tokenizer, questions):
     ]
 
 
-def test_placement_that_cannot_fit_fails_clearly(ray_cluster, tiny_model_dir):
+def test_placement_that_cannot_fit_fails_clearly(local_ray, tiny_model_dir):
     from nemo_dapo.cluster.worker_group import WorkerGroup
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
 
@@ -64,7 +56,7 @@ def test_placement_that_cannot_fit_fails_clearly(ray_cluster, tiny_model_dir):
         WorkerGroup(TorchPolicyWorker, 9, name="too_big", placement_timeout_s=3, worker_kwargs={})
 
 
-def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(ray_cluster, tiny_model_dir, tiny_tokenizer, tmp_path):
+def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(local_ray, tiny_model_dir, tiny_tokenizer, tmp_path):
     import ray
 
     rollout = rollout_group(tiny_model_dir)
@@ -114,7 +106,7 @@ def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(ray_cluster, tiny_
         group.workers.shutdown()
 
 
-def test_a_tp2_engine_takes_the_streamed_weights(ray_cluster, tiny_model_dir, tiny_tokenizer):
+def test_a_tp2_engine_takes_the_streamed_weights(local_ray, tiny_model_dir, tiny_tokenizer):
     """A TP=2 engine runs its ranks in processes of their own, so every bucket of a weight sync
     crosses vLLM's executor: after the sync it samples from the updated policy, each token's
     log-prob the policy's own."""

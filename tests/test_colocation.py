@@ -83,8 +83,10 @@ def test_separate_groups_must_fit_the_job_side_by_side():
 # ----------------------------------------------------------------- real Ray with 2 declared GPUs
 @pytest.fixture(scope="module")
 def two_gpu_ray():
+    """A Ray of its own that declares 2 GPUs (the shared local Ray, if running, is stopped)."""
     from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
 
+    shutdown_ray()
     ray = init_ray(num_cpus=4, num_gpus=2)
     assert ray.cluster_resources()["GPU"] == 2
     yield ray

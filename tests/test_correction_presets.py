@@ -19,9 +19,8 @@ PRESET_METRICS = {
 
 
 @pytest.fixture(scope="module")
-def components(tiny_model_dir, tiny_tokenizer):
+def components(local_ray, tiny_model_dir, tiny_tokenizer):
     from nemo_dapo.cluster.groups import PolicyGroup, RolloutGroup
-    from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
     from nemo_dapo.cluster.worker_group import WorkerGroup
     from nemo_dapo.data import RLDataset
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
@@ -29,7 +28,6 @@ def components(tiny_model_dir, tiny_tokenizer):
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
     cfg = resolve_paths(load_config("tiny_cpu"))
-    init_ray(num_cpus=2)
     policy = PolicyGroup(
         WorkerGroup(
             TorchPolicyWorker,
@@ -46,7 +44,8 @@ def components(tiny_model_dir, tiny_tokenizer):
     data = RLDataset(cfg.data.train_files, tiny_tokenizer, max_prompt_length=64)
     with RewardManager("math_dapo", max_response_length=16, overlong_enable=True, buffer_len=8) as reward:
         yield policy, rollout, data, reward
-    shutdown_ray()
+    policy.workers.shutdown()
+    rollout.workers.shutdown()
 
 
 @pytest.mark.parametrize("name", sorted(PRESET_METRICS))

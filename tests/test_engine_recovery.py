@@ -16,22 +16,14 @@ from nemo_dapo.policy.base import LossSettings, WorkerSettings
 from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.trainer.batching import build_rollout_batch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.quiet]  # 6-second call deadlines
 GREEDY = SamplingSettings(n=1, temperature=0.0, max_tokens=12)
 QUESTIONS = ["12+3", "45-7", "99+9", "3-8"]
 TIMEOUT_S = 6
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
-
-    yield init_ray(num_cpus=4)
-    shutdown_ray()
-
-
-@pytest.fixture(scope="module")
-def groups(ray_cluster, tiny_model_dir):
+def groups(local_ray, tiny_model_dir):
     """One policy rank, trained one step (its weights are no longer the engines' base model), and
     two engines given those weights (version 1)."""
     from nemo_dapo.cluster.groups import PolicyGroup, RolloutGroup

@@ -18,6 +18,7 @@ requires_megatron = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed (optional 'megatron' extra)"
 )
 FP32_TOLERANCE = 1e-4
+pytestmark = pytest.mark.quiet  # four SmolLM2 copies in memory
 
 
 def test_import_keeps_license_provenance_and_tokenizer_ids(smollm2_dir):

@@ -1,21 +1,15 @@
 """The driver never hangs on a worker group: a silent worker times out and a dead one fails at
-once, both naming the group, the call, the ranks and where their logs are. Its own Ray cluster:
-the groups of other modules must not hold the CPUs these workers are placed on."""
+once, both naming the group, the call, the ranks and where their logs are. (The local Ray is
+shared: every module shuts its groups down, so none holds the CPUs these workers need.)"""
 
 from pathlib import Path
 
 import pytest
 
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
-
-    yield init_ray(num_cpus=2)
-    shutdown_ray()
+pytestmark = pytest.mark.quiet  # 3-second call deadlines
 
 
-def test_a_silent_or_dead_worker_fails_the_call_naming_group_call_and_rank(ray_cluster, tmp_path):
+def test_a_silent_or_dead_worker_fails_the_call_naming_group_call_and_rank(local_ray, tmp_path):
     from nemo_dapo.cluster.worker_group import WorkerGroup
     from nemo_dapo.errors import RemoteCallError
     from tests.flaky_worker import Napper

@@ -18,7 +18,7 @@ from tests.train_runs import (
     train,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.quiet]  # arrivals, and so what is learned, depend on timing
 STREAM = ["trainer.mode=stream"]
 
 

@@ -13,6 +13,9 @@ from nemo_dapo.policy.inputs import worker_inputs
 from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.trainer.batching import build_rollout_batch
 
+pytestmark = pytest.mark.quiet  # an engine's starved and busy time
+
+
 TOLERANCE = 1e-4  # float32 engine and policy; the sync test observes ~3e-6
 RAMBLING = SamplingSettings(n=4, temperature=2.0, max_tokens=96)  # hot enough to rarely stop early
 

@@ -1,7 +1,6 @@
 """Every worker computes on the cores it was given, not on the one thread Ray's
 ``OMP_NUM_THREADS=1`` would leave it."""
 
-import pytest
 import torch
 
 from nemo_dapo.cluster.allocator import REUSE_FREED_MEMORY
@@ -30,15 +29,6 @@ def test_workers_per_node_follow_the_layout():
     assert workers_per_node(spread, 2) == 1 and workers_per_node(spread, 3) == 2  # a node's share of the group
     gpu = load_config("tiny_cpu", ["trainer.n_gpus_per_node=8"])
     assert workers_per_node(gpu, 16) == 8 and workers_per_node(gpu, 4, gpus_per_worker=4) == 2
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
-
-    ray = init_ray(num_cpus=4)
-    yield ray
-    shutdown_ray()
 
 
 def remote_threads(group) -> list[int]:
