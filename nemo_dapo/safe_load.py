@@ -9,7 +9,12 @@ which builds tensors, containers and plain values only, plus the pieces of a Num
 
 from __future__ import annotations
 
+import io
 import pickle
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,18 +47,41 @@ def load_state(path: str | Path) -> Any:
         ) from None
 
 
+# Every global a torch.distributed.checkpoint ``.metadata`` pickle is made of, as (module, name):
+# the metadata dataclasses and enums, the save plan megatron-core caches in it (its planner
+# data), the file-system reader's storage record, tensor sizes, the layout helper and the
+# checkpoint id's path. Exact pairs: a dotted name ("os.system" looked up in a module that
+# imports os) or another function of the package matches none of them.
+DCP_METADATA_GLOBALS = frozenset(
+    [
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ]
+    + [
+        ("torch.distributed.checkpoint.planner", name)
+        for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
+    ]
+    + [("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size")]
+    + [("torch.serialization", "_get_layout")]
+    + [("pathlib", name) for name in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")]
+)
+
+
 def _allowed_in_dcp_metadata(module: str, name: str) -> bool:
-    """The classes torch.distributed.checkpoint's ``.metadata`` pickle is made of (dataclasses and
-    enums of that package, tensor sizes and dtypes, the checkpoint's path)."""
     import torch
 
-    if module.startswith("torch.distributed.checkpoint."):
+    if (module, name) in DCP_METADATA_GLOBALS:
         return True
-    if module == "torch":
-        return name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
-    if module == "pathlib":
-        return name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
-    return (module, name) == ("torch.serialization", "_get_layout")
+    return module == "torch" and name.isidentifier() and isinstance(getattr(torch, name, None), torch.dtype)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -63,39 +91,76 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def check_distributed_checkpoint(folder: str | Path) -> None:
-    """Refuse a torch.distributed.checkpoint folder (Megatron's torch_dist format) whose loading
-    could run code: torch reads its ``.metadata`` with ``pickle`` and its byte items (e.g. layers'
-    extra state) with ``torch.load(weights_only=False)``. Both are read here first the safe way:
-    the metadata with an unpickler that builds only the checkpoint package's own classes, each
-    byte item with ``weights_only=True``."""
-    import io
+CHECKED_ITEMS = "checked_byte_items.bin"  # the staged copy of a checkpoint's byte items
 
-    import torch
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    folder = Path(folder)
-    path = folder / ".metadata"
+@contextmanager
+def checked_distributed_checkpoint(folder: str | Path) -> Iterator[Path]:
+    """A private copy of what loading a torch.distributed.checkpoint folder (Megatron's torch_dist
+    format) unpickles, checked, for torch and megatron-core to load from instead of ``folder``.
+
+    torch reads the ``.metadata`` with ``pickle`` and each byte item (e.g. layers' extra state)
+    with ``torch.load(weights_only=False)``: either could run code. Here the metadata is parsed
+    once with an unpickler that builds only the classes above, each byte item is read once and
+    loaded with ``weights_only=True``, and the bytes checked are the bytes loaded: the metadata
+    (pointing its byte items at a staged copy of them) and the small files are written to a
+    private folder, the tensor files linked (torch reads tensors with ``weights_only=True``). A
+    file replaced in ``folder`` after the check is therefore never unpickled. The folder is
+    removed on exit."""
+    source = Path(folder)
+    staging = Path(tempfile.mkdtemp(prefix="nemo_dapo_checked_"))
     try:
-        with open(path, "rb") as handle:
-            metadata = _MetadataUnpickler(handle).load()
+        metadata = _read_metadata(source / ".metadata")
+        _stage_byte_items(source, metadata, staging / CHECKED_ITEMS)
+        (staging / ".metadata").write_bytes(pickle.dumps(metadata))
+        for entry in source.iterdir():
+            if entry.name == ".metadata":
+                continue
+            if not entry.is_file() or entry.is_symlink():
+                raise UnsafeCheckpointFile(f"{entry}: not a plain file; a checkpoint nemo-dapo wrote holds none")
+            if entry.suffix == ".distcp":
+                (staging / entry.name).symlink_to(entry.resolve())
+            else:
+                (staging / entry.name).write_bytes(entry.read_bytes())
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _read_metadata(path: Path) -> Any:
+    try:
+        return _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
     except pickle.UnpicklingError as err:
         raise UnsafeCheckpointFile(
             f"{path}: refused to load: {err}; a checkpoint nemo-dapo wrote holds only torch's checkpoint "
             "classes there: it was altered; resume from another one or move it away"
         ) from None
+
+
+def _stage_byte_items(source: Path, metadata: Any, staged: Path) -> None:
+    """Copy each byte item once into ``staged``, checked, and point the metadata at the copy."""
+    import dataclasses
+
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
     byte_items = {key for key, item in metadata.state_dict_metadata.items() if isinstance(item, BytesStorageMetadata)}
-    for index, info in metadata.storage_data.items():
-        if index.fqn not in byte_items:
-            continue
-        with open(folder / info.relative_path, "rb") as handle:
-            handle.seek(info.offset)
-            data = handle.read(info.length)
-        try:
-            torch.load(io.BytesIO(data), weights_only=True)
-        except pickle.UnpicklingError as err:
-            raise UnsafeCheckpointFile(
-                f"{folder / info.relative_path}: refused to load its item {index.fqn}: it holds Python objects "
-                f"whose loading could run code ({str(err).strip().splitlines()[0][:200]}); the checkpoint was "
-                "altered; resume from another one or move it away"
-            ) from None
+    with open(staged, "wb") as out:
+        for index, info in metadata.storage_data.items():
+            if index.fqn not in byte_items:
+                continue
+            with open(source / Path(info.relative_path).name, "rb") as handle:
+                handle.seek(info.offset)
+                data = handle.read(info.length)
+            try:
+                torch.load(io.BytesIO(data), weights_only=True)
+            except pickle.UnpicklingError as err:
+                raise UnsafeCheckpointFile(
+                    f"{source / info.relative_path}: refused to load its item {index.fqn}: it holds Python objects "
+                    f"whose loading could run code ({str(err).strip().splitlines()[0][:200]}); the checkpoint was "
+                    "altered; resume from another one or move it away"
+                ) from None
+            metadata.storage_data[index] = dataclasses.replace(
+                info, relative_path=CHECKED_ITEMS, offset=out.tell(), length=len(data)
+            )
+            out.write(data)

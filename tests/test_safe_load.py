@@ -1,22 +1,19 @@
 """Checkpoint files load without running anything: a planted pickle is refused, naming the file."""
 
-import os
+import pickle
 
 import numpy as np
 import pytest
 import torch
 
-from nemo_dapo.safe_load import UnsafeCheckpointFile, check_distributed_checkpoint, load_state
-
-
-class Planted:
-    """What an attacker would put in a shared checkpoint folder: unpickling it runs a command."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
+from nemo_dapo.safe_load import (
+    CHECKED_ITEMS,
+    UnsafeCheckpointFile,
+    _MetadataUnpickler,
+    checked_distributed_checkpoint,
+    load_state,
+)
+from tests.planted import Planted, UnpicklesAFile, dotted_name_payload
 
 
 def test_trainer_and_rng_states_load_and_a_planted_pickle_does_not_run(tmp_path):
@@ -41,18 +38,53 @@ def test_trainer_and_rng_states_load_and_a_planted_pickle_does_not_run(tmp_path)
     assert not marker.exists()
 
 
-def test_a_distributed_checkpoint_is_read_safely_first(tmp_path):
-    import pickle
-
+def _dcp_folder(tmp_path, extra):
     import torch.distributed.checkpoint as dcp
 
     folder = tmp_path / "megatron"
-    dcp.save(
-        {"weight": torch.arange(4.0), "extra": {"layer": "state", "n": 3}}, checkpoint_id=str(folder), no_dist=True
-    )
-    check_distributed_checkpoint(folder)  # what torch_dist writes passes
+    dcp.save({"weight": torch.arange(4.0), "extra": extra}, checkpoint_id=str(folder), no_dist=True)
+    return folder
+
+
+def _load(folder):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"weight": torch.zeros(4), "extra": {"layer": None, "n": None}}
+    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    return state
+
+
+def test_a_distributed_checkpoint_loads_from_a_checked_copy_and_a_file_swapped_after_the_check_is_not_read(tmp_path):
+    folder = _dcp_folder(tmp_path, {"layer": "state", "n": 3})
     marker = tmp_path / "ran"
-    (folder / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
-    with pytest.raises(UnsafeCheckpointFile, match=r"\.metadata: refused to load: global posix\.system is not allowed"):
-        check_distributed_checkpoint(folder)
+    with checked_distributed_checkpoint(folder) as checked:
+        (folder / ".metadata").write_bytes(pickle.dumps(Planted(marker)))  # swapped once checked
+        state = _load(checked)
+        staged = _MetadataUnpickler(open(checked / ".metadata", "rb")).load()
+    assert torch.equal(state["weight"], torch.arange(4.0)) and state["extra"] == {"layer": "state", "n": 3}
+    assert not marker.exists() and not checked.exists()
+    byte_items = [info for index, info in staged.storage_data.items() if index.fqn.startswith("extra.")]
+    assert byte_items and all(info.relative_path == CHECKED_ITEMS for info in byte_items)
+
+
+@pytest.mark.parametrize("payload", ["module function", "dotted name", "package function", "byte item"])
+def test_a_distributed_checkpoint_that_would_run_code_is_refused_and_runs_nothing(tmp_path, payload):
+    marker = tmp_path / "ran"
+    folder = _dcp_folder(tmp_path, Planted(marker) if payload == "byte item" else {"n": 3})
+    if payload == "module function":
+        (folder / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
+    elif payload == "dotted name":
+        (folder / ".metadata").write_bytes(dotted_name_payload(marker))
+    elif payload == "package function":
+        torch.save({"x": Planted(marker)}, tmp_path / "planted.pt")
+        (folder / ".metadata").write_bytes(pickle.dumps(UnpicklesAFile(tmp_path / "planted.pt", tmp_path / "out")))
+    refused = {
+        "module function": r"\.metadata: refused to load: global posix\.system is not allowed",
+        "dotted name": r"global torch\.distributed\.checkpoint\.filesystem\.os\.system is not allowed",
+        "package function": r"global torch\.distributed\.checkpoint\.format_utils\.torch_save_to_dcp is not allowed",
+        "byte item": r"refused to load its item extra: it holds Python objects",
+    }[payload]
+    with pytest.raises(UnsafeCheckpointFile, match=refused):
+        with checked_distributed_checkpoint(folder):
+            pass
     assert not marker.exists()

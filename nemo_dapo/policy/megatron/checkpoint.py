@@ -36,7 +36,7 @@ from nemo_dapo.policy.megatron.cpu_compat import (
 )
 from nemo_dapo.policy.weights import Bucket
 from nemo_dapo.rng import restore_rng, rng_state
-from nemo_dapo.safe_load import check_distributed_checkpoint, load_state
+from nemo_dapo.safe_load import checked_distributed_checkpoint, load_state
 
 FORMAT_KEY = "distrib_optim_sharding_type"  # megatron-core's name for the optimizer's format
 # What a dp_reshardable optimizer shard's bucket layout depends on, besides the DP size
@@ -216,12 +216,12 @@ def finish_async_saves(worker: CheckpointedWorker, blocking: bool) -> bool:
 def load_checkpoint(worker: CheckpointedWorker, path: str) -> None:
     from megatron.core import dist_checkpointing
 
-    weights_dir = os.path.join(path, "megatron")
-    check_distributed_checkpoint(weights_dir)  # before torch unpickles anything of it
-    optimizer_format = _loadable_format(worker, dist_checkpointing.load_content_metadata(weights_dir), path)
-    loaded = dist_checkpointing.load(
-        _sharded_state(worker, is_loading=True, optimizer_format=optimizer_format), weights_dir
-    )
+    # torch and megatron-core read a checked private copy: nothing the folder holds runs code
+    with checked_distributed_checkpoint(os.path.join(path, "megatron")) as weights_dir:
+        optimizer_format = _loadable_format(worker, dist_checkpointing.load_content_metadata(weights_dir), path)
+        loaded = dist_checkpointing.load(
+            _sharded_state(worker, is_loading=True, optimizer_format=optimizer_format), weights_dir
+        )
     model_state = loaded["model"]
     for i, model in enumerate(worker.models):
         model.load_state_dict(model_state if len(worker.models) == 1 else model_state[f"model{i}"])
