@@ -21,6 +21,12 @@ class RemoteCallError(RuntimeError):
     message names the group, the call, the ranks and where their logs are."""
 
 
+class EngineFailure(RuntimeError):
+    """The engine inside a live rollout worker failed while stepping (an error in the model's
+    forward or the device, a dead tensor-parallel worker, vLLM's ``EngineDeadError``, its
+    stepping thread stopped): the driver replaces the worker as if it had died."""
+
+
 class TrainingDiverged(RuntimeError):
     """Optimizer steps with a non-finite gradient, ``trainer.max_nonfinite_steps`` training steps in
     a row: the run stops before checkpointing them. The message says which steps and what to look at."""

@@ -1,5 +1,6 @@
-"""A Ray worker for the driver's failure handling (tests/test_remote_calls.py), importable by
-Ray's worker processes (pytest imports test modules under names they cannot)."""
+"""Failures for the driver's handling of them, importable by Ray's worker processes (pytest
+imports test modules under names they cannot): a worker that sleeps or dies
+(tests/test_remote_calls.py), an engine whose step fails (tests/test_engine_recovery.py)."""
 
 import os
 
@@ -24,3 +25,19 @@ class Napper:
     def die(self) -> None:
         if self.rank == 1:
             os._exit(1)
+
+
+def break_forward(worker) -> None:
+    """A device error in the model's forward, inside the engine's step (run by collective_rpc)."""
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("device error in the forward (injected)")
+
+    worker.model_runner.execute_model = fails
+
+
+def break_engine(actor) -> None:
+    """Make a rollout worker's engine fail at its next step, the actor itself staying alive."""
+    import ray
+
+    ray.get(actor.__ray_call__.remote(lambda w: w.llm.collective_rpc(break_forward)))

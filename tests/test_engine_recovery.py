@@ -1,12 +1,16 @@
 """A rollout engine that dies (SIGKILL) or stops answering (SIGSTOP) while generating, or stops
 taking weights during a weight sync, is replaced on its slot, given the policy's current weights,
 and its prompts are generated again (the sync trainer), reissued through the data plane (the
-async trainer), or sent again to the replacement (the streaming trainer); one failure past
+async trainer), or sent again to the replacement (the streaming trainer). An engine that fails
+inside its live actor (an error in its step) counts as dead. A stream goes on whatever replaced
+an engine (a weight sync, validation, a failed warm-up), and replaces a hung one within its own
+deadline (derived from the engines' step times), not the group's. One failure past
 ``rollout.max_restarts`` stops with the engine, the call and the logs named. Real Ray actors,
 real vLLM engines, a real torch policy."""
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from nemo_dapo.config.schema import OptimConfig
 from nemo_dapo.policy.base import LossSettings, WorkerSettings
 from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.trainer.batching import build_rollout_batch
+from tests.flaky_worker import break_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.quiet]  # 6-second call deadlines
 GREEDY = SamplingSettings(n=1, temperature=0.0, max_tokens=12)
@@ -48,7 +53,7 @@ def groups(local_ray, tiny_model_dir):
         timeout_key="rollout.timeout_s",
         start_timeout_s=300,
     )
-    rollout = RolloutGroup(engines, max_restarts=5)
+    rollout = RolloutGroup(engines, max_restarts=11)
     rollout.set_weight_source(lambda: (policy.export_weights(1 << 16), 1))
     yield policy, rollout
     rollout.workers.shutdown()
@@ -84,7 +89,6 @@ def assert_same(generations, reference) -> None:
 
 
 def test_replaced_engines_generate_with_the_current_weights(groups, tiny_tokenizer):
-    from nemo_dapo.errors import RemoteCallError
     from nemo_dapo.trainer.data_plane import DataPlane
     from nemo_dapo.trainer.prompt_queue import PromptQueue, PromptStatus
 
@@ -128,14 +132,35 @@ def test_replaced_engines_generate_with_the_current_weights(groups, tiny_tokeniz
     finished = sorted(queue.take_finished(), key=lambda p: p.key)
     assert [(p.key, p.attempt) for p in finished] == [("q0", 1), ("q1", 1), ("q2", 2), ("q3", 2)]
     assert_same([p.generation for p in finished], current)
+    assert rollout.restarts == 4
 
-    # streaming trainer: engine 1 killed holding groups; its replacement gets the current weights,
-    # streams, and is sent those groups again
+
+@pytest.fixture(scope="module")
+def stream(groups):
+    """The two engines streaming (trainer.mode=stream) from the first test that asks on."""
     from nemo_dapo.cluster.streaming import StreamingEngines
 
-    stream = StreamingEngines(rollout, GREEDY, max_inflight=16, kv_after_update="recompute")
+    return StreamingEngines(groups[1], GREEDY, max_inflight=16, kv_after_update="recompute", call_floor_s=3)
+
+
+def stream_all(stream, ids, tag: str) -> list:
+    """Send one group per prompt (alternating: the odd ones go to engine 1) and take them all back."""
+    stream.add([(f"{tag}{i}", p) for i, p in enumerate(ids)])
+    taken: list = []
+    while len(taken) < len(ids):
+        taken += stream.take(1.0)
+    assert not stream.outstanding
+    return [g.generation for g in sorted(taken, key=lambda g: g.key)]
+
+
+def test_a_stream_goes_on_whenever_and_however_an_engine_fails(groups, stream, tiny_tokenizer):
+    policy, rollout = groups
+    ids = prompt_ids(tiny_tokenizer)
+    current = rollout.generate(ids, GREEDY)
+    # engine 1 killed holding groups; its replacement gets the current weights, streams, and is
+    # sent those groups again
     pid = engine_pid(rollout, 1)
-    stream.add([(f"k{i}", p) for i, p in enumerate(ids)])  # alternating: k1 and k3 go to engine 1
+    stream.add([(f"k{i}", p) for i, p in enumerate(ids)])
     os.kill(pid, signal.SIGKILL)
     taken: list = []
     while len(taken) < len(ids):
@@ -143,13 +168,68 @@ def test_replaced_engines_generate_with_the_current_weights(groups, tiny_tokeniz
     assert stream.resent == 2 and rollout.restarts == 5 and not stream.outstanding
     assert_same([g.generation for g in sorted(taken, key=lambda g: g.key)], current)
 
-    # one failure more than rollout.max_restarts: the run stops, naming the engine and where to look
+    # engine 1 dies before a weight sync, which replaces it; its first replacement dies while it
+    # warms up: the next call warms the one after and starts its stream once (a second start raises)
+    os.kill(engine_pid(rollout, 1), signal.SIGKILL)
+    rollout.update_weights(policy.export_weights(1 << 16), version=1)
+    assert rollout.restarts == 6
+    killed: list[int] = []
+
+    def dies_while_warming_up():
+        if not killed:
+            killed.append(engine_pid(rollout, 1))
+            os.kill(killed[0], signal.SIGKILL)
+        return policy.export_weights(1 << 16), 1
+
+    rollout.set_weight_source(dies_while_warming_up)
+    assert_same(stream_all(stream, ids, "w"), current)
+    assert killed and rollout.restarts == 7 and engine_pid(rollout, 1) != killed[0]
+    rollout.set_weight_source(lambda: (policy.export_weights(1 << 16), 1))
+
+    # engine 0 dies before validation, whose generate replaces it; the stream's load goes on
+    os.kill(engine_pid(rollout, 0), signal.SIGKILL)
+    assert_same(rollout.generate(ids, GREEDY), current)
+    assert rollout.restarts == 8 and stream.load().wall_s > 0
+    assert_same(stream_all(stream, ids, "v"), current)
+
+    # an engine that fails inside its live actor (an error in its step) is replaced as a dead one,
+    # streaming and generating alike
+    break_engine(rollout.workers.workers[1])
+    assert_same(stream_all(stream, ids, "f"), current)
+    assert rollout.restarts == 9
+    break_engine(rollout.workers.workers[0])
+    assert_same(rollout.generate(ids, GREEDY), current)
+    assert rollout.restarts == 10
+
+    # an engine that hangs (SIGSTOP) while streaming is replaced within the stream's own deadline
+    # (10 x its slowest step, at least 3 s here), not the group's (two minutes here)
+    from nemo_dapo.cluster.worker_group import Deadline
+
+    group_deadline = rollout.workers.call_deadline
+    rollout.workers.call_deadline = Deadline(120, "rollout.timeout_s")
+    try:
+        assert 0 < stream.load().slowest_step_s < 0.3  # the tiny engine's steps, so the floor holds
+        os.kill(engine_pid(rollout, 1), signal.SIGSTOP)
+        started = time.monotonic()
+        assert_same(stream_all(stream, ids, "h"), current)
+        assert time.monotonic() - started < 60 and rollout.restarts == 11
+    finally:
+        rollout.workers.call_deadline = group_deadline
+
+
+def test_a_failure_past_the_restart_budget_stops_naming_the_engine(groups, tiny_tokenizer):
+    """One failure more than rollout.max_restarts: the run stops, naming the engine and where to look."""
+    from nemo_dapo.errors import RemoteCallError
+
+    _, rollout = groups
+    ids = prompt_ids(tiny_tokenizer)
+    assert rollout.restarts == rollout.max_restarts
     pid = engine_pid(rollout, 0)
     request = rollout.submit(ids, GREEDY)
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(
         RemoteCallError,
         match=r"rollout\.generate: a worker died .* their logs: /\S+/logs .*Rollout engine 0 failed while "
-        r"generating, after 5 engine restart\(s\) in this run \(rollout\.max_restarts=5\)",
+        r"generating, after 11 engine restart\(s\) in this run \(rollout\.max_restarts=11\)",
     ):
         rollout.collect(request)

@@ -1,7 +1,13 @@
 """The engines as one stream (``trainer.mode=stream``): groups go to the engine with the fewest
 groups outstanding (every group is ``rollout.n`` samples), finished groups come back from every
 engine, and an engine that dies or hangs is replaced (the rollout group's restart budget), given
-the current weights, and sent its outstanding groups again, so no prompt is lost."""
+the current weights, and sent its outstanding groups again, so no prompt is lost.
+
+A stream call (send groups, take finished ones, read the load) returns between two engine
+steps, so an engine that has not answered within many of its slowest steps is hung, not busy:
+the stream's calls wait :data:`SLOWEST_STEPS` x the slowest step any engine has taken (at least
+``call_floor_s``, never past the rollout group's own call deadline) before replacing it, instead
+of the hours a generation may take."""
 
 from __future__ import annotations
 
@@ -9,10 +15,13 @@ import logging
 from dataclasses import dataclass
 
 from nemo_dapo.cluster.groups import RolloutGroup
+from nemo_dapo.cluster.worker_group import Deadline
 from nemo_dapo.errors import RemoteCallError
 from nemo_dapo.rollout.base import SamplingSettings, StreamedGroup, StreamStats
 
 log = logging.getLogger(__name__)
+SLOWEST_STEPS = 10  # a stream call waits this many of the slowest engine step seen so far ...
+CALL_FLOOR_S = 60.0  # ... and at least this long (an engine's first steps, a recompute after an update)
 
 
 @dataclass
@@ -24,9 +33,18 @@ class Outstanding:
 
 
 class StreamingEngines:
-    def __init__(self, rollout: RolloutGroup, sampling: SamplingSettings, max_inflight: int, kv_after_update: str):
+    def __init__(
+        self,
+        rollout: RolloutGroup,
+        sampling: SamplingSettings,
+        max_inflight: int,
+        kv_after_update: str,
+        call_floor_s: float = CALL_FLOOR_S,
+    ):
         self.rollout, self.sampling = rollout, sampling
         self.max_inflight, self.kv_after_update = max_inflight, kv_after_update
+        self.call_floor_s = call_floor_s
+        self.slowest_step_s = 0.0  # the slowest engine step reported so far
         self.outstanding: dict[str, Outstanding] = {}
         self.resent = 0  # groups sent again after their engine was replaced
         self._seen_restarts = list(rollout.workers.restarts)
@@ -39,6 +57,7 @@ class StreamingEngines:
 
     def add(self, groups: list[tuple[str, list[int]]]) -> None:
         """Send ``(key, prompt ids)`` groups, each to the engine with the fewest groups outstanding."""
+        self._recover_replaced()
         per_rank: dict[int, list[tuple[str, list[int]]]] = {}
         load = [0] * self.rollout.workers.world_size
         for sent in self.outstanding.values():
@@ -54,7 +73,7 @@ class StreamingEngines:
         workers = self.rollout.workers
         ranks = list(per_rank)
         refs = [workers.workers[r].stream_add.remote(per_rank[r], self.sampling) for r in ranks]
-        for rank, outcome in zip(ranks, workers.settle(refs, "stream_add", ranks)):
+        for rank, outcome in zip(ranks, workers.settle(refs, "stream_add", ranks, self._deadline())):
             if isinstance(outcome, RemoteCallError):
                 self._recover(rank, outcome)
 
@@ -65,7 +84,7 @@ class StreamingEngines:
         ranks = list(range(workers.world_size))
         refs = [workers.workers[r].stream_take.remote(wait_s) for r in ranks]
         finished = []
-        for rank, outcome in zip(ranks, workers.settle(refs, "stream_take", ranks)):
+        for rank, outcome in zip(ranks, workers.settle(refs, "stream_take", ranks, self._deadline(wait_s))):
             if isinstance(outcome, RemoteCallError):
                 self._recover(rank, outcome)
                 continue
@@ -77,20 +96,47 @@ class StreamingEngines:
     def load(self) -> StreamStats:
         """Stepping, starved and wall time, running samples, queued groups and finished tokens since
         the last call, summed over the engines."""
-        return StreamStats.total(self.rollout.workers.call_all("stream_stats"))
+        self._recover_replaced()
+        workers = self.rollout.workers
+        ranks = list(range(workers.world_size))
+        refs = [workers.workers[r].stream_stats.remote() for r in ranks]
+        stats = []
+        for rank, outcome in zip(ranks, workers.settle(refs, "stream_stats", ranks, self._deadline())):
+            if isinstance(outcome, RemoteCallError):
+                self._recover(rank, outcome)  # what it did since the last call is lost with it
+            else:
+                stats.append(outcome)
+        total = StreamStats.total(stats)
+        self.slowest_step_s = max(self.slowest_step_s, total.slowest_step_s)
+        return total
+
+    def _deadline(self, wait_s: float = 0.0) -> Deadline:
+        """How long a stream call may take before its engine counts as hung (see the module)."""
+        group = self.rollout.workers.call_deadline
+        seconds = max(self.call_floor_s, SLOWEST_STEPS * self.slowest_step_s) + wait_s
+        if group.seconds is not None and group.seconds <= seconds:
+            return group
+        return Deadline(
+            seconds,
+            f"a stream call: {SLOWEST_STEPS} x the slowest engine step so far, at least {self.call_floor_s:g} s",
+        )
 
     def _recover(self, rank: int, error: RemoteCallError) -> None:
         self.rollout.replace(rank, error, "while streaming")
         self._recover_replaced()
 
     def _recover_replaced(self) -> None:
-        """Engines replaced since the last look (here or during a weight sync) get the current
-        weights, start streaming, and are sent their outstanding groups again."""
+        """Engines replaced since the last look (here, during a weight sync or validation) get the
+        current weights, start streaming, and are sent their outstanding groups again: every call
+        that reaches the engines' streams looks first. An engine replaced again while it warms up
+        is looked at again, so each engine starts one stream."""
         restarts = self.rollout.workers.restarts
-        replaced = [rank for rank, count in enumerate(restarts) if count != self._seen_restarts[rank]]
-        self._seen_restarts = list(restarts)
-        for rank in replaced:
+        while replaced := [rank for rank, count in enumerate(restarts) if count != self._seen_restarts[rank]]:
+            rank = replaced[0]
+            self._seen_restarts[rank] = restarts[rank]
             self.rollout.warm_up(rank)
+            if restarts[rank] != self._seen_restarts[rank]:
+                continue  # it failed its warm-up and was replaced: warm the new one
             self._start([rank])
             again = [(key, sent.prompt_ids) for key, sent in self.outstanding.items() if sent.rank == rank]
             log.warning("rollout engine %d replaced while streaming: sending its %d groups again", rank, len(again))

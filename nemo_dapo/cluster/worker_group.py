@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from nemo_dapo.cluster.placement import Slot, own_slots
-from nemo_dapo.errors import RemoteCallError
+from nemo_dapo.errors import EngineFailure, RemoteCallError
 from nemo_dapo.network import node_address
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,8 @@ class WorkerGroup:
 
     def gather(self, refs: list, method: str, deadline: Deadline | None = None) -> list[Any]:
         """``ray.get`` of one call's per-rank results (rank order), within the call deadline; a dead
-        or silent worker becomes a :class:`RemoteCallError` instead of a hang or a bare Ray error."""
+        or silent worker (or one whose engine failed: :class:`EngineFailure`) becomes a
+        :class:`RemoteCallError` instead of a hang or a bare Ray error."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
@@ -173,25 +174,28 @@ class WorkerGroup:
             done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             silent = [rank for rank, ref in enumerate(refs) if ref not in done]
             raise self._silent(method, silent, deadline) from None
-        except RayActorError as err:
+        except (RayActorError, EngineFailure) as err:
             raise self._died(method, err) from err
 
-    def settle(self, refs: list, method: str, ranks: Sequence[int]) -> list[Any]:
+    def settle(self, refs: list, method: str, ranks: Sequence[int], deadline: Deadline | None = None) -> list[Any]:
         """Each call's result, or the :class:`RemoteCallError` of a rank (``ranks[i]`` made
-        ``refs[i]``) that died or gave no answer within the call deadline (one for all of them):
-        the caller decides what to do about each failed rank. An error the worker raised itself
-        (a bug, bad input) is raised as is."""
+        ``refs[i]``) that died or gave no answer within ``deadline`` (the call deadline unless
+        given; one for all of them):
+        the caller decides what to do about each failed rank; a worker whose engine failed
+        (:class:`EngineFailure`) counts as dead. Any other error the worker raised itself (a bug,
+        bad input) is raised as is."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
-        ray.wait(refs, num_returns=len(refs), timeout=self.call_deadline.seconds)
+        deadline = deadline or self.call_deadline
+        ray.wait(refs, num_returns=len(refs), timeout=deadline.seconds)
         outcomes: list[Any] = []
         for rank, ref in zip(ranks, refs):
             try:
                 outcomes.append(ray.get(ref, timeout=0))
             except GetTimeoutError:
-                outcomes.append(self._silent(method, [rank], self.call_deadline))
-            except RayActorError as err:
+                outcomes.append(self._silent(method, [rank], deadline))
+            except (RayActorError, EngineFailure) as err:
                 outcomes.append(self._died(method, err))
         return outcomes
 
@@ -202,10 +206,11 @@ class WorkerGroup:
         )
 
     def _died(self, method: str, err: Exception) -> RemoteCallError:
-        return RemoteCallError(
-            f"{self.name}.{method}: a worker died ({err.__class__.__name__}: "
-            f"{str(err).splitlines()[0]}); {self._logs()}"
-        )
+        if isinstance(err, EngineFailure):  # Ray's error holds the worker's own as its cause
+            what = f"a worker's engine failed ({str(getattr(err, 'cause', err)).splitlines()[0]})"
+        else:
+            what = f"a worker died ({err.__class__.__name__}: {str(err).splitlines()[0]})"
+        return RemoteCallError(f"{self.name}.{method}: {what}; {self._logs()}")
 
     @staticmethod
     def _logs() -> str:

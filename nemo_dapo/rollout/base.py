@@ -52,10 +52,15 @@ class StreamStats:
     samples_running: int = 0
     groups_queued: int = 0
     tokens: int = 0  # output tokens of the groups finished in the interval
+    slowest_step_s: float = 0.0  # the longest one engine step took in the interval
 
     @staticmethod
     def total(parts: Iterable[StreamStats]) -> StreamStats:
-        return StreamStats(*(sum(values) for values in zip(*(astuple(p) for p in parts), strict=True)))
+        """Summed over the engines; the slowest step is the slowest of any."""
+        parts = list(parts)
+        summed = StreamStats(*(sum(values) for values in zip(*(astuple(p) for p in parts), strict=True)))
+        summed.slowest_step_s = max((p.slowest_step_s for p in parts), default=0.0)
+        return summed
 
     @property
     def busy_fraction(self) -> float:

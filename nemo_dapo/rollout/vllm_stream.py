@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nemo_dapo.errors import EngineFailure
 from nemo_dapo.rollout.base import Generation, StreamedGroup, StreamStats
 
 KV_AFTER_UPDATE = ("keep", "recompute")
@@ -113,7 +114,9 @@ class EngineStream:
                     self._admit()
                     started = time.perf_counter()
                     outputs = self.engine.step()
-                    self._stats.busy_s += time.perf_counter() - started
+                    took = time.perf_counter() - started
+                    self._stats.busy_s += took
+                    self._stats.slowest_step_s = max(self._stats.slowest_step_s, took)
                     self._collect(outputs)
                     self._cond.notify_all()
         except BaseException as error:  # surfaced to every later call: the driver replaces the engine
@@ -176,7 +179,7 @@ class EngineStream:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise RuntimeError(f"the engine's stepping thread stopped: {self._error!r}") from self._error
+            raise EngineFailure(f"the engine's stepping thread stopped: {self._error!r}") from self._error
 
     def add(self, groups: list[StreamGroup], private: bool = False) -> None:
         with self.paused():

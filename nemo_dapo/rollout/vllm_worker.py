@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
+from nemo_dapo.errors import EngineFailure
 from nemo_dapo.logs import configure_logging, verbose
 from nemo_dapo.network import use_node_network
 from nemo_dapo.rollout.base import Generation, SamplingSettings, StreamedGroup, StreamStats
@@ -75,6 +76,22 @@ def engine_executor(requested: str | None, tensor_parallel_size: int) -> str | N
     if requested == "ray":
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     return requested
+
+
+def fail_steps_as_engine(engine) -> None:
+    """An error out of the engine's ``step()`` (the model's forward, the device, a dead TP worker,
+    ``EngineDeadError``) leaves this actor alive with an engine that cannot go on: it is raised as
+    :class:`~nemo_dapo.errors.EngineFailure`, which the driver treats as the worker's death and
+    replaces it. Errors before a step (a request vLLM refuses) stay what they are."""
+    step = engine.step
+
+    def failing_as_engine():
+        try:
+            return step()
+        except Exception as error:
+            raise EngineFailure(f"rollout engine step failed: {error!r}") from error
+
+    engine.step = failing_as_engine
 
 
 class VLLMRolloutWorker:
@@ -153,6 +170,7 @@ class VLLMRolloutWorker:
             worker_extension_cls=WEIGHT_RECEIVER,
             **({"enable_return_routed_experts": True} if native else {}),
         )
+        fail_steps_as_engine(self.llm.llm_engine)
         self._warm_up()
         if self.routing == "capture":
             from nemo_dapo.rollout.routing_capture import install_routing_capture
@@ -239,6 +257,8 @@ class VLLMRolloutWorker:
         it for streamed samples too, each token's from the weights that last ran it."""
         from nemo_dapo.rollout.vllm_stream import EngineStream
 
+        if self._stream is not None:  # two stepping threads would step one engine
+            raise RuntimeError(f"rollout engine {self.rank} is already streaming")
         take_routing = self._finished_routing if self.routing == "capture" else None
         self._stream = EngineStream(
             self.llm.llm_engine, self._version, max_inflight, kv_after_update, self._streamed_generation, take_routing
