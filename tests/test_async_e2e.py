@@ -17,6 +17,7 @@ from tests.train_runs import (
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.quiet  # its engine and policy threads contend badly with another lane (291 s there, ~60 s alone)
 def test_async_run_learns_bounds_staleness_and_trains_each_inflight_prompt_once_across_a_sigkill(workdir):
     """80 steps of the tiny preset, SIGKILLed (the whole process group) once checkpoint 20 exists
     and resumed to the end: it learns, respects max_staleness=1 with generation overlapping
@@ -43,8 +44,11 @@ def test_async_run_learns_bounds_staleness_and_trains_each_inflight_prompt_once_
     # +0.141 (40 steps gained -0.016 to +0.115 held-out: too few to tell learning from noise).
     first, last = (sum(r["critic/score/mean"] for r in part) / 10 for part in (rows[:10], rows[-10:]))
     assert last > first + 0.1 and summary["final_val_acc"] > summary["initial_val_acc"], (summary, first, last)
-    assert all(r["staleness/lag/max"] <= 1 for r in rows)  # max_staleness=1 is respected
+    assert all(r["staleness/lag/max"] <= 1 for r in rows)  # one round ahead, never more
     assert sum(r["staleness/lag/mean"] for r in rows) > 60  # generation really overlapped training
+    # every sample generated counts, dynamic sampling's dropped groups too (the budget's axis)
+    generated = [r["rollout/generated_samples"] for r in rows]
+    assert generated == sorted(generated) and summary["generated_samples"] == generated[-1] >= 80 * 32 * 8
 
     assert "reissued" in resumed.stderr
     by_step = last_per_step(records(out / "prompts.jsonl"))

@@ -192,7 +192,11 @@ def test_numbers_are_checked_against_the_bounds_their_fields_declare():
     [
         (
             ["trainer.mode=async", "trainer.total_generated_samples=1000"],
-            r"trainer\.total_generated_samples=1000: counts the sync and stream trainers' samples only",
+            r"trainer\.total_generated_samples=1000: is a stopping point of the sync and stream trainers only",
+        ),
+        (
+            ["trainer.mode=stream", "algorithm.filter_groups.carry_over=false"],
+            r"algorithm\.filter_groups\.carry_over=False: the streaming trainer always keeps",
         ),
         (["trainer.mode=stream", "rollout.max_inflight=0"], r"rollout\.max_inflight=0"),
         (["trainer.max_token_staleness=1"], r"trainer\.max_token_staleness=1: only the streaming trainer"),
@@ -207,3 +211,4 @@ def test_streaming_settings_that_cannot_work_fail_at_load(overrides, message):
 def test_a_sample_budget_counts_streamed_samples():
     cfg = load_config("tiny_cpu", ["trainer.mode=stream", "trainer.total_generated_samples=1000"])
     assert cfg.trainer.total_generated_samples == 1000 and cfg.rollout.kv_after_update == "recompute"
+    assert cfg.algorithm.filter_groups.carry_over is None  # the stream's own way: kept

@@ -16,6 +16,7 @@ from tests.train_runs import (
     records,
     sigkill_after_checkpoint,
     train,
+    with_an_overlong_first_prompt,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.quiet]  # arrivals, and so what is learned, depend on timing
@@ -36,13 +37,18 @@ def latest_state(out):
     return torch.load(folders[-1] / "trainer_state.pt", weights_only=False)
 
 
-def test_stream_learns_filters_as_groups_arrive_bounds_staleness_and_loses_nothing_across_a_sigkill(workdir):
+def test_stream_learns_filters_as_groups_arrive_bounds_staleness_and_loses_nothing_across_a_sigkill(
+    workdir, tiny_model_dir
+):
     """80 steps of the tiny preset streamed, SIGKILLed (the whole process group) once checkpoint
     20 exists and resumed to the end: it learns with dynamic sampling inside the stream, keeps
     max_staleness=1 with generation overlapping training, and every row in flight at the
-    checkpoint is trained, filtered or still waiting, none trained or dropped twice."""
+    checkpoint is trained, filtered or still waiting, none trained or dropped twice. The data's
+    first prompt is too long and filtered out at load, so a dataset position is not a row's
+    index: the rows sent again (stale, or untrained at the checkpoint) are the rows drawn."""
     out = workdir / "stream"
-    run = [*STREAM, "trainer.test_freq=0", "trainer.save_freq=20"]
+    data = with_an_overlong_first_prompt(tiny_model_dir, workdir)
+    run = [*STREAM, f"data.train_files=[{data}]", "trainer.test_freq=0", "trainer.save_freq=20"]
     sigkill_after_checkpoint(out, run, total_steps=80, at_step=20)
     at_kill = latest_state(out)
     untrained = at_kill["stream_untrained"]
@@ -74,6 +80,7 @@ def test_stream_learns_filters_as_groups_arrive_bounds_staleness_and_loses_nothi
     resumed_filtered = [row for r in prompts[at_kill["global_step"] :] for row in r["filtered"]]
     assert steps[-1]["stream/filtered_groups"] == len(resumed_filtered)  # counted by the resumed run
     assert not Counter(trained) + Counter(filtered) - Counter(consumed)  # none trained or dropped twice
+    assert 0 not in consumed and max(consumed) <= 1800  # the overlong row 0 is never drawn
     after = {row for r in prompts[at_kill["global_step"] :] for row in r["trained"] + r["filtered"]}
     left = set(latest_state(out)["stream_untrained"])
     assert set(untrained) <= after | left  # what was in flight was trained, filtered, or is still waiting

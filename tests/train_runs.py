@@ -91,3 +91,17 @@ def sigkill_after_checkpoint(output: Path, overrides: list[str], total_steps: in
     wait_for(output / "checkpoints" / f"global_step_{at_step}", victim, timeout=300)
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
+
+
+def with_an_overlong_first_prompt(model_dir: Path, folder: Path) -> Path:
+    """The tiny task's training rows behind one prompt longer than the preset's
+    ``data.max_prompt_length``: overlong filtering drops row 0, so every dataset position is one
+    less than its row's ``index`` in the file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(model_dir / "data" / "train.parquet").to_pylist()
+    overlong = {**rows[0], "prompt": [{"role": "user", "content": "+".join(["1"] * 200)}]}
+    path = folder / "train_after_an_overlong_prompt.parquet"
+    pq.write_table(pa.Table.from_pylist([overlong, *rows]), path)
+    return path

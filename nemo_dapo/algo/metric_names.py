@@ -144,7 +144,7 @@ ROUTER_AGREEMENT = {
 
 # ---- asynchronous trainer
 STALENESS_LAG = stats("staleness/lag", "policy versions a trained sample lags behind")
-DROPPED_STALE = metric("staleness/dropped_stale", Reduce.MAX, "groups dropped as too stale (cumulative)")
+DROPPED_STALE = metric("staleness/dropped_stale", Reduce.MAX, "stream: groups dropped as too stale (cumulative)")
 REISSUED_PROMPTS = metric(
     "recovery/reissued_prompts",
     Reduce.MAX,

@@ -147,8 +147,10 @@ class FilterGroupsConfig:
         help="Most generation rounds per step before the run fails (the "
         "error says how many groups were kept); <= 0: unbounded.",
     )
-    carry_over: bool = setting(
-        False, help="Keep the kept groups beyond train_batch_size for the next step instead of dropping them."
+    carry_over: Optional[bool] = setting(
+        None,
+        help="Keep the kept groups beyond train_batch_size for the next step instead of dropping them. "
+        "null: the mode's way: dropped in sync and async, kept in stream (which has no other).",
     )
 
 
@@ -514,7 +516,9 @@ class RewardConfig:
 class CheckpointConfig:
     resume: str = setting(
         "auto",
-        help="auto (the newest checkpoint in trainer.output_dir, if any), disable, or the path of a checkpoint folder.",
+        help="auto (the newest checkpoint in trainer.output_dir, if any), disable, or the path of a checkpoint "
+        "folder. An older checkpoint of this run rolls back: the later ones are moved to checkpoints/abandoned/ "
+        "(kept), and the run goes on from there (continue it with auto).",
     )
     keep_last: int = setting(2, help="Checkpoints kept; older ones are deleted after a new one is complete.")
     async_save: bool = setting(
@@ -540,8 +544,10 @@ class TrainerConfig:
     max_staleness: int = setting(
         1,
         bounds=">= 0",
-        help="async: the oldest policy lag (versions) a trajectory may have; older ones "
-        "are dropped and their prompts reissued. stream: the bound at admission: a prompt enters "
+        help="async: 0 turns the overlap off (generation and training take turns, on-policy); "
+        ">= 1 lets the engines generate the next round while the policy trains, so a trajectory "
+        "lags by exactly one version (the async trainer runs one round ahead, never more). "
+        "stream: the bound at admission: a prompt enters "
         "only while fewer than (version + max_staleness + 1) x train_batch_size unfiltered groups "
         "were admitted, so a sample's first token lags the policy that trains on it by at most "
         "max_staleness versions (a group that still ends up older is dropped, counted, and its "

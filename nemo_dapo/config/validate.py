@@ -411,7 +411,14 @@ def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
         budget is None or trainer.mode != "async",
         "trainer.total_generated_samples",
         budget,
-        "counts the sync and stream trainers' samples only: use trainer.mode=sync or stream, or leave it null",
+        "is a stopping point of the sync and stream trainers only: use trainer.mode=sync or stream, or leave it null",
+    )
+    problems.require(
+        trainer.mode != "stream" or cfg.algorithm.filter_groups.carry_over is not False,
+        "algorithm.filter_groups.carry_over",
+        cfg.algorithm.filter_groups.carry_over,
+        "the streaming trainer always keeps the informative groups beyond a batch for the next step "
+        "(each finished on its own, under the staleness bound): leave it unset (null) with trainer.mode=stream",
     )
     problems.require(
         trainer.max_token_staleness is None or trainer.mode == "stream",

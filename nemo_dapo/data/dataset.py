@@ -83,6 +83,7 @@ class RLDataset:
             row_ids = self._drop_overlong(row_ids, all_prompt_ids, files)
         self._records = [records[row] for row in row_ids]
         self._row_ids = row_ids
+        self._positions: dict[int, int] | None = None  # row id -> position, built when first asked
         self._prompt_ids = [
             truncate_prompt(all_prompt_ids[row], max_prompt_length, truncation, records[row].location)
             for row in row_ids
@@ -105,6 +106,22 @@ class RLDataset:
 
     def __len__(self) -> int:
         return len(self._records)
+
+    def row_id(self, position: int) -> int:
+        """The ``index`` of the item at ``position``: its row in the files, before filtering."""
+        return self._row_ids[position]
+
+    def position_of(self, row_id: int) -> int:
+        """Where the row ``row_id`` of the files is in this dataset; raises :class:`DatasetError`
+        for a row it does not hold (filtered out, or past the end of the files)."""
+        if self._positions is None:
+            self._positions = {row: position for position, row in enumerate(self._row_ids)}
+        if row_id not in self._positions:
+            raise DatasetError(
+                f"row {row_id} of the data files is not in this dataset ({len(self)} prompts): the files or "
+                "data.max_prompt_length changed since it was drawn"
+            )
+        return self._positions[row_id]
 
     def __getitem__(self, position: int) -> dict[str, Any]:
         """Copies of the stored fields, so callers may mutate what they get."""

@@ -3,9 +3,12 @@
 Prompts and their samples travel through the data plane (``prompt_queue.py`` holds that
 protocol). While the policy trains on one batch, the engines already generate the next with
 the previous weights; one
-trainer step is ``parameter_sync_step`` local updates, then a weight sync. Trajectories more
-than ``max_staleness`` versions behind are dropped and counted. The local update itself is the
-synchronous trainer's (``train_on_batch``): one step implementation for both loops.
+trainer step is ``parameter_sync_step`` local updates, then a weight sync. A round is generated
+with the weights of the sync before the one that precedes its training, so every trajectory
+lags the policy by exactly one version (``max_staleness >= 1``) or none (``max_staleness=0``:
+no overlap, generation and training take turns); nothing can grow older, so nothing is dropped.
+The local update itself is the synchronous trainer's (``train_on_batch``): one step
+implementation for both loops.
 """
 
 from __future__ import annotations
@@ -30,14 +33,13 @@ log = logging.getLogger(__name__)
 
 class AsyncDAPOTrainer(DAPOTrainer):
     """The one-round-ahead trainer: while the policy trains on round k, the engines generate round
-    k+1 with the weights of the step before (``trainer.mode=async``); rounds older than
-    ``max_staleness`` versions are dropped. Replaces :meth:`train_step`, :meth:`_next_round`
-    and the checkpointed state of :class:`DAPOTrainer` (its hook contract), nothing else."""
+    k+1 with the weights of the step before (``trainer.mode=async``). Replaces :meth:`train_step`,
+    :meth:`_next_round` and the checkpointed state of :class:`DAPOTrainer` (its hook contract),
+    nothing else."""
 
     def __init__(self, *args, plane: DataPlane, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.queue = PromptQueue(plane, self.rollout)
-        self.dropped_stale = 0
         self.reissued = 0
         self.overlap = self.cfg.trainer.max_staleness > 0
 
@@ -50,23 +52,18 @@ class AsyncDAPOTrainer(DAPOTrainer):
             self.queue.issue([self.train_data[i] for i in self._next_prompt_indices()], self.global_step)
         self.queue.launch(self.sampler.batch_size, self._sampling(), self.weight_version)
 
-    def _fresh_groups(self, round_index: int) -> RolloutBatch:
-        """The finished prompts as a batch, without those more than max_staleness versions old."""
-        fresh = []
-        for prompt in self.queue.take_finished():
-            if self.weight_version - prompt.policy_version > self.cfg.trainer.max_staleness:
-                self.dropped_stale += 1
-            else:
-                fresh.append(prompt)
-        if not fresh:
+    def _finished_groups(self, round_index: int) -> RolloutBatch:
+        """The finished prompts as a batch."""
+        finished = self.queue.take_finished()
+        if not finished:
             return RolloutBatch()
         return batch_from_items(
-            [p.item for p in fresh],
-            [p.generation for p in fresh],
+            [p.item for p in finished],
+            [p.generation for p in finished],
             f"s{self.global_step}r{round_index}",
             self.tokenizer.pad_token_id,
-            [p.policy_version for p in fresh],
-            extra={"prompt_key": [p.key for p in fresh], "attempt": [p.attempt for p in fresh]},
+            [p.policy_version for p in finished],
+            extra={"prompt_key": [p.key for p in finished], "attempt": [p.attempt for p in finished]},
         )
 
     def _next_round(self, timer: StageTimer, round_index: int) -> RolloutBatch:
@@ -75,9 +72,10 @@ class AsyncDAPOTrainer(DAPOTrainer):
             with timer("gen"):
                 self._launch_generation()
                 self.reissued += self.queue.harvest(self.global_step)
-            batch = self._fresh_groups(round_index)
+            batch = self._finished_groups(round_index)
             if len(batch):
                 break
+        self.generated_samples += len(batch)
         with timer("reward"):
             score_batch(batch, self.reward, self.tokenizer)
         return batch
@@ -103,9 +101,8 @@ class AsyncDAPOTrainer(DAPOTrainer):
         with timer("sync_weights"):
             self.sync_weights()
         metrics = mn.combine_steps({k: [m[k] for m in collected if k in m] for k in collected[-1]})
-        metrics.update(
-            {mn.DROPPED_STALE.name: float(self.dropped_stale), mn.REISSUED_PROMPTS.name: float(self.reissued)}
-        )
+        metrics[mn.REISSUED_PROMPTS.name] = float(self.reissued)
+        metrics[mn.GENERATED_SAMPLES.name] = float(self.generated_samples)
         batch = RolloutBatch.concat(batches)
         self._finish_step_metrics(batch, metrics, timer, step_start)
         self._record_prompts(consumed, batch)

@@ -17,7 +17,9 @@ them fed and takes groups as they finish:
    older than ``max_staleness`` versions is not trained: it is counted and its prompt reissued.
 
 A checkpoint keeps the dataset rows drawn but not trained; a resumed run issues them again
-first (counted), so no prompt is lost and none is trained twice.
+first (counted), so no prompt is lost and none is trained twice. The trainer keeps dataset
+positions (what the sampler draws); prompts.jsonl and the checkpoint name rows by their ``index``
+in the files (before overlong filtering), as the other trainers do.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class KeptGroup:
     sequence: int
     batch: RolloutBatch
     admitted_version: int
+    position: int  # the prompt's place in the dataset
 
 
 class StreamDAPOTrainer(DAPOTrainer):
@@ -69,20 +72,20 @@ class StreamDAPOTrainer(DAPOTrainer):
         self.issued = 0  # sequence number of the next prompt sent (its group key is g<sequence>)
         self.admitted = 0  # groups admitted since the start, less those filtered or dropped
         self.synced = 0  # weight syncs since the start: the bound's version
-        self.in_flight: dict[str, tuple[int, int]] = {}  # group key -> (sequence, dataset row)
+        self.in_flight: dict[str, tuple[int, int]] = {}  # group key -> (sequence, dataset position)
         self.kept: list[KeptGroup] = []
-        self.to_issue: deque[int] = deque()  # dataset rows to send before drawing new ones
+        self.to_issue: deque[int] = deque()  # dataset positions to send before drawing new ones
         self.filtered = self.dropped_stale = self.reissued = 0
-        self._consumed: list[int] = []  # rows drawn from the sampler this step (prompts.jsonl)
-        self._filtered_rows: list[int] = []  # rows dynamic sampling dropped this step
+        self._consumed: list[int] = []  # row ids drawn from the sampler this step (prompts.jsonl)
+        self._filtered_rows: list[int] = []  # row ids dynamic sampling dropped this step
         self.engines.load()  # the engines' busy time counts from here
 
     # ----------------------------------------------------------------- admission
-    def _next_row(self) -> int:
+    def _next_position(self) -> int:
         if not self.to_issue:
-            rows = self._next_prompt_indices()
-            self._consumed += rows
-            self.to_issue.extend(rows)
+            positions = self._next_prompt_indices()
+            self._consumed += [self.train_data.row_id(p) for p in positions]
+            self.to_issue.extend(positions)
         return self.to_issue.popleft()
 
     def _admit(self) -> None:
@@ -92,10 +95,10 @@ class StreamDAPOTrainer(DAPOTrainer):
             return
         groups = []
         for _ in range(room):
-            row, key = self._next_row(), f"g{self.issued}"
-            self.in_flight[key] = (self.issued, row)
+            position, key = self._next_position(), f"g{self.issued}"
+            self.in_flight[key] = (self.issued, position)
             self.issued += 1
-            groups.append((key, self.train_data[row]["prompt_ids"]))
+            groups.append((key, self.train_data[position]["prompt_ids"]))
         self.admitted += room
         self.engines.add(groups)
 
@@ -111,7 +114,7 @@ class StreamDAPOTrainer(DAPOTrainer):
         self.generated_samples += sum(len(group.generation.token_ids) for group in finished)
         prefix = f"s{self.global_step}p{poll}"
         batch = batch_from_items(
-            [self.train_data[row] for _, row in places],
+            [self.train_data[position] for _, position in places],
             [group.generation for group in finished],
             prefix,
             self.tokenizer.pad_token_id,
@@ -121,12 +124,12 @@ class StreamDAPOTrainer(DAPOTrainer):
             score_batch(batch, self.reward, self.tokenizer)
         keep = self._keep_rows(batch)
         members = group_rows(batch["uid"])
-        for position, ((sequence, row), group) in enumerate(zip(places, finished)):
-            rows = members[f"{prefix}:{position}"]
+        for order, ((sequence, position), group) in enumerate(zip(places, finished)):
+            rows = members[f"{prefix}:{order}"]
             if keep[rows[0]]:
-                self.kept.append(KeptGroup(sequence, batch.select(rows), group.admitted_version))
+                self.kept.append(KeptGroup(sequence, batch.select(rows), group.admitted_version, position))
             else:
-                self._filtered_rows.append(row)
+                self._filtered_rows.append(self.train_data.row_id(position))
                 self.filtered += 1
                 self.admitted -= 1  # its slot goes to the next prompt
         return len(finished)
@@ -161,7 +164,7 @@ class StreamDAPOTrainer(DAPOTrainer):
                     self.dropped_stale += 1
                     self.reissued += 1
                     self.admitted -= 1
-                    self.to_issue.appendleft(int(group.batch["prompt_index"][0]))
+                    self.to_issue.appendleft(group.position)
             self.kept = sorted(fresh, key=lambda g: g.sequence)
             if len(self.kept) >= self.batch_groups:
                 break
@@ -216,9 +219,14 @@ class StreamDAPOTrainer(DAPOTrainer):
 
     # ----------------------------------------------------------------- checkpoints
     def _untrained_rows(self) -> list[int]:
-        """Dataset rows drawn and not trained, in issue order: in flight, kept, not yet sent."""
-        waiting = sorted(self.in_flight.values()) + [(g.sequence, int(g.batch["prompt_index"][0])) for g in self.kept]
-        return [row for _, row in sorted(waiting)] + list(self.to_issue)
+        """The row ids drawn and not trained, in issue order: in flight, kept, not yet sent."""
+        waiting = sorted(self.in_flight.values()) + [(g.sequence, g.position) for g in self.kept]
+        positions = [position for _, position in sorted(waiting)] + list(self.to_issue)
+        return [self.train_data.row_id(p) for p in positions]
+
+    def _restore_untrained(self, rows: list[int]) -> None:
+        """The checkpoint's untrained row ids, issued first (as dataset positions)."""
+        self.to_issue = deque(self.train_data.position_of(row) for row in rows)
 
     def trainer_state(self) -> dict:
         return {**super().trainer_state(), "stream_untrained": self._untrained_rows()}
@@ -229,6 +237,6 @@ class StreamDAPOTrainer(DAPOTrainer):
         super().load_checkpoint(path)
         self.synced = self.global_step
         self.admitted = self.global_step * self.batch_groups
-        self.to_issue = deque(load_state(path / TRAINER_STATE)["stream_untrained"])
+        self._restore_untrained(load_state(path / TRAINER_STATE)["stream_untrained"])
         self.reissued = len(self.to_issue)
         log.info("reissued %d prompts drawn but not trained before the checkpoint", self.reissued)
