@@ -58,7 +58,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from nemo_dapo.config import from_yaml
-    from nemo_dapo.trainer.assembly import export_hf, resolve_paths
+    from nemo_dapo.trainer.assembly import resolve_paths
+    from nemo_dapo.trainer.export import export_hf
 
     tokenizer = (
         args.tokenizer or resolve_paths(from_yaml((Path(args.checkpoint) / "config.yaml").read_text())).model.path

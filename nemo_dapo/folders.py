@@ -2,8 +2,9 @@
 
 ``nemo-dapo export`` and ``nemo-dapo import-gguf`` write into a folder given on the command
 line: a mistyped path must not cost the user a folder. A folder that exists and holds anything
-is refused unless the command was told ``--overwrite``, and even then only the files the command
-writes are replaced; every other file stays.
+is refused unless the command was told ``--overwrite``, and even then only the model is replaced
+(its weight files as a whole: shards of an older model must not mix with the new ones) and the
+files the command writes; every other file stays.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def check_target(folder: Path, overwrite: bool, what: str) -> None:
     if folder.is_dir() and any(folder.iterdir()) and not overwrite:
         raise InputError(
             f"{folder}: exists and is not empty; write {what} into a new folder, or pass --overwrite to "
-            "replace the files it writes there (other files are kept)"
+            "replace the model there (its weight files and the files written; other files are kept)"
         )
 
 
@@ -39,3 +40,16 @@ def place(staging: Path, folder: Path) -> None:
             target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(source, target)
     shutil.rmtree(staging)
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """A Hugging Face folder's weights: its safetensors shards and their index."""
+    return sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.safetensors.index.json"))
+
+
+def place_model(staging: Path, folder: Path) -> None:
+    """:func:`place` for a model folder: the weight files ``folder`` held are removed first."""
+    if folder.is_dir():
+        for old in weight_files(folder):
+            old.unlink()
+    place(staging, folder)

@@ -7,7 +7,13 @@ import subprocess
 import pytest
 
 from nemo_dapo.policy.base import WorkerSettings
-from nemo_dapo.trainer.checkpoint import CheckpointError, CheckpointManager, CheckpointWriteError, verify
+from nemo_dapo.trainer.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    CheckpointWriteError,
+    verify,
+    write_manifest,
+)
 
 
 def writer(payload: bytes):
@@ -75,6 +81,44 @@ def test_missing_file_and_unfinished_save(tmp_path):
         verify(crashed)
     assert manager.resolve_resume("auto") is None
     assert manager.resolve_resume("disable") is None
+
+
+def test_a_checkpoint_holds_its_manifest_files_only_and_export_follows_no_link(tmp_path, tiny_model_dir):
+    """A file the manifest does not list, a manifest name leaving the folder, a link (to a file
+    or a folder): each refused by name, at verify, and so at resume and export."""
+    import json
+
+    from nemo_dapo.cli import main
+
+    def fresh(step):
+        return CheckpointManager(tmp_path / "checkpoints").save(step, writer(b"x"))
+
+    planted = fresh(1)
+    (planted / "policy" / "extra.pt").write_bytes(b"not sealed")
+    with pytest.raises(CheckpointError, match=r"file policy/extra\.pt is not in the manifest"):
+        verify(planted)
+    outside = fresh(2)
+    record = json.loads((outside / "manifest.json").read_text())
+    record["files"]["../../secret"] = record["files"].pop("trainer_state.pt")
+    (outside / "manifest.json").write_text(json.dumps(record))
+    with pytest.raises(CheckpointError, match=r"the manifest names \.\./\.\./secret, outside the checkpoint"):
+        verify(outside)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("a file outside the checkpoint")
+    for step, link in ((3, "policy/weights.bin"), (4, "policy")):
+        linked = fresh(step)
+        target = linked / link
+        if target.is_dir():
+            os.rename(target, tmp_path / f"moved_{step}")
+            target.symlink_to(tmp_path / f"moved_{step}", target_is_directory=True)
+        else:
+            target.unlink()
+            target.symlink_to(secret)
+        with pytest.raises(CheckpointError, match=rf"{link} is a link; a checkpoint holds plain files only"):
+            verify(linked)
+    out = tmp_path / "export"
+    assert main(["export", str(linked), str(out), "--tokenizer", str(tiny_model_dir)]) == 2
+    assert not out.exists()
 
 
 def test_crash_inside_write_leaves_previous_checkpoint(tmp_path):
@@ -200,7 +244,8 @@ def test_a_complete_run_is_known_from_its_summary_and_trainer_state_alone(tmp_pa
     folder = CheckpointManager(tmp_path / "checkpoints").save(4, state)
     assert completed_run(config("trainer.total_training_steps=4"), never) is None  # no summary yet
     (tmp_path / "summary.json").write_text(json.dumps({"steps": 4}))
-    assert completed_run(config("trainer.total_training_steps=4"), never) == {"steps": 4, "already_complete": True}
+    complete = {"steps": 4, "already_complete": True, "checkpoint": str(folder)}
+    assert completed_run(config("trainer.total_training_steps=4"), never) == complete
     assert completed_run(config("trainer.total_training_steps=5"), never) is None
     assert completed_run(config("trainer.total_training_steps=5", "trainer.total_generated_samples=96"), never)
     epochs = config("trainer.total_training_steps=null", "trainer.total_epochs=1")
@@ -208,5 +253,37 @@ def test_a_complete_run_is_known_from_its_summary_and_trainer_state_alone(tmp_pa
     assert completed_run(epochs, lambda: 4 * per_step) and not completed_run(epochs, lambda: 5 * per_step)
     (folder / "weights.bin").write_bytes(b"damaged")  # not read here
     assert completed_run(config("trainer.total_training_steps=4"), never)
+    # a checkpoint of another trainer.mode is refused, finished or not (told by its contents when
+    # it predates the mode entry: the stream's untrained rows, the async data plane)
+    for mode, saved in (("stream", {"mode": "sync"}), ("sync", {"stream_untrained": []}), ("sync", {"data_plane": {}})):
+        torch.save({"global_step": 4, **saved}, folder / "trainer_state.pt")
+        (folder / "manifest.json").unlink()
+        write_manifest(folder)
+        with pytest.raises(
+            CheckpointError, match=rf"written by a trainer\.mode=\w+ run, which this trainer\.mode={mode}"
+        ):
+            completed_run(config("trainer.total_training_steps=9", f"trainer.mode={mode}"), never)
     (folder / "trainer_state.pt").write_bytes((folder / "trainer_state.pt").read_bytes()[:-1] + b"!")
     assert completed_run(config("trainer.total_training_steps=4"), never) is None
+
+
+def test_a_rollback_starts_a_branch_that_retention_and_auto_resume_follow(tmp_path, caplog):
+    """Resumed from step 1 of a run at step 3: steps 2 and 3 are set aside (kept, out of resume
+    and retention). The new branch saves step 2 and crashes; auto resumes the new step 2, and
+    retention at keep_last=1 keeps it. Without the rollback, auto would pick the old step 3."""
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    for step in (1, 2, 3):
+        manager.save(step, writer(b"old branch %d" % step))
+    assert manager.resolve_resume(str(tmp_path / "global_step_1")).name == "global_step_1"
+    assert (tmp_path / "latest").read_text() == "global_step_1"
+    (aside,) = (tmp_path / "abandoned").iterdir()
+    assert sorted(p.name for p in aside.iterdir()) == ["global_step_2", "global_step_3"]
+    assert (aside / "global_step_3" / "policy" / "weights.bin").read_bytes() == b"old branch 3"  # kept
+    assert "rolled back to global_step_1: the later checkpoints (global_step_2, global_step_3)" in caplog.text
+    manager = CheckpointManager(tmp_path, keep_last=1)  # the new branch's run
+    manager.save(2, writer(b"new branch 2"))
+    resumed = manager.resolve_resume("auto")  # after a crash
+    assert resumed.name == "global_step_2" and (resumed / "policy" / "weights.bin").read_bytes() == b"new branch 2"
+    assert [s for s, _ in manager.step_folders()] == [2] and (aside / "global_step_3").is_dir()
+    assert manager.resolve_resume(str(resumed)) == resumed  # resuming the newest sets nothing aside
+    assert len(list((tmp_path / "abandoned").iterdir())) == 1

@@ -273,6 +273,25 @@ def test_megatron_tp2_run_with_a_kl_loss_packing_and_background_saves(workdir):
         folder = verify(out / "checkpoints" / f"global_step_{step}")
         assert (folder / "policy" / "megatron" / ".metadata").is_file()  # sharded, reshardable state
     assert (out / "checkpoints" / "latest").read_text() == "global_step_4"
+    _a_planted_megatron_checkpoint_runs_nothing_on_resume(out)
+
+
+def _a_planted_megatron_checkpoint_runs_nothing_on_resume(out: Path) -> None:
+    """Someone with write access to the checkpoint folder plants global_step_6: the last
+    checkpoint with a .metadata that runs a command when unpickled (a dotted name, os.system
+    looked up in a checkpoint module), its manifest resealed. The resume refuses it, exit 2."""
+    from nemo_dapo.trainer.checkpoint import write_manifest
+    from tests.planted import dotted_name_payload
+
+    planted, marker = out / "checkpoints" / "global_step_6", out / "planted_ran"
+    shutil.copytree(out / "checkpoints" / "global_step_4", planted)
+    (planted / "policy" / "megatron" / ".metadata").write_bytes(dotted_name_payload(marker))
+    (planted / "manifest.json").unlink()
+    write_manifest(planted)
+    again = train(out, "actor.backend=megatron", "trainer.total_training_steps=8", "trainer.save_freq=0", *SMALL)
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert "global torch.distributed.checkpoint.filesystem.os.system is not allowed" in again.stderr
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize("mode", ["sync", "async", "stream"])
@@ -325,7 +344,8 @@ def test_a_run_made_to_collapse_is_warned_about_once_and_running_it_again_change
     """A learning rate that wrecks the tiny model after its first update (dynamic sampling off):
     some first-step samples are right, none after; the trainer names the collapse and its causes.
     The model's tokenizer has no pad token (padded with its EOS token, said once). The finished
-    run started again is found complete before Ray starts and leaves its summary and export."""
+    run started again is found complete before Ray starts and leaves its summary and export; with
+    its export cut short, it exports again, still before any worker starts."""
     model = without_pad_token(Path(tiny_model_dir), workdir / "no_pad_model")
     from transformers import AutoTokenizer
 
@@ -357,3 +377,20 @@ def test_a_run_made_to_collapse_is_warned_about_once_and_running_it_again_change
     assert "worker(s) on" not in again.stderr  # known before any worker was placed
     assert (out / "summary.json").read_bytes() == summary
     assert {p.name: p.stat().st_mtime_ns for p in (out / "hf_export").iterdir()} == exported
+
+    # the export failed after the summary was written (cut short: no record, a file missing):
+    # started again, the run exports its last checkpoint, still without a worker
+    from nemo_dapo.trainer.export import EXPORT_RECORD
+
+    (out / "hf_export" / EXPORT_RECORD).unlink()
+    (out / "hf_export" / "model.safetensors").unlink()
+    third = train(out, *run)
+    assert third.returncode == 0 and "worker(s) on" not in third.stderr, third.stderr[-3000:]
+    assert re.search(r"exporting \S+global_step_5 to \S+hf_export", third.stderr)
+    final = out / "checkpoints" / "global_step_5" / "policy" / "model" / "model.safetensors"
+    assert (out / "hf_export" / "model.safetensors").read_bytes() == final.read_bytes()
+    assert (out / "summary.json").read_bytes() == summary
+    # continued in another trainer.mode: refused before Ray, naming the fix
+    other = train(out, *run, "trainer.mode=stream", "trainer.total_training_steps=6")
+    assert other.returncode == 2 and "worker(s) on" not in other.stderr, other.stderr[-3000:]
+    assert "written by a trainer.mode=sync run, which this trainer.mode=stream run cannot continue" in other.stderr

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from nemo_dapo.errors import InputError
-from nemo_dapo.folders import check_target, place
+from nemo_dapo.folders import check_target, place_model
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,6 @@ def import_gguf(
         **(provenance or {}),
     }
     (staging / "provenance.json").write_text(json.dumps(record, indent=1))
-    place(staging, output_dir)
+    place_model(staging, output_dir)
     log.info("imported %s (%s, %d parameters) into %s", gguf_file.name, architecture, record["parameters"], output_dir)
     return output_dir

@@ -15,6 +15,7 @@ from nemo_dapo.config.validate import combination_notes, raise_problems, separat
 from nemo_dapo.model.builtin import resolve_builtin
 from nemo_dapo.policy.base import WorkerSettings
 from nemo_dapo.trainer.checkpoint import CheckpointManager
+from nemo_dapo.trainer.export import export_hf, exported_from
 from nemo_dapo.trainer.run_folder import RunFolder, refuse_mixing
 from nemo_dapo.trainer.summary import completed_run
 
@@ -283,7 +284,7 @@ def run_training(cfg: Config) -> dict:
         refuse_mixing(checkpoints, cfg.checkpoint.resume, cfg.trainer.output_dir)
         finished = completed_run(cfg, lambda: len(load_data(resolve_paths(cfg)).train))
         if finished is not None:  # said before Ray or any worker starts
-            return {**finished, "hf_export": str(Path(cfg.trainer.output_dir) / "hf_export")}
+            return {**finished, "hf_export": str(_exported(cfg, Path(finished["checkpoint"])))}
         return _run_claimed(cfg)
     finally:
         folder.release()
@@ -324,35 +325,18 @@ def _run_claimed(cfg: Config) -> dict:
         else:
             trainer = DAPOTrainer(*common, ref_policy=ref)
         summary = trainer.fit()
-        export_dir = Path(cfg.trainer.output_dir) / "hf_export"
-        export_hf(trainer.checkpoints.step_folders()[0][1], cfg.model.path, export_dir, overwrite=True)
-        return {**summary, "hf_export": str(export_dir)}
+        return {**summary, "hf_export": str(_exported(cfg, trainer.checkpoints.step_folders()[0][1]))}
     finally:
         if reward is not None:
             reward.close()
         shutdown_ray()
 
 
-def export_hf(
-    checkpoint: str | Path, tokenizer_source: str | Path, output_dir: str | Path, overwrite: bool = False
-) -> Path:
-    """A servable Hugging Face folder: the checkpoint's weights + the tokenizer files. A non-empty
-    ``output_dir`` is refused unless ``overwrite``, which replaces only the files written."""
-    import shutil
-
-    from nemo_dapo.folders import check_target, place
-    from nemo_dapo.trainer.checkpoint import verify
-
-    output_dir = Path(output_dir)
-    check_target(output_dir, overwrite, "the exported model")
-    checkpoint = verify(checkpoint)
-    staging = output_dir.parent / f".{output_dir.name}.{os.getpid()}.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(checkpoint / "policy" / "model", staging)
-    for source in Path(tokenizer_source).iterdir():
-        if source.is_file() and (
-            source.name.startswith("tokenizer") or source.name in ("chat_template.jinja", "special_tokens_map.json")
-        ):
-            shutil.copy2(source, staging / source.name)
-    place(staging, output_dir)
-    return output_dir
+def _exported(cfg: Config, checkpoint: Path) -> Path:
+    """``hf_export`` holding the run's last checkpoint: exported unless a complete export of that
+    checkpoint is there (a run found finished whose export failed or was cut short exports it)."""
+    export_dir = Path(cfg.trainer.output_dir) / "hf_export"
+    if exported_from(export_dir) != checkpoint.resolve():
+        log.info("exporting %s to %s", checkpoint, export_dir)
+        export_hf(checkpoint, resolve_paths(cfg).model.path, export_dir, overwrite=True)
+    return export_dir

@@ -15,25 +15,48 @@ import logging
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from nemo_dapo.digest import ALGORITHM, digest_files, legacy_sha256
+from nemo_dapo.errors import InputError
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"  # the trainer's own state: step, sampler, RNG (trainer/fit.py)
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 STAGING_PREFIX = ".tmp_global_step_"
+ABANDONED = "abandoned"  # checkpoints of a branch left by a rollback, set aside under it
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded; the message says which file and why."""
+class CheckpointError(InputError, RuntimeError):
+    """A checkpoint that cannot be loaded (exit 2: another checkpoint is the fix); the message
+    says which file and why."""
 
 
-class CheckpointWriteError(CheckpointError):
+class CheckpointWriteError(RuntimeError):
     """A checkpoint that could not be written (disk full, quota, I/O error). The partial folder is
     gone and the previous checkpoint is still ``latest``; the message names the path and the cause."""
+
+
+def saved_mode(state: dict) -> str:
+    """The ``trainer.mode`` of the run that wrote a trainer state (told by what it holds when
+    the state predates the ``mode`` entry)."""
+    if "mode" in state:
+        return state["mode"]
+    return "stream" if "stream_untrained" in state else "async" if "data_plane" in state else "sync"
+
+
+def refuse_mode_change(state: dict, mode: str, path: Path) -> None:
+    """Each trainer keeps what it holds in flight in its own form (the async data plane, the
+    stream's untrained rows, the sync carry-over): a checkpoint resumes in its own mode only."""
+    if saved_mode(state) != mode:
+        raise CheckpointError(
+            f"{path}: written by a trainer.mode={saved_mode(state)} run, which this trainer.mode={mode} run "
+            f"cannot continue (the prompts it holds in flight are kept in that mode's form). Resume it with "
+            f"trainer.mode={saved_mode(state)}, or start the {mode} run in another trainer.output_dir"
+        )
 
 
 # (folder, file names relative to it) -> {name: digest}
@@ -55,9 +78,10 @@ def write_manifest(folder: Path, hasher: Hasher = digest_files) -> None:
 
 
 def verify(folder: str | Path, hasher: Hasher = digest_files, only: Sequence[str] | None = None) -> Path:
-    """Raise :class:`CheckpointError` unless every file of the manifest is present and intact: sizes
-    first (cheap), then the digests, all files in one ``hasher`` call. ``only``: just these files
-    of the manifest (the ones a caller is about to read; one not listed is missing)."""
+    """Raise :class:`CheckpointError` unless the folder holds exactly the manifest's files (plain
+    files inside it), each intact: sizes first (cheap), then the digests, all files in one
+    ``hasher`` call. ``only``: digests of just these files of the manifest (the ones a caller is
+    about to read; one not listed is missing)."""
     folder = Path(folder)
     manifest = folder / MANIFEST
     if not manifest.is_file():
@@ -67,6 +91,7 @@ def verify(folder: str | Path, hasher: Hasher = digest_files, only: Sequence[str
         files = record["files"]
     except (ValueError, KeyError) as err:
         raise CheckpointError(f"{manifest}: unreadable manifest ({err})") from None
+    _check_contents(folder, files)
     if only is not None:
         unlisted = sorted(set(only) - set(files))
         if unlisted:
@@ -86,6 +111,21 @@ def verify(folder: str | Path, hasher: Hasher = digest_files, only: Sequence[str
         if found[name] != expected.get("digest", expected.get("sha256")):
             raise CheckpointError(f"{folder}: file {name} is damaged (its checksum differs from the manifest)")
     return folder
+
+
+def _check_contents(folder: Path, files: dict) -> None:
+    """The folder holds the manifest's files and nothing else: no name leaving the folder, no
+    file the manifest does not list (placed after the seal), no link (which a loader or an
+    export would follow out of the checkpoint)."""
+    for name in files:
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointError(f"{folder}: the manifest names {name}, outside the checkpoint folder")
+    for path in sorted(folder.rglob("*")):
+        name = str(path.relative_to(folder))
+        if path.is_symlink():
+            raise CheckpointError(f"{folder}: {name} is a link; a checkpoint holds plain files only")
+        if path.is_file() and name not in files and name != MANIFEST:
+            raise CheckpointError(f"{folder}: file {name} is not in the manifest (added after it was sealed)")
 
 
 class CheckpointManager:
@@ -130,9 +170,7 @@ class CheckpointManager:
         if final.exists():  # a checkpoint of the same step from an interrupted earlier run
             shutil.rmtree(final)
         os.replace(staging, final)
-        pointer = self.root / ".latest.tmp"
-        pointer.write_text(final.name)
-        os.replace(pointer, self.root / "latest")
+        self._point_latest_at(final)
         self._prune()
         return final
 
@@ -161,15 +199,44 @@ class CheckpointManager:
         """The checkpoint to resume from, or None to start fresh.
 
         ``auto``: the newest intact checkpoint; a damaged newer one is reported and skipped.
-        ``disable``: none. A path: exactly that checkpoint, which must be intact.
+        ``disable``: none. A path: exactly that checkpoint, which must be intact; an older one of
+        this run is a rollback (see :meth:`_roll_back_to`).
         """
         if resume == "disable":
             return None
         if resume != "auto":
-            return verify(resume, self.hasher)
+            return self._roll_back_to(verify(resume, self.hasher))
         for step, path in self.step_folders():
             try:
                 return verify(path, self.hasher)
             except CheckpointError as err:
                 log.warning("skipping checkpoint of step %d: %s", step, err)
         return None
+
+    def _roll_back_to(self, path: Path) -> Path:
+        """Resuming from an older checkpoint of this run starts a new branch: the later
+        checkpoints are set aside (moved under ``abandoned/``, never deleted) and ``latest``
+        points at ``path``, so retention and ``resume=auto`` see the new branch only and a crash
+        after the rollback does not continue the abandoned one."""
+        match = STEP_DIR.match(path.name)
+        if match is None or path.resolve().parent != self.root.resolve():
+            return path
+        later = [folder for step, folder in self.step_folders() if step > int(match.group(1))]
+        if later:
+            aside = self.root / ABANDONED / f"after_{path.name}_{time.strftime('%Y%m%d-%H%M%S')}"
+            aside.mkdir(parents=True)
+            for folder in later:
+                os.replace(folder, aside / folder.name)
+            log.warning(
+                "rolled back to %s: the later checkpoints (%s) are set aside in %s, out of resume and retention",
+                path.name,
+                ", ".join(folder.name for folder in reversed(later)),
+                aside,
+            )
+        self._point_latest_at(path)
+        return path
+
+    def _point_latest_at(self, folder: Path) -> None:
+        pointer = self.root / ".latest.tmp"
+        pointer.write_text(folder.name)
+        os.replace(pointer, self.root / "latest")

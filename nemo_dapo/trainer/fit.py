@@ -33,7 +33,7 @@ from nemo_dapo.rng import restore_rng, rng_state
 from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.safe_load import load_state
 from nemo_dapo.trainer.batching import batch_from_items
-from nemo_dapo.trainer.checkpoint import TRAINER_STATE, CheckpointManager
+from nemo_dapo.trainer.checkpoint import TRAINER_STATE, CheckpointManager, refuse_mode_change
 from nemo_dapo.trainer.health import LearningHealth, NonFiniteSteps
 from nemo_dapo.trainer.old_policy import OldPolicyScores
 from nemo_dapo.trainer.preemption import Preempted, PreemptionSignals, record_preemption
@@ -128,7 +128,7 @@ class DAPOTrainer:
         self._sampler_iter: Iterator[list[int]] | None = None
         self.accumulator = (
             GroupAccumulator(
-                cfg.data.train_batch_size, filtering.max_num_gen_batches, filtering.carry_over, filtering.metric
+                cfg.data.train_batch_size, filtering.max_num_gen_batches, bool(filtering.carry_over), filtering.metric
             )
             if filtering.enable
             else None
@@ -291,6 +291,7 @@ class DAPOTrainer:
     def trainer_state(self) -> dict:
         return {
             "global_step": self.global_step,
+            "mode": self.cfg.trainer.mode,
             "weight_version": self.weight_version,
             "generated_samples": self.generated_samples,
             "sampler": self.sampler.state_dict(),
@@ -324,8 +325,9 @@ class DAPOTrainer:
         log.info("saved checkpoint %s", path)
 
     def load_checkpoint(self, path: Path) -> None:
-        self.policy.load(str(path / "policy"))
         state = load_state(path / TRAINER_STATE)
+        refuse_mode_change(state, self.cfg.trainer.mode, path)
+        self.policy.load(str(path / "policy"))
         self.global_step = state["global_step"]
         self.sampler.load_state_dict(state["sampler"])
         self._sampler_iter = None

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from nemo_dapo.config.architecture import Architecture
 from nemo_dapo.config.schema import MegatronConfig
 from nemo_dapo.config.topology import Parallelism
+from nemo_dapo.errors import InputError
 from nemo_dapo.network import use_node_network
 from nemo_dapo.policy.megatron import convert as convert
 from nemo_dapo.policy.megatron.cpu_compat import define_router_gemm_without_te
@@ -275,15 +276,31 @@ def build_gpt_model(hf_config, config, transformer_impl: str = "local", vp_stage
 
 
 def read_hf_weights(model_path: str, wanted: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
-    """The folder's safetensors tensors, or only those ``wanted``: the others are never read."""
+    """The folder's weights, or only those ``wanted``: the others are never read. The files are
+    the ones its ``model.safetensors.index.json`` names, else ``model.safetensors`` (as
+    transformers reads them: a stray shard beside them is not the model's)."""
     from safetensors import safe_open
 
     weights: dict[str, torch.Tensor] = {}
-    for file in sorted(os.listdir(model_path)):
-        if file.endswith(".safetensors"):
-            with safe_open(os.path.join(model_path, file), framework="pt") as handle:
-                weights.update({name: handle.get_tensor(name) for name in handle.keys() if wanted(name)})
+    for file in hf_weight_files(model_path):
+        with safe_open(os.path.join(model_path, file), framework="pt") as handle:
+            weights.update({name: handle.get_tensor(name) for name in handle.keys() if wanted(name)})
     return weights
+
+
+def hf_weight_files(model_path: str) -> list[str]:
+    import json
+
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as handle:
+            return sorted(set(json.load(handle)["weight_map"].values()))
+    if os.path.isfile(os.path.join(model_path, "model.safetensors")):
+        return ["model.safetensors"]
+    raise InputError(
+        f"{model_path}: no model.safetensors and no model.safetensors.index.json; give a Hugging Face "
+        "model folder with safetensors weights"
+    )
 
 
 def chunk_needs(shape: Architecture, vp_stage: int = 0) -> Callable[[str], bool]:
