@@ -120,3 +120,32 @@ def test_steps_redone_after_a_crash_go_to_a_new_wandb_run_linked_to_the_first(tm
     assert {step: row["actor/pg_loss"] for step, row in old.items()} == {1: 0.5, 2: -0.125, 3: 0.0625}
     assert {step: row["actor/pg_loss"] for step, row in new.items()} == {3: 0.25, 4: 0.375}
     assert wandb_config(run_file(second))["resumed_from"] == {"wandb_run": first, "step": 3}
+
+
+def test_the_logger_runs_file_survives_a_full_disk_mid_write_and_a_damaged_one_is_named(tmp_path):
+    """logger_runs.json on a 64 KiB tmpfs, the disk full when a large value is kept: the write
+    fails and the file still holds what it held (written in place it would be truncated, and
+    every later start would die reading it). A damaged file stops the start, naming it."""
+    import errno
+    import subprocess
+
+    from nemo_dapo.errors import InputError
+
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("no tmpfs can be mounted here")
+    try:
+        context = SinkContext(small, "p", "e")
+        context.remember("wandb", "run-1")
+        (small / "filler").write_bytes(b"\0" * 40 * 1024)
+        with pytest.raises(OSError) as full:
+            context.remember("notes", "x" * 64 * 1024)
+        assert full.value.errno == errno.ENOSPC
+        assert json.loads((small / "logger_runs.json").read_text()) == {"wandb": "run-1"}
+        assert SinkContext(small, "p", "e").remembered("wandb") == "run-1"
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    (tmp_path / "logger_runs.json").write_text('{"wandb": "run-')
+    with pytest.raises(InputError, match=r"logger_runs\.json: unreadable .* move it away to log to new runs"):
+        SinkContext(tmp_path, "p", "e").remembered("wandb")

@@ -36,6 +36,32 @@ def test_script_parses_and_passes_shellcheck(script):
     assert checked.returncode == 0, checked.stdout
 
 
+def test_the_test_cluster_refuses_a_state_folder_someone_else_could_have_made(tmp_path):
+    """setup_netns_slurm.sh trusts the munge key and slurm.conf in its state folder: one not
+    root's with mode 0700 (here: mode 0755, then another user's, then a link) is refused before
+    anything starts or is written there."""
+    ensure_packages("munged", "slurmctld", "slurmd", "sinfo")
+    script = REPO / "tests" / "slurm" / "setup_netns_slurm.sh"
+    state, target = tmp_path / "state", tmp_path / "elsewhere"
+    state.mkdir(mode=0o755)
+    target.mkdir(mode=0o700)
+    for case in ("mode", "owner", "link"):
+        if case == "owner":
+            state.chmod(0o700)
+            os.chown(state, 65534, 65534)
+        elif case == "link":
+            state.rmdir()
+            state.symlink_to(target)
+        done = subprocess.run(
+            ["bash", str(script), "start"],
+            env={**os.environ, "NETNS_SLURM_DIR": str(state)},
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 1 and f"{state}: not a folder of root's with mode 0700" in done.stderr, done.stderr
+        assert not list(target.iterdir()) and (case == "link" or not list(state.iterdir()))
+
+
 # ----------------------------------------------------------------------------- preemption flag
 def test_stop_signals_set_the_flag_instead_of_killing():
     before = signal.getsignal(signal.SIGUSR1)

@@ -52,7 +52,9 @@ def add_parser(subparsers) -> None:
     slurm.add_argument("--container-image", help="pyxis/enroot image; without one the nodes' own Python runs")
     slurm.add_argument("--container-mounts", default="", help="extra src:dst[,src:dst...] container mounts")
     slurm.add_argument("--data-dir", help="folder of the preset's parquet files (DAPO_DATA_DIR)")
-    slurm.add_argument("--hf-model", help="base model folder or hub name (HF_MODEL)")
+    slurm.add_argument(
+        "--hf-model", help="the base model's Hugging Face folder, on storage every node sees (HF_MODEL); not a hub name"
+    )
     slurm.add_argument("--ssh-host", help="submit over SSH from this machine (else: on a login node)")
     slurm.add_argument("--ssh-user")
     slurm.add_argument("--ssh-identity", help="SSH private key file")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -19,8 +20,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from nemo_dapo.algo import metric_names as mn
+from nemo_dapo.errors import InputError
 
 log = logging.getLogger("nemo_dapo")
+LOGGER_RUNS = "logger_runs.json"  # the logger runs an output folder continues
 
 # what the console's one line per step shows (every metric is in TensorBoard and metrics.jsonl)
 CONSOLE_PREFIXES = (mn.SCORE["mean"].name, "val-core/", mn.NUM_GEN_BATCHES.name, mn.TIME_PER_STEP.name, mn.PG_LOSS.name)
@@ -40,13 +43,27 @@ class SinkContext:
     def remembered(self, key: str) -> Any:
         """What this output folder's earlier run kept under ``key`` (a sink's run id, the last
         step it logged); None: nothing kept."""
-        path = self.output_dir / "logger_runs.json"
-        return json.loads(path.read_text()).get(key) if path.is_file() else None
+        return self._kept().get(key)
 
     def remember(self, key: str, value: Any) -> None:
-        path = self.output_dir / "logger_runs.json"
-        kept = json.loads(path.read_text()) if path.is_file() else {}
-        path.write_text(json.dumps({**kept, key: value}, indent=1) + "\n")
+        """Kept atomically (a new file renamed over the old): a crash or a full disk mid-write
+        leaves the previous content, never a truncated file."""
+        path = self.output_dir / LOGGER_RUNS
+        staged = path.with_name(f".{LOGGER_RUNS}.tmp")
+        staged.write_text(json.dumps({**self._kept(), key: value}, indent=1) + "\n")
+        os.replace(staged, path)
+
+    def _kept(self) -> dict[str, Any]:
+        path = self.output_dir / LOGGER_RUNS
+        if not path.is_file():
+            return {}
+        try:
+            return json.loads(path.read_text())
+        except ValueError as err:
+            raise InputError(
+                f"{path}: unreadable ({err}); it names the W&B and MLflow runs this output folder continues. "
+                "Repair it, or move it away to log to new runs"
+            ) from None
 
 
 class MetricSink(Protocol):

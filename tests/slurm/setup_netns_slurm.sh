@@ -173,15 +173,29 @@ wait_for_nodes() {
     done
 }
 
+# The state folder holds the munge key and slurm.conf the daemons trust: made here (root's, mode
+# 0700), or reused only when it is that; /var/tmp is writable by every user, who could have made
+# it first (or a link in its place) and planted their own key or configuration.
+claim_state() {
+    if [ ! -e "$STATE" ] && [ ! -L "$STATE" ]; then
+        mkdir -p "$(dirname "$STATE")"
+        mkdir -m 0700 "$STATE"
+    fi
+    if [ ! -d "$STATE" ] || [ -L "$STATE" ] || [ "$(stat -c %u:%a "$STATE")" != "0:700" ]; then
+        die "$STATE: not a folder of root's with mode 0700 (someone else's could hold a planted munge key or slurm.conf); remove it, or set NETNS_SLURM_DIR to a new path"
+    fi
+}
+
 start() {
     [ "$(id -u)" -eq 0 ] || die "needs root (network namespaces, mounts, slurmd)"
     local daemon
     for daemon in munged slurmctld slurmd sinfo ip nsenter unshare; do
         command -v "$daemon" >/dev/null || die "$daemon not installed (run tools/install_slurm.sh)"
     done
+    claim_state
     pid_alive "$STATE/run/slurmctld.pid" || rm -rf "$STATE/log"
     mkdir -p "$STATE"/{munge,state,spool,log,run,hold}
-    chmod 0755 "$STATE" "$STATE/munge"
+    chmod 0700 "$STATE/munge"
     make_network
     write_hosts
     pid_alive "$STATE/run/slurmctld.pid" || write_slurm_conf
