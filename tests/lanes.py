@@ -1,8 +1,8 @@
-"""Two lanes for `make test` (pytest-xdist, ``-n 2``): the multi-node Slurm module on one
-worker, everything else on the other, in file order with the tests marked ``quiet`` last. The
-multi-node tests mostly wait for Slurm and Ray to start things (about 1.4 of the 2 cores busy,
-as the rest), so side by side the suite takes the longer lane plus the contention, not the sum
-(docs/testing.md). A ``quiet`` test measures time or memory, or holds deadlines of a few
+"""Two lanes for `make test` (pytest-xdist, ``-n 2``): the multi-node Slurm module and the
+launcher's on one worker, everything else on the other, in file order with the tests marked
+``quiet`` last. The multi-node tests mostly wait for Slurm and Ray to start things (about 1.4 of
+the 2 cores busy, as the rest), so side by side the suite takes the longer lane plus the
+contention, not the sum (docs/testing.md). A ``quiet`` test measures time or memory, or holds deadlines of a few
 seconds: it starts once the multi-node lane is done, with the machine to itself. Without xdist
 (a plain `pytest ...`) only the order changes.
 """
@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-CLUSTER_MODULE = "tests/test_multinode.py"
+CLUSTER_MODULES = ("tests/test_multinode.py", "tests/test_launch.py")  # the lanes' lengths balance
 QUIET_WAIT_S = 1800  # the multi-node lane takes ~7 minutes beside the other one
 CLUSTER_LEFT = pytest.StashKey[int]()
 
 
 def is_cluster(item: pytest.Item) -> bool:
-    return item.nodeid.split("::")[0] == CLUSTER_MODULE
+    return item.nodeid.split("::")[0] in CLUSTER_MODULES
 
 
 def lane_folder() -> Path | None:
@@ -37,12 +37,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """xdist's scheduler by scope, with two scopes: the multi-node module, and the rest."""
+    """xdist's scheduler by scope, with two scopes: the cluster modules, and the rest."""
     from xdist.scheduler import LoadScopeScheduling
 
     class TwoLanes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "cluster" if nodeid.split("::")[0] == CLUSTER_MODULE else "local"
+            return "cluster" if nodeid.split("::")[0] in CLUSTER_MODULES else "local"
 
     return TwoLanes(config, log)
 
