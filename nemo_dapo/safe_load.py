@@ -127,6 +127,19 @@ def checked_distributed_checkpoint(folder: str | Path) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def refuse_unsafe_distributed_checkpoint(folder: str | Path) -> None:
+    """What :func:`checked_distributed_checkpoint` would refuse, said before anything starts (the
+    driver, before Ray); a folder damaged in other ways is left to the manifest check and the
+    load, which fall back to an older checkpoint where they may."""
+    try:
+        with checked_distributed_checkpoint(folder):
+            pass
+    except UnsafeCheckpointFile:
+        raise
+    except Exception:  # damage, not danger: not this check's to report
+        return
+
+
 def _read_metadata(path: Path) -> Any:
     try:
         return _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()

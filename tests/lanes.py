@@ -1,6 +1,6 @@
 """Two lanes for `make test` (pytest-xdist, ``-n 2``): the multi-node Slurm module and the
-launcher's on one worker, everything else on the other, in file order with the tests marked
-``quiet`` last. The multi-node tests mostly wait for Slurm and Ray to start things (about 1.4 of
+end-to-end training runs on one worker, everything else on the other, in file order with the
+tests marked ``quiet`` last. The multi-node tests mostly wait for Slurm and Ray to start things (about 1.4 of
 the 2 cores busy, as the rest), so side by side the suite takes the longer lane plus the
 contention, not the sum (docs/testing.md). A ``quiet`` test measures time or memory, or holds deadlines of a few
 seconds: it starts once the multi-node lane is done, with the machine to itself. Without xdist
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-CLUSTER_MODULES = ("tests/test_multinode.py", "tests/test_launch.py")  # the lanes' lengths balance
+# the multi-node module, then the end-to-end training runs: about the other lane's length (docs/testing.md)
+CLUSTER_MODULES = ("tests/test_multinode.py", "tests/test_train_e2e.py")
 QUIET_WAIT_S = 1800  # the multi-node lane takes ~7 minutes beside the other one
 CLUSTER_LEFT = pytest.StashKey[int]()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from nemo_dapo.config import Config
 from nemo_dapo.config.topology import total_training_steps
-from nemo_dapo.safe_load import load_state
+from nemo_dapo.safe_load import load_state, refuse_unsafe_distributed_checkpoint
 from nemo_dapo.trainer.checkpoint import (
     TRAINER_STATE,
     CheckpointError,
@@ -56,7 +56,8 @@ def completed_run(cfg: Config, dataset_size: Callable[[], int]) -> dict | None:
     manifest (the weights are not; the resumed trainer checks everything). A damaged state is
     not complete here: the trainer then falls back to an older checkpoint and says so.
     ``dataset_size`` is called only for a run counted in epochs. A checkpoint of another
-    ``trainer.mode`` is refused here, before Ray starts."""
+    ``trainer.mode``, or a Megatron one whose loading would run code, is refused here, before
+    Ray starts."""
     summary_file = Path(cfg.trainer.output_dir) / SUMMARY
     manager = CheckpointManager(Path(cfg.trainer.output_dir) / "checkpoints")
     resume = cfg.checkpoint.resume
@@ -68,6 +69,8 @@ def completed_run(cfg: Config, dataset_size: Callable[[], int]) -> dict | None:
     except CheckpointError:
         return None
     refuse_mode_change(state, cfg.trainer.mode, candidates[0])  # said before Ray too
+    if (candidates[0] / "policy" / "megatron").is_dir():  # a planted checkpoint: refused before Ray too
+        refuse_unsafe_distributed_checkpoint(candidates[0] / "policy" / "megatron")
     if not summary_file.is_file():
         return None
     total_steps = total_training_steps(cfg, 0 if cfg.trainer.total_training_steps else dataset_size())
