@@ -67,6 +67,9 @@ def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(local_ray, tiny_mo
     batch = build_rollout_batch(ids, generations, {}, "g", tiny_tokenizer.pad_token_id, 0)
     old = policy1.compute_log_prob(batch, 1.0)["log_probs"]
     assert torch.allclose(old, policy2.compute_log_prob(batch, 1.0)["log_probs"], atol=1e-6)
+    # each DP=2 rank was sent its half of the batch (its own rows, put once for its replica)
+    whole, halves = policy1.sent_bytes["compute_log_prob"], policy2.sent_bytes["compute_log_prob"]
+    assert len(halves) == 2 and max(halves) < whole[0] * 0.6 + 4096, (whole, halves)
     batch.add("old_log_probs", old)
     batch.add("advantages", torch.linspace(-1, 1, len(batch))[:, None] * batch["response_mask"])
     m1 = policy1.update(batch, LossSettings(), prompts_per_mini_batch=4, ppo_epochs=1).metrics
@@ -77,6 +80,8 @@ def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(local_ray, tiny_mo
     result = policy2.update(fused, LossSettings(), prompts_per_mini_batch=4, ppo_epochs=1, first_old_from_forward=True)
     assert (result.first_forward["log_probs"] - old).abs().max().item() < 1e-5
     m2 = result.metrics
+    assert m2["perf/rank_input_mb/update"] * 2**20 == max(policy2.sent_bytes["update"])
+    assert max(policy2.sent_bytes["update"]) < policy1.sent_bytes["update"][0] * 0.6 + 4096
     assert m1["actor/pg_loss"] == pytest.approx(m2["actor/pg_loss"], abs=1e-6)
     assert m1["actor/grad_norm"] == pytest.approx(m2["actor/grad_norm"], rel=1e-5)
     w1 = {name: t for ref in policy1.export_weights(1 << 30) for name, t in ray.get(ref)}

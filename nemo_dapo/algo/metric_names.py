@@ -186,6 +186,11 @@ TIMING_PER_TOKEN_MS = metric(
 TOTAL_NUM_TOKENS = metric("perf/total_num_tokens", Reduce.MEAN, "prompt + response tokens of the step")
 TIME_PER_STEP = metric("perf/time_per_step", Reduce.MEAN, "seconds of the step")
 THROUGHPUT = metric("perf/throughput", Reduce.MEAN, "tokens per second per device (per process on CPU)")
+RANK_INPUT_MB = metric(
+    "perf/rank_input_mb/{call}",
+    Reduce.MAX,
+    "MiB of batch one training rank received for the call (the largest rank's; the ranks of a replica share one copy)",
+)
 
 # ---- validation (docs/algorithm.md §12)
 VAL_ACC = metric("val-core/{source}/acc/mean@{n}", Reduce.MEAN, "held-out accuracy averaged over n samples")

@@ -44,6 +44,7 @@ class PolicyGroup:
         self.dp_size = layout[0][1]
         self._dp_rank = [dp_rank for dp_rank, _ in layout]
         self._leaders = [self._dp_rank.index(r) for r in range(self.dp_size)]
+        self.sent_bytes: dict[str, list[int]] = {}  # per call: the bytes each rank received, rank order
 
     @property
     def world_size(self) -> int:
@@ -52,9 +53,20 @@ class PolicyGroup:
     def _per_worker(self, per_replica: list) -> list:
         return [per_replica[dp_rank] for dp_rank in self._dp_rank]
 
+    def _send(self, call: str, per_replica: list) -> list:
+        """Each replica's inputs go into the object store once, as one object that all its ranks
+        (tensor/pipeline/context-parallel peers) read: Ray moves it to a node once, not once per
+        rank. Records the bytes each rank receives in ``sent_bytes[call]``."""
+        import ray
+
+        refs = [ray.put(part) for part in per_replica]
+        sizes = ray.experimental.get_object_locations(refs)
+        self.sent_bytes[call] = self._per_worker([sizes[ref]["object_size"] for ref in refs])
+        return self._per_worker(refs)
+
     def compute_log_prob(self, batch: RolloutBatch, temperature: float) -> dict[str, torch.Tensor]:
-        shards = shard(worker_inputs(batch), self.dp_size)
-        results = self.workers.call_each("compute_log_prob", [(s, temperature) for s in self._per_worker(shards)])
+        shards = self._send("compute_log_prob", shard(worker_inputs(batch), self.dp_size))
+        results = self.workers.call_each("compute_log_prob", [(s, temperature) for s in shards])
         width = batch["responses"].shape[1]
         leaders = [results[i] for i in self._leaders]
         # [B, R] results are cut to the batch's response width; routing ([B, P + R, L, K]) is whole
@@ -78,7 +90,7 @@ class PolicyGroup:
             batch, prompts_per_mini_batch, self.dp_size, ppo_epochs, first_old_from_forward
         )
         results = self.workers.call_each(
-            "update", [(mbs, settings, correction) for mbs in self._per_worker(per_replica)]
+            "update", [(mbs, settings, correction) for mbs in self._send("update", per_replica)]
         )
         leaders = [results[i] for i in self._leaders]
         # per optimizer step, the replicas' parts combine into one value (a SUM metric: each holds
@@ -90,6 +102,7 @@ class PolicyGroup:
         metrics = mn.combine_steps(
             {key: [mn.combine_parts(key, step) for step in zip(*replicas)] for key, replicas in parts.items()}
         )
+        metrics.update({mn.RANK_INPUT_MB.of(call=call): max(sent) / 2**20 for call, sent in self.sent_bytes.items()})
         first_forward = None
         if first_old_from_forward:  # the replicas' shards are contiguous, in data-parallel rank order
             shards = [cast(dict, result.first_forward) for result in leaders]

@@ -44,11 +44,45 @@ def worker_inputs(batch: RolloutBatch) -> dict[str, torch.Tensor]:
     return data
 
 
-def shard(data: dict[str, torch.Tensor], world_size: int) -> list[dict[str, torch.Tensor]]:
+class RankRows(dict):
+    """One rank's rows (field name -> tensor), which travel compact and arrive as they were sent.
+
+    Pickled (by Ray, to the rank), each tensor is its own bytes only: a row slice is a view whose
+    storage is the whole batch, and pickling a view writes that whole storage. Integer fields
+    travel as ``bool`` when every value is 0 or 1 (masks) and as ``int32`` when they fit (token
+    ids, positions); unpickling restores each field's dtype, so the workers read exactly the
+    tensors the driver cut (docs/architecture.md, "What a rank receives").
+    """
+
+    def __reduce__(self):
+        packed = {name: _compact(tensor) for name, tensor in self.items()}
+        return _restore, (packed, {name: tensor.dtype for name, tensor in self.items()})
+
+
+INT32 = torch.iinfo(torch.int32)
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor with no storage beyond its own elements, in the narrowest lossless integer type."""
+    if tensor.dtype in (torch.int64, torch.int32, torch.int16) and tensor.numel():
+        low, high = int(tensor.min()), int(tensor.max())
+        if low >= 0 and high <= 1:
+            return tensor.to(torch.bool)
+        if tensor.dtype == torch.int64 and INT32.min <= low and high <= INT32.max:
+            return tensor.to(torch.int32)
+    own = tensor.untyped_storage().nbytes() == tensor.nbytes and tensor.is_contiguous()
+    return tensor if own else tensor.clone(memory_format=torch.contiguous_format)
+
+
+def _restore(packed: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]) -> RankRows:
+    return RankRows({name: tensor.to(dtypes[name]) for name, tensor in packed.items()})
+
+
+def shard(data: dict[str, torch.Tensor], world_size: int) -> list[RankRows]:
     """Contiguous, near-equal row shards, one per data-parallel rank."""
     rows = next(iter(data.values())).shape[0]
     bounds = [rows * r // world_size for r in range(world_size + 1)]
-    return [{k: v[bounds[r] : bounds[r + 1]] for k, v in data.items()} for r in range(world_size)]
+    return [RankRows({k: v[bounds[r] : bounds[r + 1]] for k, v in data.items()}) for r in range(world_size)]
 
 
 def mini_batch_rows(batch: RolloutBatch, prompts_per_mini_batch: int) -> list[torch.Tensor]:
