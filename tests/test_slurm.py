@@ -74,21 +74,39 @@ def test_stop_signals_set_the_flag_instead_of_killing():
     assert signal.getsignal(signal.SIGUSR1) is before
 
 
-def test_the_requeue_policy_requeues_stops_always_crashes_twice_and_invalid_configs_never(tmp_path):
+def test_the_requeue_policy_requeues_stops_always_crashes_twice_without_progress_and_invalid_configs_never(
+    tmp_path,
+):
     """slurm/requeue_policy.sh, which the batch script and NeMo-Run's script both ask."""
     counter = tmp_path / "logs" / "crash_requeues"
+    checkpoints = tmp_path / "out" / "checkpoints"
+    checkpoints.mkdir(parents=True)
 
     def wanted(status: int) -> bool:
         done = subprocess.run(
-            ["bash", "-c", f"source slurm/requeue_policy.sh && requeue_wanted {status}"],
+            ["bash", "-euo", "pipefail", "-c", f"source slurm/requeue_policy.sh && requeue_wanted {status}"],
             cwd=REPO,
-            env={**os.environ, "CRASH_COUNT_FILE": str(counter), "MAX_CRASH_REQUEUES": "2"},
+            env={
+                **os.environ,
+                "CRASH_COUNT_FILE": str(counter),
+                "MAX_CRASH_REQUEUES": "2",
+                "CHECKPOINTS_DIR": str(checkpoints),
+            },
             capture_output=True,
             text=True,
         )
+        assert "No such file" not in done.stderr, done.stderr
         return done.returncode == 0
+
+    def saved(step: int) -> None:
+        (checkpoints / "latest").write_text(f"global_step_{step}")
 
     assert not wanted(0) and not wanted(2)  # finished; an invalid config fails the same way each time
     assert wanted(3) and wanted(3) and not counter.exists()  # stops are not crashes
-    assert wanted(1) and wanted(137) and counter.read_text().strip() == "2"
-    assert not wanted(1) and wanted(3)  # a third crash is not requeued; a stop still is
+    assert wanted(1) and wanted(137) and counter.read_text().split() == ["2", "0"]
+    assert not wanted(1) and wanted(3)  # a third crash without progress is not requeued; a stop still is
+    saved(6)  # the run trained on: a checkpoint since the last crash resets the count
+    assert wanted(1) and counter.read_text().split() == ["1", "6"]
+    assert wanted(1) and not wanted(1)  # then two crashes more without progress, as before
+    saved(8)
+    assert wanted(1) and counter.read_text().split() == ["1", "8"]

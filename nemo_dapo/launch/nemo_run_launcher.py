@@ -210,18 +210,20 @@ def slurm_env(args: argparse.Namespace) -> dict[str, str]:
     return {key: shlex.quote(value) for key, value in env.items()}  # NeMo-Run writes `export KEY=value`
 
 
-def requeue_policy_lines(max_crash_restarts: int) -> str:
+def requeue_policy_lines(max_crash_restarts: int, checkpoints_dir: str) -> str:
     """A ``scontrol`` shell function for NeMo-Run's batch script, whose requeue block runs
     ``scontrol requeue`` after any non-zero exit (``$exitcode``): the requeue goes through
     ``slurm/requeue_policy.sh`` first (sourced from the packaged code by :func:`ray_setup_lines`),
     the policy of ``slurm/dapo_32b.sbatch``: a preemption (exit 3) requeues, a crash (exit 1 or a
-    signal) ``max_crash_restarts`` times, counted in ``$LOG_DIR/crash_requeues`` across requeues,
-    an invalid config (exit 2) never. Every other ``scontrol`` call passes through."""
+    signal) ``max_crash_restarts`` times with no new checkpoint in ``checkpoints_dir`` between
+    them, counted in ``$LOG_DIR/crash_requeues`` across requeues, an invalid config (exit 2)
+    never. Every other ``scontrol`` call passes through."""
     return "\n".join(
         [
             "# nemo-dapo's requeue policy (slurm/requeue_policy.sh) in front of NeMo-Run's requeue block",
             "scontrol() {",
             '    if [ "${1:-}" = requeue ] && ! CRASH_COUNT_FILE="${LOG_DIR:-$PWD}/crash_requeues" \\',
+            f"        CHECKPOINTS_DIR={shlex.quote(checkpoints_dir)} \\",
             f'        MAX_CRASH_REQUEUES={max_crash_restarts} requeue_wanted "${{exitcode:-1}}"; then',
             "        return 0",
             "    fi",
@@ -293,7 +295,7 @@ def _launch_slurm(args: argparse.Namespace, overrides: list[str]) -> int:
         remote_task_dir = f"{job_executor.tunnel.job_dir}/{Path(job_executor.job_dir).name}"
         job_executor.setup_lines = "\n".join(
             [
-                requeue_policy_lines(args.max_crash_restarts),
+                requeue_policy_lines(args.max_crash_restarts, f"{ckpt_dir(args)}/checkpoints"),
                 ray_setup_lines(remote_task_dir, job_executor.container_mounts),
             ]
         )
