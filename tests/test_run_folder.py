@@ -1,8 +1,13 @@
 """One run per output folder: a second live run on it is refused, and so is a new run over an
-older run's checkpoints; both at start-up (exit 2), with nothing of the first run touched."""
+older run's checkpoints; both at start-up (exit 2), with nothing of the first run touched. A
+requeued run of the same Slurm job waits for its predecessor instead; a file system without
+locks is named as such."""
 
+import errno
+import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -44,6 +49,56 @@ def test_a_second_live_run_on_the_folder_is_refused(tmp_path, capsys):
         holder.wait()
     time.sleep(0.1)
     RunFolder(tmp_path).release()  # the dead holder's lock went with it
+
+
+def test_a_requeued_run_of_the_same_slurm_job_waits_for_its_predecessor_others_are_refused(tmp_path, monkeypatch):
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from nemo_dapo.trainer.run_folder import RunFolder; held = RunFolder({str(tmp_path)!r}); "
+            "print('held', flush=True); input()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "SLURM_JOB_ID": "4242"},
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setenv("SLURM_JOB_ID", "424")  # another job: refused at once (exit 2)
+        start = time.monotonic()
+        with pytest.raises(InputError, match=r"is in use by another run \(pid \d+ on .* \(Slurm job 4242\)\)"):
+            RunFolder(tmp_path, same_job_wait_s=30)
+        assert time.monotonic() - start < 5
+        monkeypatch.setenv("SLURM_JOB_ID", "4242")  # the same job, its predecessor still running
+        with pytest.raises(RuntimeError, match="still held by an earlier run of this Slurm job") as held:
+            RunFolder(tmp_path, same_job_wait_s=1.5)
+        assert not isinstance(held.value, InputError)  # a crash, which the batch script requeues
+        threading.Timer(2.0, lambda: holder.communicate("\n")).start()  # it lets go while we wait
+        start = time.monotonic()
+        RunFolder(tmp_path, same_job_wait_s=30).release()
+        assert time.monotonic() - start > 1.5
+        assert (tmp_path / ".nemo_dapo.lock").read_text().endswith("(Slurm job 4242)")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_file_system_without_locks_is_named_with_the_fix(tmp_path, monkeypatch):
+    """No file system here refuses POSIX locks (Lustre with noflock, NFS with nolock do, ENOLCK):
+    lockf is made to answer as theirs does."""
+    from nemo_dapo.trainer import run_folder
+
+    def no_locks(*_):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(run_folder.fcntl, "lockf", no_locks)
+    mount, fstype = run_folder.mount_of(tmp_path)
+    with pytest.raises(InputError, match="without working POSIX locks") as refused:
+        RunFolder(tmp_path)
+    assert f"({mount}, {fstype}: No locks available)" in str(refused.value) and "-o flock" in str(refused.value)
+    assert "in use by another run" not in str(refused.value)
 
 
 def test_a_new_run_over_an_older_runs_checkpoints_is_refused(tmp_path, capsys):

@@ -5,11 +5,13 @@ summary) lives in ``trainer.output_dir``. Two live jobs on one folder, or a fres
 (``checkpoint.resume=disable``) in a folder that holds another run's checkpoints, would mix them:
 retention would prune one run's checkpoints by the other's step numbers, the export would take
 whichever is newest, the loggers would continue the wrong run. Both are refused at start-up,
-with the fix named (exit 2). A requeued or resumed run is the same run: it takes the folder over.
+with the fix named (exit 2). A requeued or resumed run is the same run: it takes the folder over,
+waiting a bounded time for the previous run of its Slurm job to let go.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
@@ -21,27 +23,71 @@ from nemo_dapo.errors import InputError
 LOCK_FILE = ".nemo_dapo.lock"
 
 
+# lockf errors of a file system without working POSIX locks (Lustre with noflock, NFS with nolock)
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+# how long a requeued run waits for the previous run of its Slurm job to let go of the folder
+SAME_JOB_WAIT_S = 120.0
+
+
 class RunFolder:
     """The claim on ``trainer.output_dir``, held until this process exits (or :meth:`release`)."""
 
-    def __init__(self, output_dir: str | Path) -> None:
+    def __init__(self, output_dir: str | Path, same_job_wait_s: float = SAME_JOB_WAIT_S) -> None:
         self.folder = Path(output_dir)
         self.folder.mkdir(parents=True, exist_ok=True)
         self._handle = open(self.folder / LOCK_FILE, "a+", encoding="utf-8")
-        try:
-            fcntl.lockf(self._handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self._handle.seek(0)
-            holder = self._handle.read().strip() or "another process"
-            self._handle.close()
-            raise InputError(
-                f"trainer.output_dir={self.folder} is in use by another run ({holder}); two runs must never "
-                "share a folder: wait for it to end, or give this run another trainer.output_dir"
-            ) from None
+        job = os.environ.get("SLURM_JOB_ID")
+        deadline = time.monotonic() + same_job_wait_s
+        while not self._try_lock():
+            holder = self._holder()
+            if job is None or f"(Slurm job {job})" not in holder or time.monotonic() > deadline:
+                self._handle.close()
+                raise self._held_error(holder, job, same_job_wait_s)
+            time.sleep(1.0)
         self._handle.seek(0)
         self._handle.truncate()
-        self._handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        in_job = f" (Slurm job {job})" if job else ""
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        self._handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {stamp}{in_job}")
         self._handle.flush()
+
+    def _try_lock(self) -> bool:
+        """Whether the lock was taken; False while another process holds it."""
+        try:
+            fcntl.lockf(self._handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as err:
+            if err.errno in (errno.EAGAIN, errno.EACCES):
+                return False
+            self._handle.close()
+            if err.errno in NO_LOCKS:
+                raise InputError(self._no_locks_message(err)) from None
+            raise
+
+    def _holder(self) -> str:
+        self._handle.seek(0)
+        return self._handle.read().strip() or "another process"
+
+    def _held_error(self, holder: str, job: str | None, waited_s: float) -> Exception:
+        if job is not None and f"(Slurm job {job})" in holder:
+            # not exit 2: the batch script requeues a crash, and the next run may find the folder free
+            return RuntimeError(
+                f"trainer.output_dir={self.folder} is still held by an earlier run of this Slurm job ({holder}) "
+                f"after {waited_s:g} s: its trainer has not exited; stop it (scancel or kill the pid)"
+            )
+        return InputError(
+            f"trainer.output_dir={self.folder} is in use by another run ({holder}); two runs must never "
+            "share a folder: wait for it to end, or give this run another trainer.output_dir"
+        )
+
+    def _no_locks_message(self, err: OSError) -> str:
+        mount, fstype = mount_of(self.folder)
+        return (
+            f"trainer.output_dir={self.folder} is on a file system without working POSIX locks ({mount}, {fstype}: "
+            f"{os.strerror(err.errno or 0)}); the run lock that keeps two runs off one folder needs them. Put "
+            "trainer.output_dir on a file system every node locks consistently (Lustre mounted with -o flock, "
+            "NFS without nolock), or ask the cluster's admins for one"
+        )
 
     def release(self) -> None:
         self._handle.close()  # closing drops the lock
@@ -62,3 +108,19 @@ def refuse_mixing(checkpoints: list[tuple[int, Path]], resume: str, output_dir: 
         f"checkpoint.resume={resume} would start {start} there and mix the two (retention, export, loggers). "
         "Continue that run with checkpoint.resume=auto, or give this one a new trainer.output_dir"
     )
+
+
+def mount_of(path: Path) -> tuple[str, str]:
+    """The mount point holding ``path`` and its file system type (from /proc/self/mounts)."""
+    path = path.resolve()
+    mounts = {}
+    try:
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            fields = line.split()
+            mounts[fields[1].replace("\\040", " ")] = fields[2]
+    except OSError:
+        return str(path), "unknown type"
+    for folder in (path, *path.parents):
+        if str(folder) in mounts:
+            return str(folder), mounts[str(folder)]
+    return "/", mounts.get("/", "unknown type")
