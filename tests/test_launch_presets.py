@@ -31,7 +31,7 @@ def test_full_dapo_uses_dynamic_sampling_and_token_mean():
     assert cfg.data.effective_gen_batch_size == 1536
     assert cfg.algorithm.filter_groups.enable and cfg.algorithm.filter_groups.metric == "acc"
     assert cfg.actor.loss_agg_mode == "token-mean"
-    assert cfg.rollout.gpu_memory_utilization == 0.75  # the H800 cluster
+    assert cfg.rollout.gpu_memory_utilization == 0.72  # the H800 cluster: 3.3 GiB of headroom (tests/test_plan.py)
 
 
 def test_ablations_differ_only_where_the_paper_says():

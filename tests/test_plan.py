@@ -28,9 +28,14 @@ def test_known_architectures_match_published_parameter_counts():
     assert resolve_architecture("Qwen/Qwen3-30B-A3B-Base").is_moe
 
 
-def test_32b_preset_fits_80gb(capsys):
+H800_GIB = 81559 / 1024  # nvidia-smi's memory.total of an H800, in GiB (docs/cluster.md)
+
+
+def test_32b_preset_fits_an_h800_with_headroom(capsys):
     code, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b")
-    assert code == 0 and plan["fits"] and plan["problems"] == []
+    assert code == 0 and plan["fits"] and plan["problems"] == [] and plan["warnings"] == []
+    assert plan["gpu_memory_gib"] == pytest.approx(79.647, abs=1e-3)
+    assert plan["headroom_gib"] == pytest.approx(H800_GIB - plan["colocated"]["peak"]) and plan["headroom_gib"] > 2
     assert plan["dp"] == 8 and plan["world"] == 128
     training = plan["training"]
     assert training["total"] < 80
@@ -42,7 +47,8 @@ def test_32b_preset_fits_80gb(capsys):
 def test_text_report_states_memory_and_verdict(capsys):
     assert main(["plan", "dapo_qwen2.5_32b"]) == 0
     report = capsys.readouterr().out
-    assert "total per GPU" in report and "of 80" in report and "KV cache" in report
+    assert "total per GPU" in report and "of 79.65" in report and "KV cache" in report
+    assert "headroom    3.32 GiB per GPU beyond the reserve (peak 76.33 of 79.65)" in report
     assert report.rstrip().endswith("fits")
 
 
@@ -61,13 +67,23 @@ def test_no_model_parallelism_for_32b_is_refused(capsys):
     )
     assert code == 1 and not plan["fits"]
     assert plan["training"]["total"] > 80
-    assert any("training needs" in p and "the GPU has 80 GiB" in p for p in plan["problems"])
+    assert any("training needs" in p and "the GPU has 79.65 GiB" in p for p in plan["problems"])
     assert "cannot run as configured" in err
 
 
-def test_gpu_memory_flag_decides(capsys):
+def test_gpu_model_or_memory_flag_decides_and_thin_headroom_is_warned(capsys):
     code, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "--gpu-memory-gib", "20")
     assert code == 1 and any("the GPU has 20 GiB" in p for p in plan["problems"])
+    code, plan, _ = run_plan(capsys, "dapo_early_qwen2.5_32b", "--gpu", "H20")
+    assert code == 0 and plan["gpu_memory_gib"] == pytest.approx(97871 / 1024)
+    # vLLM's share at 0.75 of an H800 leaves 0.93 GiB beyond the reserve: it fits, with a warning
+    code, plan, err = run_plan(capsys, "dapo_qwen2.5_32b", "rollout.gpu_memory_utilization=0.75")
+    assert code == 0 and plan["fits"] and plan["headroom_gib"] == pytest.approx(0.93, abs=0.01)
+    assert len(plan["warnings"]) == 1 and "leaves 0.93 GiB of the GPU's 79.65 beyond the 4 GiB reserve" in err
+    code, plan, _ = run_plan(
+        capsys, "dapo_qwen2.5_32b", "rollout.gpu_memory_utilization=0.75", "--min-headroom-gib", "0.5"
+    )
+    assert code == 0 and plan["warnings"] == []
 
 
 def test_tp_not_dividing_heads_is_refused(capsys):
@@ -111,7 +127,7 @@ def test_colocated_peak_is_the_larger_phase(capsys):
     resident = training["weights"] + training["gradients"] + training["optimizer"]
     assert colocated["training_phase"] == pytest.approx(training["total"])
     # the training process also keeps its reserve (CUDA context, NCCL buffers) while vLLM is awake
-    assert colocated["generation_phase"] == pytest.approx(resident + training["reserve"] + 0.75 * 80)
+    assert colocated["generation_phase"] == pytest.approx(resident + training["reserve"] + 0.72 * H800_GIB)
     assert colocated["peak"] == max(colocated["training_phase"], colocated["generation_phase"]) < 80
     code, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "rollout.gpu_memory_utilization=0.9")
     assert code == 1 and plan["colocated"]["generation_phase"] > 80

@@ -223,6 +223,16 @@ class GenerationMemory:
         return self.kv_tokens // self.sequence_tokens
 
 
+# One GPU's memory as CUDA reports it: nvidia-smi's memory.total in MiB (torch's total_memory is
+# the same bytes). An "80 GB" H800 or H100 is 81559 MiB = 79.65 GiB, not 80. Sources: the
+# nvidia-smi tables in docs/cluster.md ("Capacity planning").
+GPU_MEMORY_MIB = {"H800": 81559, "H100": 81559, "H20": 97871, "H200": 143771}
+
+
+def gpu_memory_gib(model: str) -> float:
+    return GPU_MEMORY_MIB[model] / 1024
+
+
 def kv_heads_per_gpu(arch: Architecture, rollout_tp: int) -> int:
     """vLLM splits KV heads over TP, replicating them when TP exceeds their number."""
     return max(arch.num_kv_heads // rollout_tp, 1)

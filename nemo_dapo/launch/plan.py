@@ -5,7 +5,8 @@ in :mod:`nemo_dapo.config.capacity`) and exits 1, listing every reason, when a l
 work: more memory than the GPU has (colocated: in the update or in generation beside the
 resident training state), no room for one full-length sequence in the KV cache, heads /
 layers / experts that do not split evenly over TP / PP / EP, or worker groups that do not fit
-the job's GPUs.
+the job's GPUs. The GPU's memory is what CUDA reports for the model (``--gpu``); the headroom
+(what the peak leaves beyond the reserve) is printed, with a warning below ``--min-headroom-gib``.
 """
 
 from __future__ import annotations
@@ -14,17 +15,19 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nemo_dapo.config import ConfigError, load_config
 from nemo_dapo.config.architecture import Architecture, resolve_architecture
 from nemo_dapo.config.capacity import (
+    GPU_MEMORY_MIB,
     ColocatedMemory,
     GenerationMemory,
     Layout,
     TrainingMemory,
     colocated_memory,
     generation_memory,
+    gpu_memory_gib,
     layout_of,
     training_memory,
 )
@@ -41,7 +44,7 @@ def memory_problems(
     problems = []
     if training.total > gpu_memory_gib:
         problems.append(
-            f"training needs {training.total:.1f} GiB per GPU, the GPU has {gpu_memory_gib:g} GiB: raise "
+            f"training needs {training.total:.1f} GiB per GPU, the GPU has {gpu_memory_gib:.4g} GiB: raise "
             "TP / PP / CP (CP splits long sequences), or turn on recompute_granularity=full or the "
             "distributed optimizer"
         )
@@ -55,7 +58,7 @@ def memory_problems(
         room = math.floor(100 * (gpu_memory_gib - colocated.training_kept) / gpu_memory_gib) / 100
         problems.append(
             f"colocated generation needs {colocated.generation_phase:.1f} GiB per GPU, the GPU has "
-            f"{gpu_memory_gib:g} GiB: training keeps {colocated.training_kept:.1f} GiB (weights, "
+            f"{gpu_memory_gib:.4g} GiB: training keeps {colocated.training_kept:.1f} GiB (weights, "
             f"gradients, optimizer, reserve) beside vLLM's {colocated.vllm:.1f} GiB: lower "
             "rollout.gpu_memory_utilization "
             f"to <= {room:.2f}, shard the training state further, or set trainer.colocate=false"
@@ -77,6 +80,18 @@ class Plan:
     problems: list[str]
     routing_bytes_per_token: int = 0  # MoE routing replay's ids (0: off)
     routing_batch_gib: float = 0.0  # the same for a full-length training batch
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def peak(self) -> float:
+        """GiB per GPU at the busiest moment (a training GPU; engines on GPUs of their own keep
+        ``1 - gpu_memory_utilization`` free by construction)."""
+        return self.colocated.peak if self.colocated else self.training.total
+
+    @property
+    def headroom(self) -> float:
+        """What the peak leaves of the GPU, beyond the reserve it already counts."""
+        return self.gpu_memory_gib - self.peak
 
     def as_dict(self) -> dict:
         """Machine-readable plan (``--json``); memory in GiB."""
@@ -90,6 +105,9 @@ class Plan:
             "dp": self.layout.dp,
             "expert_dp": self.layout.expert_dp,
             "gpu_memory_gib": self.gpu_memory_gib,
+            "peak_gib": self.peak,
+            "headroom_gib": self.headroom,
+            "warnings": list(self.warnings),
             "training": {
                 "weights": training.weights,
                 "gradients": training.gradients,
@@ -125,7 +143,9 @@ class Plan:
         }
 
 
-def make_plan(cfg: Config, config_name: str, gpu_memory_gib: float, reserve_gib: float) -> Plan:
+def make_plan(
+    cfg: Config, config_name: str, gpu_memory_gib: float, reserve_gib: float, min_headroom_gib: float = 0.0
+) -> Plan:
     try:
         arch = resolve_architecture(cfg.model.path)
     except ValueError as err:
@@ -137,7 +157,7 @@ def make_plan(cfg: Config, config_name: str, gpu_memory_gib: float, reserve_gib:
     problems = shape_problems(cfg, arch) + placement_problems(cfg)
     problems += memory_problems(training, generation, colocated, gpu_memory_gib)
     engines = cfg.rollout.num_workers
-    return Plan(
+    plan = Plan(
         config=config_name,
         arch=arch,
         layout=layout,
@@ -150,6 +170,15 @@ def make_plan(cfg: Config, config_name: str, gpu_memory_gib: float, reserve_gib:
         problems=problems,
         **routing_replay_size(cfg, arch),
     )
+    if not problems and plan.headroom < min_headroom_gib:
+        warning = (
+            f"the peak ({plan.peak:.2f} GiB per GPU) leaves {plan.headroom:.2f} GiB of the GPU's "
+            f"{gpu_memory_gib:.2f} beyond the {reserve_gib:g} GiB reserve, less than {min_headroom_gib:g}: "
+            "allocator fragmentation or longer sequences may run out of memory; lower "
+            "rollout.gpu_memory_utilization or shard the training state further"
+        )
+        plan = replace(plan, warnings=(warning,))
+    return plan
 
 
 def routing_replay_size(cfg: Config, arch: Architecture) -> dict:
@@ -198,7 +227,7 @@ def render(plan: Plan) -> str:
         f"  logits (last stage)                {t.logits:7.2f} GiB",
         f"  reference model (KL, colocated)    {t.reference:7.2f} GiB",
         f"  reserve                            {t.reserve:7.2f} GiB",
-        f"  total per GPU                      {t.total:7.2f} GiB of {plan.gpu_memory_gib:g}",
+        f"  total per GPU                      {t.total:7.2f} GiB of {plan.gpu_memory_gib:.4g}",
         f"generation  {plan.engines} vLLM engines, {g.budget:.1f} GiB per GPU for vLLM",
         f"  weights                            {g.weights:7.2f} GiB",
         f"  KV cache                           {g.kv_cache:7.2f} GiB = {g.kv_tokens} tokens "
@@ -214,21 +243,29 @@ def render(plan: Plan) -> str:
             f"  update, engines asleep             {c.training_phase:7.2f} GiB",
             f"  generation beside training state   {c.generation_phase:7.2f} GiB "
             f"({c.training_kept:.2f} training state + reserve, {c.vllm:.2f} vLLM)",
-            f"  peak per GPU                       {c.peak:7.2f} GiB of {plan.gpu_memory_gib:g}",
+            f"  peak per GPU                       {c.peak:7.2f} GiB of {plan.gpu_memory_gib:.4g}",
         ]
     if plan.routing_bytes_per_token:
         lines.append(
             f"routing replay {plan.routing_bytes_per_token} B per token (expert ids of every MoE layer), "
             f"{plan.routing_batch_gib:.2f} GiB per full-length training batch"
         )
+    lines.append(
+        f"headroom    {plan.headroom:.2f} GiB per GPU beyond the reserve "
+        f"(peak {plan.peak:.2f} of {plan.gpu_memory_gib:.4g})"
+    )
+    lines += [f"warning     {warning}" for warning in plan.warnings]
     verdict = "fits" if not plan.problems else "REFUSED:\n  - " + "\n  - ".join(plan.problems)
     return "\n".join(lines + [f"verdict     {verdict}"])
 
 
 def run_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides, placement=False)  # placement problems are listed below
-    plan = make_plan(cfg, args.config, args.gpu_memory_gib, args.reserve_gib)
+    gpu_gib = args.gpu_memory_gib or gpu_memory_gib(args.gpu)
+    plan = make_plan(cfg, args.config, gpu_gib, args.reserve_gib, args.min_headroom_gib)
     print(json.dumps(plan.as_dict(), indent=1) if args.json else render(plan))
+    for warning in plan.warnings:
+        print(f"nemo-dapo plan: warning: {warning}", file=sys.stderr)
     if plan.problems:
         print(
             f"nemo-dapo plan: {args.config} cannot run as configured ({len(plan.problems)} problem(s))", file=sys.stderr
@@ -243,7 +280,19 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "overrides", nargs="*", help="dotted overrides, e.g. actor.megatron.tensor_model_parallel_size=4"
     )
-    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (H800: 80, H20: 96)")
+    parser.add_argument(
+        "--gpu",
+        choices=sorted(GPU_MEMORY_MIB),
+        default="H800",
+        help="GPU model: its memory as CUDA reports it (H800 and H100: 79.65 GiB, H20: 95.58, H200: 140.40)",
+    )
+    parser.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU in GiB, for a model --gpu lacks")
+    parser.add_argument(
+        "--min-headroom-gib",
+        type=float,
+        default=2.0,
+        help="warn when the peak leaves less than this of the GPU beyond the reserve",
+    )
     parser.add_argument(
         "--reserve-gib", type=float, default=4.0, help="per GPU and phase: CUDA context, NCCL buffers, fragmentation"
     )
