@@ -1,4 +1,5 @@
-"""What one training rank is sent: its share of the batch, compact, and exactly the tensors cut for it."""
+"""What crosses between processes, and no more: one training rank is sent its share of the batch,
+compact and exactly as cut for it; a weight bucket carries each tensor's own bytes once."""
 
 import pickle
 
@@ -69,3 +70,24 @@ def test_values_that_do_not_fit_travel_as_they_are():
     arrived = pickle.loads(pickle.dumps(shard({"wide": wide, "signed": signed}, 2)[1]))
     assert torch.equal(arrived["wide"], wide[1:]) and torch.equal(arrived["signed"], signed[1:])
     assert arrived["signed"].dtype == torch.int64
+
+
+def test_a_weight_bucket_carries_each_tensor_once(tiny_model_dir):
+    """Megatron's fused fc1 and QKV become HF's gate/up and q/k/v as views of the fused tensor:
+    each would pickle the whole fused storage (fc1 twice, QKV three times per layer)."""
+    import os
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from nemo_dapo.policy.megatron import convert
+    from nemo_dapo.policy.weights import bucketize
+
+    hf = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    shape = convert.model_shape(AutoConfig.from_pretrained(tiny_model_dir))
+    exported = convert.megatron_to_hf(convert.hf_to_megatron(hf, shape), shape)
+    own_bytes = sum(t.numel() * t.element_size() for t in exported.values())
+    buckets = list(bucketize(exported.items(), 1 << 20))
+    sent = sum(len(pickle.dumps(bucket)) for bucket in buckets)
+    assert own_bytes <= sent <= own_bytes + OVERHEAD * len(buckets) + 600 * len(exported)
+    assert all(torch.equal(t, exported[name]) for bucket in buckets for name, t in bucket)

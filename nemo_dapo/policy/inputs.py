@@ -13,6 +13,7 @@ from nemo_dapo.algo.batch import RolloutBatch, group_rows
 from nemo_dapo.policy.base import MiniBatch
 from nemo_dapo.policy.microbatch import ROUTED_EXPERTS
 from nemo_dapo.policy.routing import PROMPT_ROUTING, RESPONSE_ROUTING, join_routing
+from nemo_dapo.policy.weights import own_storage
 
 # Response-aligned [B, R] fields a policy worker may need for its loss.
 WORKER_FIELDS = ("responses", "advantages", "old_log_probs", "ref_log_probs", "rollout_log_probs", "is_weights")
@@ -70,8 +71,7 @@ def _compact(tensor: torch.Tensor) -> torch.Tensor:
             return tensor.to(torch.bool)
         if tensor.dtype == torch.int64 and INT32.min <= low and high <= INT32.max:
             return tensor.to(torch.int32)
-    own = tensor.untyped_storage().nbytes() == tensor.nbytes and tensor.is_contiguous()
-    return tensor if own else tensor.clone(memory_format=torch.contiguous_format)
+    return own_storage(tensor)
 
 
 def _restore(packed: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]) -> RankRows:

@@ -9,11 +9,19 @@ import torch
 Bucket = list[tuple[str, torch.Tensor]]
 
 
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy when it is a view of a larger storage: pickling a view (as Ray does
+    on the way to another process) writes its whole storage, so the gate and up halves of a
+    fused fc1 would each carry all of it, and the q, k and v of a fused QKV all three."""
+    own = tensor.untyped_storage().nbytes() == tensor.nbytes and tensor.is_contiguous()
+    return tensor if own else tensor.clone(memory_format=torch.contiguous_format)
+
+
 def bucketize(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
     """Group HF-named tensors into buckets of at most ``bucket_bytes`` (a larger tensor gets its own).
 
     Lazy: a bucket is handed on as soon as it is full, so a streaming source never has more than
-    one bucket gathered at a time.
+    one bucket gathered at a time. Each tensor holds its own bytes only (:func:`own_storage`).
     """
     bucket: Bucket = []
     used = 0
@@ -22,7 +30,7 @@ def bucketize(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: i
         if bucket and used + size > bucket_bytes:
             yield bucket
             bucket, used = [], 0
-        bucket.append((name, tensor))
+        bucket.append((name, own_storage(tensor)))
         used += size
     if bucket:
         yield bucket
