@@ -3,14 +3,22 @@
 gloo (the training ranks' process groups; Megatron creates gloo groups even beside NCCL) and
 vLLM's tensor-parallel ranks listen on one interface each. A worker takes the one that carries
 its Ray node's address: on a local run (Ray on 127.0.0.1) that is loopback, on a cluster the
-node's own address, which the other nodes reach. Settings already in the environment
-(``GLOO_SOCKET_IFNAME``, ``VLLM_HOST_IP``, e.g. an InfiniBand interface set by the site) win.
+node's own address, which the other nodes reach. With ``FABRIC_IFNAME`` (the site's fast
+network, ``slurm/site_env.sh``) it is that interface's address on the node instead: the bulk
+traffic leaves Ray's management network. Settings already in the environment
+(``GLOO_SOCKET_IFNAME``, ``VLLM_HOST_IP``) win.
+
+A group's ranks meet at a torch.distributed TCPStore that the driver serves on its node's
+address (:class:`Rendezvous`), never through files: a shared file system's locks (which a
+FileStore needs) may not hold across nodes.
 """
 
 from __future__ import annotations
 
+import datetime
 import ipaddress
 import os
+import socket
 
 LOOPBACK = "127.0.0.1"
 
@@ -42,9 +50,68 @@ def interface_of(address: str) -> str:
     )
 
 
+def own_address() -> str:
+    """The address this process's connections use (module doc): ``VLLM_HOST_IP`` when set, else
+    this node's address on ``FABRIC_IFNAME`` when that is set, else its Ray node address."""
+    fabric = os.environ.get("FABRIC_IFNAME")
+    return os.environ.get("VLLM_HOST_IP") or (address_of(fabric) if fabric else node_address())
+
+
+def address_of(interface: str) -> str:
+    """The IPv4 address of ``interface`` on this node."""
+    import psutil
+
+    for entry in psutil.net_if_addrs().get(interface, []):
+        if entry.family == socket.AF_INET:
+            return entry.address
+    raise RuntimeError(
+        f"FABRIC_IFNAME={interface}: this node has no IPv4 address on {interface}; set FABRIC_IFNAME to the "
+        "interface of the network the nodes' collectives should use (slurm/site_env.sh), or unset it"
+    )
+
+
 def use_node_network() -> str:
-    """Point gloo and vLLM at this node's address (module doc); returns the address."""
-    address = os.environ.get("VLLM_HOST_IP") or node_address()
+    """Point gloo and vLLM at this process's address (:func:`own_address`); returns it."""
+    address = own_address()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", interface_of(address))
     os.environ.setdefault("VLLM_HOST_IP", address)
     return address
+
+
+STORE_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+class Rendezvous:
+    """A TCPStore served by this process (the driver) for one group's ranks, listening on its own
+    address only (:func:`own_address`: the fabric's when there is one). The socket is bound here
+    and handed to the store, whose own server would listen on every interface. ``url`` is what
+    the ranks get; :meth:`close` stops it."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        address = own_address()
+        family = socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.bind((address, 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        self._store: dist.TCPStore | None = dist.TCPStore(
+            address, port, None, True, STORE_TIMEOUT, wait_for_workers=False, master_listen_fd=listener.fileno()
+        )
+        listener.detach()  # the store owns the socket now, and closes it with itself
+        self.url = f"tcp://[{address}]:{port}" if family == socket.AF_INET6 else f"tcp://{address}:{port}"
+
+    def close(self) -> None:
+        self._store = None
+
+
+def join_store(rendezvous: str, world_size: int):
+    """The store a rank meets its group at: ``tcp://host:port`` (a :class:`Rendezvous`), or the
+    path of a FileStore for ranks of one machine started without a driver (tests, benches)."""
+    import torch.distributed as dist
+
+    if not rendezvous.startswith("tcp://"):
+        return dist.FileStore(rendezvous, world_size)
+    host, _, port = rendezvous.removeprefix("tcp://").rpartition(":")
+    return dist.TCPStore(host.strip("[]"), int(port), world_size, False, STORE_TIMEOUT)

@@ -2,28 +2,31 @@
 once, both naming the group, the call, the ranks and where their logs are. (The local Ray is
 shared: every module shuts its groups down, so none holds the CPUs these workers need.)"""
 
-from pathlib import Path
-
+import psutil
 import pytest
 
 pytestmark = pytest.mark.quiet  # 3-second call deadlines
 
 
-def test_a_silent_or_dead_worker_fails_the_call_naming_group_call_and_rank(local_ray, tmp_path):
+def test_a_silent_or_dead_worker_fails_the_call_naming_group_call_and_rank(local_ray):
     from nemo_dapo.cluster.worker_group import WorkerGroup
     from nemo_dapo.errors import RemoteCallError
     from tests.flaky_worker import Napper
 
-    def stores() -> set[Path]:
-        return set(tmp_path.glob("nemo_dapo_*.store"))
+    def store_ports() -> set[int]:
+        """The ports this process listens on: the groups' rendezvous (TCPStores it serves)."""
+        return {c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
 
-    before = stores()
+    before = store_ports()
     stuck, crashed = (
-        WorkerGroup(Napper, 2, name=name, num_cpus_per_worker=0.5, call_timeout_s=3, rendezvous_dir=str(tmp_path))
-        for name in ("stuck", "crashed")
+        WorkerGroup(Napper, 2, name=name, num_cpus_per_worker=0.5, call_timeout_s=3) for name in ("stuck", "crashed")
     )
     try:
-        assert stuck.call_all("nap", 0.1) == [0, 1] and stores() > before
+        assert stuck.call_all("nap", 0.1) == [0, 1]
+        served = {int(group._rendezvous.url.rsplit(":", 1)[1]) for group in (stuck, crashed)}
+        assert served <= store_ports() - before and all(
+            group._rendezvous.url.startswith("tcp://127.0.0.1:") for group in (stuck, crashed)
+        )
         with pytest.raises(
             RemoteCallError,
             match=r"stuck\.nap: rank\(s\) \[1\] gave no answer within 3 s "
@@ -35,5 +38,5 @@ def test_a_silent_or_dead_worker_fails_the_call_naming_group_call_and_rank(local
     finally:
         stuck.shutdown()
         crashed.shutdown()
-    # the groups' rendezvous files (in the folder every rank sees) go with them
-    assert stores() == before
+    # the groups' rendezvous stop listening with them
+    assert store_ports() == before

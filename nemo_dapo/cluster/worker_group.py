@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
-import uuid
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from nemo_dapo.cluster.placement import Slot, own_slots
 from nemo_dapo.errors import EngineFailure, RemoteCallError
-from nemo_dapo.network import node_address
+from nemo_dapo.network import Rendezvous, node_address
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +41,6 @@ def _without_worker(_worker: Any, function: Callable, *args: Any) -> Any:
     return function(*args)
 
 
-def _remove_file(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-
-
 class WorkerGroup:
     def __init__(
         self,
@@ -68,7 +58,6 @@ class WorkerGroup:
         start_timeout_s: float | None = None,
         wait: bool = True,
         env: dict[str, str] | None = None,
-        rendezvous_dir: str | None = None,
         strategy: str = "PACK",
     ) -> None:
         """Without ``slots`` the group reserves a placement group of its own (one bundle of
@@ -79,10 +68,9 @@ class WorkerGroup:
         ``start_timeout_s`` bounds a worker's start (a model load; ``trainer.remote_timeout_s``),
         by default the same. ``wait=False`` returns as soon as the actors are asked for, so several
         groups load their models at once; :meth:`wait_ready` then waits for them. ``env``: variables
-        every worker process starts with (added to its slot's). ``rendezvous_dir``: a folder every
-        node of the cluster sees (the run's output folder), where the ranks' torch.distributed
-        FileStore lives; None: this machine's temporary folder (one node only). ``strategy``: Ray's
-        placement strategy for a group's own placement group (PACK, SPREAD)."""
+        every worker process starts with (added to its slot's). ``strategy``: Ray's placement
+        strategy for a group's own placement group (PACK, SPREAD). The ranks meet at a TCPStore
+        this process serves while the group lives (:class:`~nemo_dapo.network.Rendezvous`)."""
         import ray
 
         self.name = name
@@ -100,12 +88,7 @@ class WorkerGroup:
             slots = [replace(slot, env={**slot.env, **env}) for slot in slots]
         if len(slots) != num_workers:
             raise ValueError(f"{name}: {len(slots)} slots for {num_workers} workers")
-        # torch.distributed's FileStore for the group's ranks, a file of its own per group (a
-        # leftover of a crashed run is never reused); removed with the group
-        store_dir = rendezvous_dir or tempfile.gettempdir()
-        os.makedirs(store_dir, exist_ok=True)
-        self._rendezvous = os.path.join(store_dir, f"nemo_dapo_{name}_{uuid.uuid4().hex}.store")
-        self._remove_store = weakref.finalize(self, _remove_file, self._rendezvous)
+        self._rendezvous = Rendezvous()
         self._remote_cls: Any = ray.remote(worker_cls)
         self._slots, self._kwargs = list(slots), dict(worker_kwargs or {})
         self.restarts = [0] * num_workers  # per rank: how often its actor was replaced
@@ -129,7 +112,7 @@ class WorkerGroup:
         suffix = f"_restart{self.restarts[rank]}" if self.restarts[rank] else ""
         options = self._slots[rank].actor_options()
         return self._remote_cls.options(name=f"{self.name}_{rank}_{os.getpid()}{suffix}", **options).remote(
-            rank=rank, world_size=self.world_size, rendezvous=self._rendezvous, **self._kwargs
+            rank=rank, world_size=self.world_size, rendezvous=self._rendezvous.url, **self._kwargs
         )
 
     def restart(self, rank: int) -> None:
@@ -237,4 +220,4 @@ class WorkerGroup:
         if self._own_placement is not None:
             remove_placement_group(self._own_placement)
             self._own_placement = None
-        self._remove_store()
+        self._rendezvous.close()

@@ -18,7 +18,7 @@ from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.algo.logprob import chunk_tokens_for, chunked_token_stats, token_stats
 from nemo_dapo.logs import configure_logging
-from nemo_dapo.network import use_node_network
+from nemo_dapo.network import join_store, use_node_network
 from nemo_dapo.policy.actor_loss import micro_batch_loss
 from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, UpdateResult, WorkerSettings, require_trainable
 from nemo_dapo.policy.lr_schedule import lr_lambda
@@ -32,11 +32,11 @@ from nemo_dapo.threads import use_cpu_threads
 
 
 def init_data_parallel(rank: int, world_size: int, rendezvous: str) -> None:
-    """gloo process group over the FileStore at ``rendezvous`` (a file every rank's node sees);
-    the ranks connect on this node's address (loopback locally)."""
+    """gloo process group met at ``rendezvous`` (:func:`~nemo_dapo.network.join_store`); the
+    ranks connect on this node's address (loopback locally)."""
     if world_size > 1 and not dist.is_initialized():
         use_node_network()
-        store = dist.FileStore(rendezvous, world_size)
+        store = join_store(rendezvous, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
 
 

@@ -101,15 +101,8 @@ def _policy_workers(
         env=_start_env(cfg, gpus),
         call_timeout_s=cfg.trainer.remote_timeout_s,
         wait=shared is not None,
-        rendezvous_dir=rendezvous_dir(cfg),
         strategy=cfg.trainer.placement_strategy,
     )
-
-
-def rendezvous_dir(cfg: Config) -> str:
-    """Where a group's ranks meet (their FileStore): in the run's output folder, which every node
-    of a cluster sees, never in a node's own /tmp."""
-    return str(Path(cfg.trainer.output_dir).resolve() / ".rendezvous")
 
 
 def _start_env(cfg: Config, gpus: int) -> dict[str, str]:

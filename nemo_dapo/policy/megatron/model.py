@@ -1,7 +1,7 @@
 """Build a Megatron-core GPTModel from a Hugging Face folder, and move weights in and out.
 
-Process groups: gloo when there is no GPU, NCCL otherwise, both over a FileStore on a folder every
-rank sees, each rank on its node's address (:mod:`nemo_dapo.network`).
+Process groups: gloo when there is no GPU, NCCL otherwise, met at the driver's TCPStore, each
+rank on its node's address (:mod:`nemo_dapo.network`).
 Weights enter as HF tensors (converted, pipeline-sliced, expert-sliced and TP-sharded per rank
 by :mod:`nemo_dapo.policy.megatron.convert`) and leave the same way: :func:`gather_param`
 gathers one parameter over TP (experts over expert TP and EP) for the streaming exporter.
@@ -21,7 +21,7 @@ from nemo_dapo.config.architecture import Architecture
 from nemo_dapo.config.schema import MegatronConfig
 from nemo_dapo.config.topology import Parallelism
 from nemo_dapo.errors import InputError
-from nemo_dapo.network import use_node_network
+from nemo_dapo.network import join_store, use_node_network
 from nemo_dapo.policy.megatron import convert as convert
 from nemo_dapo.policy.megatron.cpu_compat import define_router_gemm_without_te
 
@@ -41,8 +41,8 @@ def num_chunks() -> int:
 
 
 def init_distributed(rank: int, world_size: int, rendezvous: str, parallel: Parallelism, seed: int) -> None:
-    """Default group (over the FileStore at ``rendezvous``, on this node's address: loopback
-    locally) + Megatron's TP/PP/DP/EP groups + the model-parallel RNG."""
+    """Default group (met at ``rendezvous``: :func:`~nemo_dapo.network.join_store`; on this
+    node's address, loopback locally) + Megatron's TP/PP/DP/EP groups + the model-parallel RNG."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -51,7 +51,7 @@ def init_distributed(rank: int, world_size: int, rendezvous: str, parallel: Para
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        store = dist.FileStore(rendezvous, world_size)
+        store = join_store(rendezvous, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
