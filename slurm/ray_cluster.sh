@@ -20,7 +20,8 @@
 #   CONTAINER                image to run in: pyxis/enroot (docker://..., .sqsh) or an Apptainer .sif
 #   CONTAINER_RUNTIME=pyxis  pyxis | apptainer
 #   CONTAINER_MOUNTS         src:dst[,src:dst...] bound into the container
-#   LOG_DIR=logs             Ray logs go to $LOG_DIR/$SLURM_JOB_ID/ (per job, suffixed by restart)
+#   LOG_DIR=logs             Ray logs go to $LOG_DIR/$SLURM_JOB_ID/ (per job, suffixed by restart);
+#                            each node's session logs to $LOG_DIR/$SLURM_JOB_ID/nodes/<node>/<restart>/
 
 RAY_PORT=${RAY_PORT:-6379}
 RAY_START_TIMEOUT=${RAY_START_TIMEOUT:-600}
@@ -101,14 +102,35 @@ ray_cluster_settings() {
     export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}
 }
 
-# Runs `ray start ...` on NODES with SIGUSR1 ignored (inherited by every Ray process): with
-# `--signal=USR1@T` (no B:) Slurm signals all processes of all steps, and the signal is meant for
-# the trainer, which then needs Ray alive to save its checkpoint.
+# What runs on each node: `ray start ...` with SIGUSR1 ignored (inherited by every Ray process:
+# with `--signal=USR1@T` (no B:) Slurm signals all processes of all steps, and the signal is meant
+# for the trainer, which then needs Ray alive to save its checkpoint). Once the node's Ray has
+# stopped, its session logs (node-local, in RAY_TEMP_DIR) are copied to
+# $RAY_LOG_DIR/nodes/<node>/<run tag>/, where they outlive the node's /tmp; the copy gets 15 s,
+# inside Slurm's KillWait. Arguments: RAY_TEMP_DIR, the nodes folder, the run tag, ray's arguments.
+# shellcheck disable=SC2016  # expanded by the node's shell
+RAY_NODE_SH='
+trap "" USR1
+temp=$1 keep=$2/${SLURMD_NODENAME:-$(uname -n)}/$3
+shift 3
+ray "$@" &
+ray_pid=$!
+trap "kill -TERM $ray_pid 2>/dev/null" TERM INT
+wait "$ray_pid"
+status=$?
+if [ "$status" -gt 128 ]; then  # a signal cut the wait short: wait for ray itself
+    wait "$ray_pid" 2>/dev/null
+    again=$?
+    [ "$again" -eq 127 ] || status=$again
+fi
+mkdir -p "$keep" && timeout 15 cp -r "$temp/session_latest/logs/." "$keep/" 2>/dev/null
+exit "$status"
+'
+
 ray_cluster_srun_ray() {
     local nodes=$1 count=$2
     shift 2
-    # shellcheck disable=SC2016  # "$@" belongs to the inner shell
-    ray_cluster_srun "$nodes" "$count" bash -c 'trap "" USR1; exec ray "$@"' ray "$@"
+    ray_cluster_srun "$nodes" "$count" bash -c "$RAY_NODE_SH" ray "$RAY_TEMP_DIR" "$RAY_LOG_DIR/nodes" "$RAY_RUN_TAG" "$@"
 }
 
 ray_cluster_start_head() {

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.slow
 SETUP = REPO / "tests" / "slurm" / "setup_netns_slurm.sh"
 STATE = Path(os.environ.get("NETNS_SLURM_DIR", "/var/tmp/nemo-dapo-netns"))
 NODES = {"n1": "10.77.0.2", "n2": "10.77.0.3", "n3": "10.77.0.4"}
+FABRIC = {"n1": "10.78.0.2", "n2": "10.78.0.3", "n3": "10.78.0.4"}  # each node's ib0 (the fast network)
 CLI = [sys.executable, "-m", "nemo_dapo.cli"]
 # the tiny preset, Megatron at DP=2 one rank per node, a TP=2 engine; no validation in between
 TWO_NODES = [
@@ -139,13 +140,38 @@ def check_the_network_rule(cluster: Cluster, node: str) -> None:
     at the namespace's addresses: loopback, the node's address and its link-local one), and no
     route beyond the private subnet."""
     own = own_addresses(cluster, node)
-    assert {a for a in own if not ipaddress.ip_address(a).is_loopback and not a.startswith("fe80:")} == {NODES[node]}
-    routes = cluster.on(node, "ip", "-o", "route").splitlines()
-    assert routes == [f"10.77.0.0/24 dev eth0 proto kernel scope link src {NODES[node]} "], routes
+    mine = {NODES[node], FABRIC[node]}
+    assert {a for a in own if not ipaddress.ip_address(a).is_loopback and not a.startswith("fe80:")} == mine
+    routes = sorted(cluster.on(node, "ip", "-o", "route").splitlines())
+    assert routes == [
+        f"10.77.0.0/24 dev eth0 proto kernel scope link src {NODES[node]} ",
+        f"10.78.0.0/24 dev ib0 proto kernel scope link src {FABRIC[node]} ",
+    ], routes
     wildcard = {"0.0.0.0", "*", "::"}
     for address, who in listeners(cluster, node):
         plain = address.removeprefix("::ffff:")
-        assert plain in wildcard or plain == NODES[node] or ipaddress.ip_address(plain).is_loopback, (address, who)
+        assert plain in wildcard or plain in mine or ipaddress.ip_address(plain).is_loopback, (address, who)
+
+
+def connections(cluster: Cluster, node: str) -> list[tuple[str, str, str]]:
+    """(local address, peer address:port, process) of every established TCP connection on ``node``."""
+    found = []
+    for line in cluster.on(node, "ss", "-Htnp", "state", "established").splitlines():
+        fields = line.split()
+        local, peer = fields[2].rsplit(":", 1)[0].strip("[]"), fields[3]
+        found.append((local.removeprefix("::ffff:"), peer.removeprefix("[::ffff:").replace("]", ""), fields[-1]))
+    return found
+
+
+def check_the_fabric_carries_the_collectives(cluster: Cluster) -> None:
+    """With FABRIC_IFNAME=ib0 the ranks' gloo pairs, the engine's TP ranks and their rendezvous
+    connect n2 to n1 on the fabric; Ray's own traffic (its GCS at 6379) stays on the management
+    network, where its object store (the batches, the weight buckets) also runs."""
+    on_n2 = connections(cluster, "n2")
+    fabric = [c for c in on_n2 if c[0] == FABRIC["n2"] and c[1].startswith(FABRIC["n1"] + ":")]
+    assert len(fabric) >= 2 and all("ray::" in who or "python" in who for _, _, who in fabric), on_n2
+    to_gcs = [c for c in on_n2 if c[1].endswith(":6379")]
+    assert to_gcs and all(local == NODES["n2"] for local, _, _ in to_gcs), to_gcs
 
 
 def check_ray_refuses_a_stranger(cluster: Cluster) -> None:
@@ -167,7 +193,9 @@ def test_dapo_spans_two_nodes_and_learns_like_one(cluster, tmp_path):
     """Megatron DP=2 with one rank per node and a TP=2 engine: the first step's loss equals the same
     run's on one node, held-out accuracy rises, and the network rule holds on every node."""
     steps = 20
-    job = cluster.submit("dp2", [*TWO_NODES, f"trainer.total_training_steps={steps}", "trainer.save_freq=0"])
+    job = cluster.submit(
+        "dp2", [*TWO_NODES, f"trainer.total_training_steps={steps}", "trainer.save_freq=0"], FABRIC_IFNAME="ib0"
+    )
     try:
         placed = wait_for_line(job, r"actor: 2 worker\(s\) on 2 node\(s\)")
         assert set(re.findall(r"10\.77\.0\.\d", job.log()[placed.start() : placed.end() + 60])) == {
@@ -177,11 +205,16 @@ def test_dapo_spans_two_nodes_and_learns_like_one(cluster, tmp_path):
         wait_for_line(job, r"nemo_dapo: step 2: ")
         for node in ("n1", "n2"):
             check_the_network_rule(cluster, node)
+        check_the_fabric_carries_the_collectives(cluster)
         check_ray_refuses_a_stranger(cluster)
         job.wait_for("completion", lambda: job.field("JobState") == "COMPLETED", timeout=600)
     finally:
         job.run("scancel", job.id)
     out = cluster.work / "dp2" / "ckpt"
+    # each node's Ray session logs, copied off its /tmp when its Ray stopped
+    kept = cluster.work / "dp2" / "logs" / job.id / "nodes"
+    assert (kept / "n1" / "r0" / "gcs_server.out").is_file() and (kept / "n2" / "r0" / "raylet.out").is_file()
+    assert not (kept / "n2" / "r0" / "gcs_server.out").exists()  # n2's own logs, not the head's
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == steps and summary["final_val_acc"] > summary["initial_val_acc"] + 0.03, summary
     # the same layout on one node (a local Ray on loopback): the same first step, bit for bit

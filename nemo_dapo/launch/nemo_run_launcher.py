@@ -248,6 +248,7 @@ def ray_setup_lines(remote_task_dir: str, mounts: list[str]) -> str:
             f"export CONTAINER_MOUNTS={shlex.quote(ray_mounts)}",
             f"cd {shlex.quote(remote_task_dir + '/code')}",
             "source slurm/requeue_policy.sh",
+            "source slurm/site_env.sh",
             "source slurm/ray_cluster.sh",
             "ray_cluster_start",
         ]

@@ -12,7 +12,8 @@
 #
 # Layout: namespace nd-ctl holds the bridge (10.77.0.1, hostname ctl, slurmctld); nd-n1..nd-nN
 # (10.77.0.2, ...) each hold one end of a veth pair whose other end is on the bridge, and run one
-# slurmd. The subnet exists only inside these namespaces: no address or route is added to the
+# slurmd. A second bridge in nd-ctl, fab0, is the nodes' fast network (a site's InfiniBand): each
+# node's `ib0` on 10.78.0.2, ... (FABRIC_IFNAME=ib0 in slurm/site_env.sh puts traffic there). The subnet exists only inside these namespaces: no address or route is added to the
 # machine's own namespace, so nothing can reach or leave the machine through it. Clients (sbatch,
 # squeue, scontrol) must run in one of the namespaces (`exec ctl sbatch ...`). munged runs in the
 # machine's namespace on a socket in the shared state folder. Needs root and the Debian packages
@@ -20,7 +21,7 @@
 # and hides the cgroup tree slurmd reads.
 #
 # Settings (environment): NETNS_SLURM_DIR (state, outside /tmp: default /var/tmp/nemo-dapo-netns),
-# NETNS_NODES (2), NETNS_SUBNET (10.77.0), NETNS_CPUS (CPUs each node declares: nproc),
+# NETNS_NODES (2), NETNS_SUBNET (10.77.0), NETNS_FABRIC_SUBNET (10.78.0), NETNS_CPUS (CPUs each node declares: nproc),
 # NETNS_SHARED_PATHS (colon-separated folders under /tmp that the nodes see, e.g. a repository
 # cloned there; the nodes' /tmp is otherwise empty).
 set -euo pipefail
@@ -28,6 +29,7 @@ set -euo pipefail
 STATE=${NETNS_SLURM_DIR:-/var/tmp/nemo-dapo-netns}
 NODES=${NETNS_NODES:-2}
 SUBNET=${NETNS_SUBNET:-10.77.0}
+FABRIC_SUBNET=${NETNS_FABRIC_SUBNET:-10.78.0}
 CPUS=${NETNS_CPUS:-$(nproc)}
 PREFIX=nd
 CONF=$STATE/slurm.conf
@@ -38,6 +40,7 @@ die() { echo "setup_netns_slurm: $*" >&2; exit 1; }
 pid_alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 node_names() { local i; for i in $(seq "$NODES"); do echo "n$i"; done; }
 node_ip() { if [ "$1" = ctl ]; then echo "$SUBNET.1"; else echo "$SUBNET.$((1 + ${1#n}))"; fi; }
+fabric_ip() { echo "$FABRIC_SUBNET.$((1 + ${1#n}))"; }
 netns_path() { echo "/var/run/netns/$PREFIX-$1"; }
 in_netns() { local node=$1; shift; nsenter --net="$(netns_path "$node")" "$@"; }
 # The node's daemon (slurmctld on ctl, slurmd on a node): its namespaces are the node's.
@@ -63,6 +66,20 @@ make_network() {
         ip -n "$PREFIX-$node" link set lo up
         ip -n "$PREFIX-$node" addr add "$(node_ip "$node")/24" dev eth0
         ip -n "$PREFIX-$node" link set eth0 up
+    done
+}
+
+# The fast network: a bridge of its own, each node's ib0 on it (added to a cluster made without it).
+make_fabric() {
+    ip -n "$PREFIX-ctl" link show fab0 >/dev/null 2>&1 && return
+    ip -n "$PREFIX-ctl" link add fab0 type bridge
+    ip -n "$PREFIX-ctl" link set fab0 up
+    local node
+    for node in $(node_names); do
+        ip link add "fab-$node" netns "$PREFIX-ctl" type veth peer name ib0 netns "$PREFIX-$node"
+        ip -n "$PREFIX-ctl" link set "fab-$node" master fab0 up
+        ip -n "$PREFIX-$node" addr add "$(fabric_ip "$node")/24" dev ib0
+        ip -n "$PREFIX-$node" link set ib0 up
     done
 }
 
@@ -197,6 +214,7 @@ start() {
     mkdir -p "$STATE"/{munge,state,spool,log,run,hold}
     chmod 0700 "$STATE/munge"
     make_network
+    make_fabric
     write_hosts
     pid_alive "$STATE/run/slurmctld.pid" || write_slurm_conf
     start_munge
