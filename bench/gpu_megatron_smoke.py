@@ -380,6 +380,12 @@ def main() -> None:
     exported = sum(t.numel() * t.element_size() for bucket in worker.export_weights(512 << 20) for _, t in bucket)
     export_s = time.perf_counter() - t0
     print(f"streamed export of {exported / 2**30:.2f} GiB of HF weights in {export_s:.2f}s", flush=True)
+    # what a colocated trainer does before its engines wake: the allocator's cache goes back
+    reserved = torch.cuda.memory_reserved()
+    released = worker.release_memory()
+    if released != reserved - torch.cuda.memory_reserved() or torch.cuda.memory_reserved() > reserved:
+        die(f"release_memory said {released} bytes; reserved went {reserved} -> {torch.cuda.memory_reserved()}")
+    print(f"release_memory gave back {released / 2**30:.2f} of {reserved / 2**30:.2f} GiB reserved", flush=True)
 
     timed = results[1:] or results
     tokens_s = sum(r["tokens"] for r in timed) / sum(r["update_s"] for r in timed)
@@ -400,6 +406,8 @@ def main() -> None:
         "export_s": export_s,
         **replay,
         "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "released_gib": released / 2**30,
+        "reserved_before_release_gib": reserved / 2**30,
     }
     print("SUMMARY " + json.dumps(summary), flush=True)
     print(

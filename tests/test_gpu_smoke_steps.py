@@ -52,7 +52,9 @@ def run_smoke_steps(rank: int, world_size: int, model_dir: str, work: str) -> No
     checkpoint = smoke.check_async_checkpoint(worker, os.path.join(work, "checkpoint"), args, vocab, settings)
     rows = smoke.varied_lengths(smoke.synthetic_batch(args.rows, args.prompt, args.response, vocab, 98), 98)
     packing_gap = smoke.check_packing_matches_padding(worker, rows, train_packed=False)
-    torch.save({"steps": steps, "checkpoint": checkpoint, "packing_gap": packing_gap}, os.path.join(work, "out.pt"))
+    released = worker.release_memory()  # no CUDA here: nothing cached, nothing given back
+    out = {"steps": steps, "checkpoint": checkpoint, "packing_gap": packing_gap, "released": released}
+    torch.save(out, os.path.join(work, "out.pt"))
 
 
 def test_the_gpu_smoke_steps_run_on_the_cpu(tmp_path, tiny_model_dir):
@@ -66,3 +68,4 @@ def test_the_gpu_smoke_steps_run_on_the_cpu(tmp_path, tiny_model_dir):
     assert out["checkpoint"]["replay_grad_norm_gap"] < 1e-6
     assert {"async_save_call_again_s", "hf_copy_s", "sync_save_s"} <= set(out["checkpoint"])
     assert out["packing_gap"] < 1e-5
+    assert out["released"] == 0

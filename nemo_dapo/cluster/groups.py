@@ -135,6 +135,10 @@ class PolicyGroup:
     def load(self, path: str) -> None:
         self.workers.call_all("load", path)
 
+    def release_memory(self) -> int:
+        """Bytes of cached GPU memory the ranks gave back (see ``PolicyWorker.release_memory``)."""
+        return sum(self.workers.call_all("release_memory"))
+
     def digest_files(self, folder: Path, names: Sequence[str]) -> dict[str, str]:
         """A checkpoint's file digests, computed by the ranks in parallel on their own nodes, each
         over a share of about equal bytes (every rank sees the output folder)."""

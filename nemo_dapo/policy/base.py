@@ -92,6 +92,16 @@ class UpdateResult:
     first_forward: dict[str, torch.Tensor] | None = None
 
 
+def release_cached_gpu_memory() -> int:
+    """Hand the CUDA caching allocator's unused blocks back to the device, so that colocated
+    engines waking after an update find them free; returns the bytes given back (0 without CUDA)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0
+    before = torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    return before - torch.cuda.memory_reserved()
+
+
 def require_trainable(trainable: bool, what: str) -> None:
     """A worker built with ``trainable=False`` (the KL reference) keeps weights only."""
     if not trainable:
@@ -143,3 +153,8 @@ class PolicyWorker(Protocol):
         ...
 
     def load(self, path: str) -> None: ...
+
+    def release_memory(self) -> int:
+        """Give the GPU memory this rank caches but does not use back to the device (colocated
+        engines wake into it after an update); the bytes given back."""
+        ...

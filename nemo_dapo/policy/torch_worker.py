@@ -20,7 +20,15 @@ from nemo_dapo.algo.logprob import chunk_tokens_for, chunked_token_stats, token_
 from nemo_dapo.logs import configure_logging
 from nemo_dapo.network import join_store, use_node_network
 from nemo_dapo.policy.actor_loss import micro_batch_loss
-from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, UpdateResult, WorkerSettings, require_trainable
+from nemo_dapo.policy.base import (
+    DTYPES,
+    LossSettings,
+    MiniBatch,
+    UpdateResult,
+    WorkerSettings,
+    release_cached_gpu_memory,
+    require_trainable,
+)
 from nemo_dapo.policy.lr_schedule import lr_lambda
 from nemo_dapo.policy.microbatch import MicroBatch, RowStats, micro_batches
 from nemo_dapo.policy.shared_prompt import hidden_before_responses
@@ -226,6 +234,9 @@ class TorchPolicyWorker:
 
     def finish_save(self, blocking: bool = True) -> bool:
         return True  # nothing runs in the background
+
+    def release_memory(self) -> int:
+        return release_cached_gpu_memory()
 
     def load(self, path: str) -> None:
         """Load weights + optimizer; works for any number of DP ranks (the state is replicated)."""

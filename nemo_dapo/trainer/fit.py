@@ -26,7 +26,7 @@ from nemo_dapo.algo.kl import build_kl_controller
 from nemo_dapo.algo.metrics import throughput_metrics, timing_metrics
 from nemo_dapo.algo.sampling import GroupAccumulator
 from nemo_dapo.config import Config, correction_settings, to_yaml
-from nemo_dapo.config.topology import cluster_gpus, prompts_per_round, total_training_steps
+from nemo_dapo.config.topology import cluster_gpus, is_colocated, prompts_per_round, total_training_steps
 from nemo_dapo.data import ResumableBatchSampler
 from nemo_dapo.policy.base import LossSettings
 from nemo_dapo.rng import restore_rng, rng_state
@@ -202,6 +202,8 @@ class DAPOTrainer:
         batch, metrics, consumed = self._collect_batch(timer)
         self.rollout.sleep()
         metrics.update(self.train_on_batch(batch, timer))
+        if is_colocated(self.cfg):  # the engines wake into what the update's allocator cached
+            self.policy.release_memory()
         with timer("sync_weights"):
             self.rollout.wake_up(["weights"])
             self.sync_weights()

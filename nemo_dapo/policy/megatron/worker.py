@@ -29,7 +29,15 @@ from nemo_dapo.config.schema import MegatronConfig
 from nemo_dapo.config.topology import Parallelism
 from nemo_dapo.logs import configure_logging
 from nemo_dapo.policy.actor_loss import micro_batch_loss
-from nemo_dapo.policy.base import DTYPES, LossSettings, MiniBatch, UpdateResult, WorkerSettings, require_trainable
+from nemo_dapo.policy.base import (
+    DTYPES,
+    LossSettings,
+    MiniBatch,
+    UpdateResult,
+    WorkerSettings,
+    release_cached_gpu_memory,
+    require_trainable,
+)
 from nemo_dapo.policy.lr_schedule import lr_lambda
 from nemo_dapo.policy.megatron import build, inputs, stages
 from nemo_dapo.policy.megatron import model as mm
@@ -365,6 +373,9 @@ class MegatronPolicyWorker:
         from nemo_dapo.policy.megatron.checkpoint import finish_async_saves
 
         return finish_async_saves(self, blocking)
+
+    def release_memory(self) -> int:
+        return release_cached_gpu_memory()
 
     def load(self, path: str) -> None:
         from nemo_dapo.policy.megatron.checkpoint import load_checkpoint
