@@ -28,19 +28,27 @@ def an_old_run(folder):
     return manager
 
 
-def test_a_second_live_run_on_the_folder_is_refused(tmp_path, capsys):
+def holding(folder, **env: str) -> subprocess.Popen:
+    """Another process that holds ``folder``'s run lock until its standard input says go."""
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            f"from nemo_dapo.trainer.run_folder import RunFolder; held = RunFolder({str(tmp_path)!r}); "
-            "import time; print('held', flush=True); time.sleep(60)",
+            f"from nemo_dapo.trainer.run_folder import RunFolder; held = RunFolder({str(folder)!r}); "
+            "print('held', flush=True); input()",
         ],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
+        env={**os.environ, **env},
         text=True,
     )
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_second_live_run_on_the_folder_is_refused(tmp_path, capsys):
+    holder = holding(tmp_path)
     try:
-        assert holder.stdout.readline().strip() == "held"
         code = main(["train", f"trainer.output_dir={tmp_path}"])
         err = capsys.readouterr().err
         assert code == 2 and f"trainer.output_dir={tmp_path} is in use by another run (pid {holder.pid} on" in err, err
@@ -52,20 +60,8 @@ def test_a_second_live_run_on_the_folder_is_refused(tmp_path, capsys):
 
 
 def test_a_requeued_run_of_the_same_slurm_job_waits_for_its_predecessor_others_are_refused(tmp_path, monkeypatch):
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"from nemo_dapo.trainer.run_folder import RunFolder; held = RunFolder({str(tmp_path)!r}); "
-            "print('held', flush=True); input()",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        env={**os.environ, "SLURM_JOB_ID": "4242"},
-        text=True,
-    )
+    holder = holding(tmp_path, SLURM_JOB_ID="4242")
     try:
-        assert holder.stdout.readline().strip() == "held"
         monkeypatch.setenv("SLURM_JOB_ID", "424")  # another job: refused at once (exit 2)
         start = time.monotonic()
         with pytest.raises(InputError, match=r"is in use by another run \(pid \d+ on .* \(Slurm job 4242\)\)"):
