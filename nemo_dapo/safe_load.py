@@ -113,11 +113,7 @@ def checked_distributed_checkpoint(folder: str | Path) -> Iterator[Path]:
         metadata = _read_metadata(source / ".metadata")
         _stage_byte_items(source, metadata, staging / CHECKED_ITEMS)
         (staging / ".metadata").write_bytes(pickle.dumps(metadata))
-        for entry in source.iterdir():
-            if entry.name == ".metadata":
-                continue
-            if not entry.is_file() or entry.is_symlink():
-                raise UnsafeCheckpointFile(f"{entry}: not a plain file; a checkpoint nemo-dapo wrote holds none")
+        for entry in _plain_files(source):
             if entry.suffix == ".distcp":
                 (staging / entry.name).symlink_to(entry.resolve())
             else:
@@ -129,15 +125,30 @@ def checked_distributed_checkpoint(folder: str | Path) -> Iterator[Path]:
 
 def refuse_unsafe_distributed_checkpoint(folder: str | Path) -> None:
     """What :func:`checked_distributed_checkpoint` would refuse, said before anything starts (the
-    driver, before Ray); a folder damaged in other ways is left to the manifest check and the
-    load, which fall back to an older checkpoint where they may."""
+    driver, before Ray), by the same checks without writing the staged copy; a folder damaged
+    in other ways is left to the manifest check and the load, which fall back to an older
+    checkpoint where they may."""
+    source = Path(folder)
     try:
-        with checked_distributed_checkpoint(folder):
+        metadata = _read_metadata(source / ".metadata")
+        for _ in _checked_byte_items(source, metadata):
+            pass
+        for _ in _plain_files(source):
             pass
     except UnsafeCheckpointFile:
         raise
     except Exception:  # damage, not danger: not this check's to report
         return
+
+
+def _plain_files(source: Path) -> Iterator[Path]:
+    """The folder's files other than ``.metadata``; anything else (a link, a folder) is refused."""
+    for entry in source.iterdir():
+        if entry.name == ".metadata":
+            continue
+        if not entry.is_file() or entry.is_symlink():
+            raise UnsafeCheckpointFile(f"{entry}: not a plain file; a checkpoint nemo-dapo wrote holds none")
+        yield entry
 
 
 def _read_metadata(path: Path) -> Any:
@@ -150,29 +161,36 @@ def _read_metadata(path: Path) -> Any:
         ) from None
 
 
-def _stage_byte_items(source: Path, metadata: Any, staged: Path) -> None:
-    """Copy each byte item once into ``staged``, checked, and point the metadata at the copy."""
-    import dataclasses
-
+def _checked_byte_items(source: Path, metadata: Any) -> Iterator[tuple[Any, Any, bytes]]:
+    """Each byte item (its index, storage info and bytes), read once and loaded with
+    ``weights_only=True``; one holding Python objects whose loading could run code is refused."""
     import torch
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     byte_items = {key for key, item in metadata.state_dict_metadata.items() if isinstance(item, BytesStorageMetadata)}
+    for index, info in metadata.storage_data.items():
+        if index.fqn not in byte_items:
+            continue
+        with open(source / Path(info.relative_path).name, "rb") as handle:
+            handle.seek(info.offset)
+            data = handle.read(info.length)
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise UnsafeCheckpointFile(
+                f"{source / info.relative_path}: refused to load its item {index.fqn}: it holds Python objects "
+                f"whose loading could run code ({str(err).strip().splitlines()[0][:200]}); the checkpoint was "
+                "altered; resume from another one or move it away"
+            ) from None
+        yield index, info, data
+
+
+def _stage_byte_items(source: Path, metadata: Any, staged: Path) -> None:
+    """Copy each byte item once into ``staged``, checked, and point the metadata at the copy."""
+    import dataclasses
+
     with open(staged, "wb") as out:
-        for index, info in metadata.storage_data.items():
-            if index.fqn not in byte_items:
-                continue
-            with open(source / Path(info.relative_path).name, "rb") as handle:
-                handle.seek(info.offset)
-                data = handle.read(info.length)
-            try:
-                torch.load(io.BytesIO(data), weights_only=True)
-            except pickle.UnpicklingError as err:
-                raise UnsafeCheckpointFile(
-                    f"{source / info.relative_path}: refused to load its item {index.fqn}: it holds Python objects "
-                    f"whose loading could run code ({str(err).strip().splitlines()[0][:200]}); the checkpoint was "
-                    "altered; resume from another one or move it away"
-                ) from None
+        for index, info, data in _checked_byte_items(source, metadata):
             metadata.storage_data[index] = dataclasses.replace(
                 info, relative_path=CHECKED_ITEMS, offset=out.tell(), length=len(data)
             )

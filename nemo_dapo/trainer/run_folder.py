@@ -40,9 +40,10 @@ class RunFolder:
         deadline = time.monotonic() + same_job_wait_s
         while not self._try_lock():
             holder = self._holder()
-            if job is None or f"(Slurm job {job})" not in holder or time.monotonic() > deadline:
+            same_job = job is not None and f"(Slurm job {job})" in holder
+            if not same_job or time.monotonic() > deadline:
                 self._handle.close()
-                raise self._held_error(holder, job, same_job_wait_s)
+                raise self._held_error(holder, same_job, same_job_wait_s)
             time.sleep(1.0)
         self._handle.seek(0)
         self._handle.truncate()
@@ -68,8 +69,8 @@ class RunFolder:
         self._handle.seek(0)
         return self._handle.read().strip() or "another process"
 
-    def _held_error(self, holder: str, job: str | None, waited_s: float) -> Exception:
-        if job is not None and f"(Slurm job {job})" in holder:
+    def _held_error(self, holder: str, same_job: bool, waited_s: float) -> Exception:
+        if same_job:
             # not exit 2: the batch script requeues a crash, and the next run may find the folder free
             return RuntimeError(
                 f"trainer.output_dir={self.folder} is still held by an earlier run of this Slurm job ({holder}) "
