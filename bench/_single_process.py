@@ -133,6 +133,7 @@ def run_single_process(cfg, save_to=None) -> dict:
     from nemo_dapo.trainer.fit import DAPOTrainer
 
     cfg = resolve_paths(cfg)
+    cfg.rollout.weight_transfer = "object_store"  # one process: the trainer hands HFGenerate its buckets
     data = load_data(cfg)
     worker = TorchPolicyWorker(
         0,

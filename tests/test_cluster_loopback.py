@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from nemo_dapo.cluster.weight_sync import CollectiveSync
 from nemo_dapo.config.schema import OptimConfig
 from nemo_dapo.digest import digest_files
 from nemo_dapo.policy.base import LossSettings, WorkerSettings
@@ -30,13 +31,14 @@ def policy_group(model_dir, dp):
     )
 
 
-def rollout_group(model_dir, tp=1):
+def rollout_group(model_dir, tp=1, engines=1):
+    """Engines that take weights on either path (gloo: vLLM's weight-transfer engine in each worker)."""
     from nemo_dapo.cluster.groups import RolloutGroup
     from nemo_dapo.cluster.worker_group import WorkerGroup
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
-    kwargs = {"model_path": str(model_dir), "max_model_len": 128, "tensor_parallel_size": tp}
-    return RolloutGroup(WorkerGroup(VLLMRolloutWorker, 1, name=f"rollout_tp{tp}", worker_kwargs=kwargs))
+    kwargs = {"model_path": str(model_dir), "max_model_len": 128, "tensor_parallel_size": tp, "weight_transfer": "gloo"}
+    return RolloutGroup(WorkerGroup(VLLMRolloutWorker, engines, name=f"rollout_tp{tp}", worker_kwargs=kwargs))
 
 
 def chat_prompts(tokenizer, questions):
@@ -96,6 +98,11 @@ def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(local_ray, tiny_mo
     )
     gap = (fresh["rollout_log_probs"] - policy2.compute_log_prob(fresh, 1.0)["log_probs"]) * fresh["response_mask"]
     assert gap.abs().max().item() < 1e-4
+    # the collective path (DP rank 1 exports nothing and only runs its export); its groups stay open
+    # for the listener check below: their rendezvous and gloo sockets are on loopback too
+    sync = CollectiveSync(policy2, rollout, bucket_bytes=1 << 14, workers_per_engine=1)
+    sync(version=2)
+    assert sync.sent_bytes > 0 and rollout.workers.call_all("weight_version") == [2]
     # a checkpoint's digests, computed by the two ranks, each over its share: those of this process
     folder = tmp_path / "ckpt"
     folder.mkdir()
@@ -115,6 +122,8 @@ def test_a_tp2_engine_takes_the_streamed_weights(local_ray, tiny_model_dir, tiny
     """A TP=2 engine runs its ranks in processes of their own, so every bucket of a weight sync
     crosses vLLM's executor: after the sync it samples from the updated policy, each token's
     log-prob the policy's own."""
+    import ray
+
     rollout = rollout_group(tiny_model_dir, tp=2)
     policy = policy_group(tiny_model_dir, dp=1)
     ids = chat_prompts(tiny_tokenizer, ["12+3", "45-7"])
@@ -136,5 +145,13 @@ def test_a_tp2_engine_takes_the_streamed_weights(local_ray, tiny_model_dir, tiny
     assert gap() > 1e-3  # the engine still samples from the weights before the update
     rollout.update_weights(policy.export_weights(1 << 14), version=1)
     assert gap() < 1e-4
+    # the collective path: policy rank 0 broadcasts to both engine workers, nothing through the driver
+    policy.update(batch, LossSettings(), prompts_per_mini_batch=2, ppo_epochs=1)
+    assert gap() > 1e-3
+    sync = CollectiveSync(policy, rollout, bucket_bytes=1 << 14, workers_per_engine=2)
+    sync(version=2)
+    assert gap() < 1e-4 and rollout.workers.call_all("weight_version") == [2]
+    model_bytes = sum(t.numel() * t.element_size() for ref in policy.export_weights(1 << 30) for _, t in ray.get(ref))
+    assert model_bytes <= sync.sent_bytes < model_bytes * 1.02  # each tensor once (its bytes, aligned)
     rollout.workers.shutdown()
     policy.workers.shutdown()

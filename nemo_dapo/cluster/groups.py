@@ -220,13 +220,15 @@ class RolloutGroup:
             pending = [self._send(request, s.rank, s.start, s.stop) for s in failed] if regenerate else []
         return results
 
-    def replace(self, rank: int, error: RemoteCallError, stage: str = "while generating") -> None:
-        if self.restarts >= self.max_restarts:
+    def replace(self, rank: int, error: RemoteCallError, stage: str = "while generating", counted: bool = True) -> None:
+        """``counted=False``: an engine taken down by another's failure (a broken collective weight
+        sync), which that failure's restart already counts."""
+        if counted and self.restarts >= self.max_restarts:
             raise RemoteCallError(
                 f"{error}. Rollout engine {rank} failed {stage}, after {self.restarts} engine "
                 f"restart(s) in this run (rollout.max_restarts={self.max_restarts})"
             ) from error
-        self.restarts += 1
+        self.restarts += counted
         log.warning(
             "%s; restarting rollout engine %d (restart %d of %d)", error, rank, self.restarts, self.max_restarts
         )
@@ -269,10 +271,16 @@ class RolloutGroup:
             self._push(syncing, [ref], version)  # wrapped: the engine fetches the bucket itself
         self._push(syncing, None, version)
         live = list(syncing)
-        outcomes = self.workers.settle([syncing[r][1] for r in live], "receive_weights", live)
-        for rank, outcome in zip(live, outcomes):
+        self.settle_sync(live, self.workers.settle([syncing[r][1] for r in live], "receive_weights", live), version)
+
+    def settle_sync(self, ranks: list[int], outcomes: list, version: int, one_failure: bool = False) -> None:
+        """After a sync: replace the engines that failed it, mark the others warm. ``one_failure``:
+        the failed engines fell together (a collective sync), one restart for all of them."""
+        counted = True
+        for rank, outcome in zip(ranks, outcomes):
             if isinstance(outcome, RemoteCallError):
-                self.replace(rank, outcome, "during a weight sync")
+                self.replace(rank, outcome, "during a weight sync", counted)
+                counted = not one_failure
             elif outcome != version:
                 raise RuntimeError(f"rollout engine {rank} reports weight version {outcome}, expected {version}")
             else:

@@ -475,6 +475,14 @@ class RolloutConfig:
         "keys and values the old weights computed: no recompute, slightly off the new policy). "
         "Either way a sample keeps its tokens, log-probs and remaining budget.",
     )
+    weight_transfer: str = setting(
+        "gloo",
+        choices=("gloo", "object_store"),
+        help="How the weights reach the engines after each update. gloo: the training ranks that "
+        "export them (one per pipeline stage) broadcast straight to every engine worker through "
+        "vLLM's weight-transfer API, nothing through the driver; object_store: buckets through "
+        "Ray's object store, a queue per engine (docs/architecture.md, Weight sync).",
+    )
     max_restarts: int = setting(
         3,
         bounds=">= 0",

@@ -33,6 +33,7 @@ from nemo_dapo.policy.lr_schedule import lr_lambda
 from nemo_dapo.policy.microbatch import MicroBatch, RowStats, micro_batches
 from nemo_dapo.policy.shared_prompt import hidden_before_responses
 from nemo_dapo.policy.update_loop import run_update
+from nemo_dapo.policy.weight_sender import WeightSender
 from nemo_dapo.policy.weights import Bucket, bucketize
 from nemo_dapo.rng import restore_rng, rng_state
 from nemo_dapo.safe_load import load_state
@@ -48,7 +49,7 @@ def init_data_parallel(rank: int, world_size: int, rendezvous: str) -> None:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
 
 
-class TorchPolicyWorker:
+class TorchPolicyWorker(WeightSender):
     """A :class:`~nemo_dapo.policy.base.PolicyWorker` on a Hugging Face model and plain torch:
     one data-parallel replica per rank (gradients summed over ranks with gloo / NCCL), fp32
     master weights with autocast to ``dtype``. Its contract is the interface's: scores rows
@@ -201,12 +202,15 @@ class TorchPolicyWorker:
         """(dp_rank, dp_size): every rank is its own data-parallel replica here."""
         return self.rank, self.world_size
 
+    def exports_weights(self) -> bool:
+        return self.rank == 0
+
     def export_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[Bucket]:
         """Rank 0's weights in buckets (every rank holds the same copy; the others yield nothing), in
         the compute dtype the engines run in: the fp32 master copy stays here, and a bf16 engine gets
         half the bytes instead of casting fp32 on arrival. Tied weights go under each of their names:
         vLLM's in-place reload re-initialises a layer it is given no weight for."""
-        if self.rank == 0:
+        if self.exports_weights():
             weights = self.model.state_dict().items()
             yield from bucketize(((name, self._for_engines(tensor)) for name, tensor in weights), bucket_bytes)
 

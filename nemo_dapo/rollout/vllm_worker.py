@@ -10,10 +10,11 @@ from, which is what the trainer recomputes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 from nemo_dapo.errors import EngineFailure
@@ -94,6 +95,16 @@ def fail_steps_as_engine(engine) -> None:
     engine.step = failing_as_engine
 
 
+@contextlib.contextmanager
+def transfer_failures_fail_the_engine(doing: str):
+    """A collective weight transfer that fails part-way leaves some layers reloaded and others
+    not: the engine cannot go on, and is replaced like one whose step failed."""
+    try:
+        yield
+    except Exception as error:
+        raise EngineFailure(f"rollout engine failed {doing}: {error!r}") from error
+
+
 class VLLMRolloutWorker:
     """A :class:`~nemo_dapo.rollout.base.RolloutWorker`: one vLLM engine (``tensor_parallel_size``
     ranks) that generates samples with their log-probs and finish reasons, takes new weights as
@@ -117,12 +128,15 @@ class VLLMRolloutWorker:
         workers_per_node: int | None = None,
         return_routing: bool = False,
         enforce_eager: bool | None = None,
+        weight_transfer: str = "object_store",
     ) -> None:
         """``enable_sleep_mode``: asked for when the engine shares its GPUs with training ranks;
         ``self.sleep_mode`` says whether this vLLM build honours it (see :meth:`sleep`).
         ``distributed_executor_backend="ray"``: the colocated TP > 1 engine (see below).
         ``return_routing``: every sample carries the experts the engine routed its tokens to
-        (MoE routing replay r3, docs/moe.md). ``enforce_eager``: see :func:`runs_eagerly`."""
+        (MoE routing replay r3, docs/moe.md). ``enforce_eager``: see :func:`runs_eagerly`.
+        ``weight_transfer``: ``gloo`` builds vLLM's weight-transfer engine of that backend in every
+        worker (docs/architecture.md, Weight sync); the object-store path works either way."""
         configure_logging()  # before vLLM configures its loggers at import
         threads = use_cpu_threads(num_threads, workers_per_node or world_size, f"vLLM rollout worker {rank}")
         use_node_network()  # a TP > 1 engine's ranks connect on this node's address
@@ -168,6 +182,7 @@ class VLLMRolloutWorker:
             distributed_executor_backend=distributed_executor_backend,
             use_tqdm_on_load=verbose(),
             worker_extension_cls=WEIGHT_RECEIVER,
+            weight_transfer_config=None if weight_transfer == "object_store" else {"backend": weight_transfer},
             **({"enable_return_routed_experts": True} if native else {}),
         )
         fail_steps_as_engine(self.llm.llm_engine)
@@ -304,9 +319,7 @@ class VLLMRolloutWorker:
     # ----------------------------------------------------------------- weights
     def update_weights(self, buckets: Iterable[list[tuple]], version: int) -> int:
         """One reload over all buckets, each loaded on every engine rank as it arrives (a reload
-        that skipped some layers would re-initialise them). ``buckets`` is consumed lazily. While
-        streaming, the reload runs between two engine steps and the running samples go on
-        (:meth:`~nemo_dapo.rollout.vllm_stream.EngineStream.load_weights`)."""
+        that skipped some layers would re-initialise them). ``buckets`` is consumed lazily."""
 
         def load() -> None:
             self.llm.collective_rpc("start_bucket_reload")
@@ -314,6 +327,35 @@ class VLLMRolloutWorker:
                 self.llm.collective_rpc("reload_bucket", args=(bucket,))
             self.llm.collective_rpc("finish_bucket_reload")
 
+        return self._reload(load, version)
+
+    def receive_weights(self, queue, version: int) -> int:
+        """:meth:`update_weights` fed bucket by bucket from a bounded Ray queue while the policy exports."""
+        import ray
+
+        return self.update_weights((ray.get(item[0]) for item in iter(queue.get, None)), version)
+
+    def init_weight_transfer(self, init_info: dict) -> None:
+        """Every worker joins the senders' groups (vLLM's ``init_weight_transfer_engine``); blocks
+        until the senders join too."""
+        with transfer_failures_fail_the_engine("joining the weight-transfer groups"):
+            self.llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
+
+    def receive_collective(self, version: int) -> int:
+        """Take one round of weights over the transfer groups (vLLM's start, update and finish on
+        every worker), as :meth:`update_weights` takes buckets."""
+
+        def load() -> None:
+            with transfer_failures_fail_the_engine(f"receiving weight version {version}"):
+                self.llm.collective_rpc("start_weight_update")
+                self.llm.collective_rpc("update_weights", args=({"version": version},))
+                self.llm.collective_rpc("finish_weight_update")
+
+        return self._reload(load, version)
+
+    def _reload(self, load: Callable[[], None], version: int) -> int:
+        """``load`` now, or between two engine steps while streaming: the running samples go on
+        (:meth:`~nemo_dapo.rollout.vllm_stream.EngineStream.load_weights`)."""
         if self._stream is not None:
             self._stream.load_weights(load, version)
         else:
@@ -323,12 +365,6 @@ class VLLMRolloutWorker:
                 raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
         self._version = version
         return self._version
-
-    def receive_weights(self, queue, version: int) -> int:
-        """:meth:`update_weights` fed bucket by bucket from a bounded Ray queue while the policy exports."""
-        import ray
-
-        return self.update_weights((ray.get(item[0]) for item in iter(queue.get, None)), version)
 
     def weight_version(self) -> int:
         return self._version

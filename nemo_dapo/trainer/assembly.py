@@ -130,6 +130,7 @@ def _rollout_workers(cfg: Config, shared: SharedGPUs | None) -> WorkerGroup:
         "num_threads": cfg.trainer.cpu_threads_per_worker,
         "workers_per_node": workers_per_node(cfg, cfg.rollout.num_workers, gpus_per_worker=tp),
         "return_routing": cfg.actor.backend == "megatron" and cfg.actor.megatron.router_replay == "r3",
+        "weight_transfer": cfg.rollout.weight_transfer,
     }
     gpus = tp if cfg.trainer.n_gpus_per_node > 0 else 0
     slots = shared.engine_slots(cfg.rollout.num_workers, tp) if shared else None

@@ -25,6 +25,7 @@ from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.algo.kl import build_kl_controller
 from nemo_dapo.algo.metrics import throughput_metrics, timing_metrics
 from nemo_dapo.algo.sampling import GroupAccumulator
+from nemo_dapo.cluster.weight_sync import weight_sync
 from nemo_dapo.config import Config, correction_settings, to_yaml
 from nemo_dapo.config.topology import cluster_gpus, is_colocated, prompts_per_round, total_training_steps
 from nemo_dapo.data import ResumableBatchSampler
@@ -145,6 +146,8 @@ class DAPOTrainer:
         self.initial_val: dict[str, float] = {}
         self.total_steps = total_training_steps(cfg, len(train_data))
         self.rollout.set_weight_source(self._current_weights)  # for an engine replaced mid-run
+        r = cfg.rollout
+        self.weight_sync = weight_sync(r.weight_transfer, policy, rollout, WEIGHT_BUCKET_BYTES, r.tensor_parallel_size)
 
     # ----------------------------------------------------------------- generation
     def _next_prompt_indices(self) -> list[int]:
@@ -257,7 +260,7 @@ class DAPOTrainer:
 
     def sync_weights(self) -> None:
         self.weight_version += 1
-        self.rollout.update_weights(*self._current_weights())
+        self.weight_sync(self.weight_version)
 
     def _current_weights(self) -> tuple[Iterator, int]:
         """The policy's weights as streamed buckets, with their version."""

@@ -43,11 +43,12 @@ from nemo_dapo.policy.megatron import build, inputs, stages
 from nemo_dapo.policy.megatron import model as mm
 from nemo_dapo.policy.megatron.convert import model_shape
 from nemo_dapo.policy.megatron.cpu_compat import enable_cpu_compat
-from nemo_dapo.policy.megatron.export import iter_hf_weights
+from nemo_dapo.policy.megatron.export import is_exporter, iter_hf_weights
 from nemo_dapo.policy.megatron.router_loss import load_balancing_metric, per_routed_token
 from nemo_dapo.policy.microbatch import ROUTED_EXPERTS, MicroBatch, RowStats, prompt_width
 from nemo_dapo.policy.routing import place_micro_routing, routing_dtype
 from nemo_dapo.policy.update_loop import run_update
+from nemo_dapo.policy.weight_sender import WeightSender
 from nemo_dapo.policy.weights import Bucket, bucketize
 from nemo_dapo.threads import use_cpu_threads
 
@@ -60,7 +61,7 @@ def finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs) -> No
     finalize_model_grads(model, None, **kwargs)
 
 
-class MegatronPolicyWorker:
+class MegatronPolicyWorker(WeightSender):
     """A :class:`~nemo_dapo.policy.base.PolicyWorker` on megatron-core, the torch worker's twin
     in every number it returns. One rank of a TP x PP x CP x EP x DP layout: every rank of a
     data-parallel replica must be given the same rows (:meth:`data_parallel_layout`); its inputs
@@ -339,6 +340,9 @@ class MegatronPolicyWorker:
     def data_parallel_layout(self) -> tuple[int, int]:
         """(dp_rank, dp_size): the TP x PP x CP ranks of one replica must get the same rows."""
         return self.dp_rank, self.dp_size
+
+    def exports_weights(self) -> bool:
+        return is_exporter()
 
     def export_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[Bucket]:
         """This rank's share of the HF-named tensors in buckets of at most ``bucket_bytes``; collective.
