@@ -1,12 +1,18 @@
-"""How long does a weight sync (policy -> vLLM engines) take, and how much memory does it add?
+"""How long does a weight sync (policy -> vLLM engines) take on each path, how many bytes does it
+move, and how much memory does it add?
 
-    .venv/bin/python bench/weight_sync.py [--hidden 1024] [--layers 8] [--tp 2] [--bucket-mib 64] [--syncs 3]
+    .venv/bin/python bench/weight_sync.py [--hidden 1024] [--layers 8] [--tp 2] [--engine-tp 1]
+        [--bucket-mib 64] [--syncs 3]
 
 Builds a randomly initialised Qwen2-shaped model of the given size (the tiny tokenizer), starts
-a Megatron policy group (TP ranks in Ray actors, gloo on the CPU) and one vLLM engine, then times
-``RolloutGroup.update_weights(PolicyGroup.export_weights(...))``: the streamed path the trainer
-uses (per-layer TP gathers, buckets on bounded queues). Prints seconds per sync, MB/s, the
-bucket count and the peak growth of the resident memory of all processes during the syncs.
+a Megatron policy group (TP ranks in Ray actors, gloo on the CPU) and one vLLM engine, then
+syncs alternately over the two paths of ``rollout.weight_transfer`` (cluster/weight_sync.py):
+``object_store`` (buckets through Ray's object store and a queue, then vLLM's executor to each
+TP worker) and ``gloo`` (the exporting rank broadcasts to every engine worker). Also times a
+plain gloo broadcast of the same bytes in the same buckets between two bare processes, the
+bound for the collective path on this link. Prints seconds per sync, bytes through the loopback
+interface per sync (what crossed a socket: TCP's payload on ``lo``) and the peak growth of the
+resident memory of all processes during the syncs.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 from step_breakdown import TreeMemory
 
 from nemo_dapo.cluster.groups import PolicyGroup, RolloutGroup
@@ -54,27 +61,72 @@ def build_model(hidden: int, layers: int, folder: Path) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def counted(stream, seen: list):
-    """Pass the bucket refs through, noting each."""
-    for ref in stream:
-        seen.append(None)
-        yield ref
+def loopback_bytes() -> int:
+    return psutil.net_io_counters(pernic=True)["lo"].bytes_sent
+
+
+def plain_broadcast(total_bytes: int, bucket_bytes: int, receivers: int) -> float:
+    """Seconds for a bare gloo broadcast of ``total_bytes`` in buckets, rank 0 to ``receivers``."""
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    context = mp.get_context("spawn")
+    procs = [context.Process(target=_broadcast_rank, args=(r, receivers + 1, port, total_bytes, bucket_bytes, None))
+             for r in range(1, receivers + 1)]  # fmt: skip
+    for proc in procs:
+        proc.start()
+    result = context.Queue()
+    _broadcast_rank(0, receivers + 1, port, total_bytes, bucket_bytes, result)
+    for proc in procs:
+        proc.join()
+    return result.get()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _broadcast_rank(rank: int, world: int, port: int, total: int, bucket: int, result) -> None:
+    import torch
+
+    from nemo_dapo.transfer.gloo import gloo_group
+    from nemo_dapo.transfer.wire import broadcast
+
+    if rank == 0:
+        import torch.distributed as dist
+
+        server = dist.TCPStore("127.0.0.1", port, world, True)  # noqa: F841 (served while the group forms)
+    group = gloo_group(f"tcp://127.0.0.1:{port}", rank, world, 600)
+    buffer = torch.ones(bucket, dtype=torch.uint8)
+    broadcast(group, buffer)  # connections warm
+    start = time.perf_counter()
+    for offset in range(0, total, bucket):
+        broadcast(group, buffer[: min(bucket, total - offset)])
+    if result is not None:
+        result.put(time.perf_counter() - start)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=2, help="the policy's tensor-parallel ranks")
+    parser.add_argument("--engine-tp", type=int, default=1, help="the engine's tensor-parallel workers")
     parser.add_argument("--bucket-mib", type=int, default=64)
     parser.add_argument("--syncs", type=int, default=3)
     args = parser.parse_args()
+    from nemo_dapo.cluster.weight_sync import CollectiveSync, ObjectStoreSync
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
     folder = Path(tempfile.mkdtemp(prefix="weight_sync_"))
     model_bytes = build_model(args.hidden, args.layers, folder)
-    init_ray(num_cpus=args.tp + 2)
+    bucket_bytes = args.bucket_mib << 20
+    init_ray(num_cpus=args.tp + args.engine_tp + 1)
     try:
         policy = PolicyGroup(
             WorkerGroup(
@@ -89,28 +141,39 @@ def main() -> None:
                 },
             )
         )
+        engine = {"model_path": str(folder), "max_model_len": 256, "tensor_parallel_size": args.engine_tp}
         rollout = RolloutGroup(
-            WorkerGroup(
-                VLLMRolloutWorker, 1, name="rollout", worker_kwargs={"model_path": str(folder), "max_model_len": 256}
-            )
+            WorkerGroup(VLLMRolloutWorker, 1, name="rollout", worker_kwargs=engine | {"weight_transfer": "gloo"})
         )
+        paths = {
+            "object_store": ObjectStoreSync(policy, rollout, bucket_bytes),
+            "gloo": CollectiveSync(policy, rollout, bucket_bytes),
+        }
         memory = TreeMemory()
         memory.start()
         time.sleep(1.0)
         baseline = memory.peak_bytes
-        seconds, buckets = [], []
-        for version in range(1, args.syncs + 1):
-            start = time.perf_counter()
-            rollout.update_weights(counted(policy.export_weights(args.bucket_mib << 20), buckets), version)
-            seconds.append(time.perf_counter() - start)
+        seconds: dict[str, list[float]] = {name: [] for name in paths}
+        wire: dict[str, list[int]] = {name: [] for name in paths}
+        version = 0
+        for _ in range(args.syncs):
+            for name, sync in paths.items():
+                version += 1
+                sent, start = loopback_bytes(), time.perf_counter()
+                sync(version)
+                seconds[name].append(time.perf_counter() - start)
+                wire[name].append(loopback_bytes() - sent)
         memory.stop()
+        plain = plain_broadcast(model_bytes, bucket_bytes, args.engine_tp)
         result = {
             "model_mib": model_bytes / 2**20,
-            "tp": args.tp,
+            "policy_tp": args.tp,
+            "engine_tp": args.engine_tp,
             "bucket_mib": args.bucket_mib,
-            "buckets": len(buckets) // args.syncs,
             "seconds_per_sync": seconds,
-            "mib_per_s": model_bytes / 2**20 / min(seconds),
+            "loopback_mib_per_sync": {name: [b / 2**20 for b in values] for name, values in wire.items()},
+            "gloo_payload_mib": paths["gloo"].sent_bytes / 2**20,
+            "plain_gloo_broadcast_s": plain,
             "peak_growth_mib": (memory.peak_bytes - baseline) / 2**20,
         }
         print(json.dumps(result, indent=2))

@@ -100,7 +100,7 @@ def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(local_ray, tiny_mo
     assert gap.abs().max().item() < 1e-4
     # the collective path (DP rank 1 exports nothing and only runs its export); its groups stay open
     # for the listener check below: their rendezvous and gloo sockets are on loopback too
-    sync = CollectiveSync(policy2, rollout, bucket_bytes=1 << 14, workers_per_engine=1)
+    sync = CollectiveSync(policy2, rollout, bucket_bytes=1 << 14)
     sync(version=2)
     assert sync.sent_bytes > 0 and rollout.workers.call_all("weight_version") == [2]
     # a checkpoint's digests, computed by the two ranks, each over its share: those of this process
@@ -148,7 +148,7 @@ def test_a_tp2_engine_takes_the_streamed_weights(local_ray, tiny_model_dir, tiny
     # the collective path: policy rank 0 broadcasts to both engine workers, nothing through the driver
     policy.update(batch, LossSettings(), prompts_per_mini_batch=2, ppo_epochs=1)
     assert gap() > 1e-3
-    sync = CollectiveSync(policy, rollout, bucket_bytes=1 << 14, workers_per_engine=2)
+    sync = CollectiveSync(policy, rollout, bucket_bytes=1 << 14)
     sync(version=2)
     assert gap() < 1e-4 and rollout.workers.call_all("weight_version") == [2]
     model_bytes = sum(t.numel() * t.element_size() for ref in policy.export_weights(1 << 30) for _, t in ray.get(ref))

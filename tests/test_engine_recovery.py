@@ -53,7 +53,7 @@ def groups(local_ray, tiny_model_dir):
         timeout_key="rollout.timeout_s",
         start_timeout_s=300,
     )
-    rollout = RolloutGroup(engines, max_restarts=12)
+    rollout = RolloutGroup(engines, max_restarts=11)
     rollout.set_weight_source(lambda: (policy.export_weights(1 << 16), 1))
     yield policy, rollout
     rollout.workers.shutdown()
@@ -213,26 +213,26 @@ def test_a_stream_goes_on_whenever_and_however_an_engine_fails(groups, stream, t
 
 
 def test_a_broken_collective_sync_replaces_its_engines_for_one_restart(groups, tiny_tokenizer):
-    """Over gloo an engine that dies (SIGKILL) or hangs (SIGSTOP) breaks the broadcast for all:
-    every engine that was receiving holds half-reloaded weights and is replaced, for one restart;
-    the replacements warm up through the object store, and the next sync builds new groups."""
+    """Over gloo an engine that dies (SIGKILL) breaks the broadcast for all: every engine that was
+    receiving holds half-reloaded weights and is replaced, for one restart; the replacements warm
+    up through the object store, and the next sync builds new groups with them."""
     from nemo_dapo.cluster.weight_sync import CollectiveSync
 
     policy, rollout = groups
     ids = prompt_ids(tiny_tokenizer)
     current = rollout.generate(ids, GREEDY)
-    sync = CollectiveSync(policy, rollout, bucket_bytes=1 << 16, workers_per_engine=1)
-    for restarts, sig in ((10, signal.SIGKILL), (11, signal.SIGSTOP)):
-        sync(version=1)  # builds the groups (again: the engines changed)
-        assert rollout.restarts == restarts and sync.sent_bytes > 0
-        assert_same(rollout.generate(ids, GREEDY), current)
-        pids = [engine_pid(rollout, 0), engine_pid(rollout, 1)]
-        os.kill(pids[1], sig)
-        sync(version=1)
-        assert rollout.restarts == restarts + 1 and engine_pid(rollout, 1) != pids[1]
-        if sig == signal.SIGKILL:  # (a stopped engine's socket buffers may take a tiny model whole)
-            assert sync.sent_bytes == 0 and engine_pid(rollout, 0) != pids[0]
-        assert_same(rollout.generate(ids, GREEDY), current)
+    sync = CollectiveSync(policy, rollout, bucket_bytes=1 << 16)
+    sync(version=1)  # builds the groups
+    assert rollout.restarts == 10 and sync.sent_bytes > 0
+    pids = [engine_pid(rollout, 0), engine_pid(rollout, 1)]
+    os.kill(pids[1], signal.SIGKILL)
+    sync(version=1)
+    assert rollout.restarts == 11 and sync.sent_bytes == 0
+    assert engine_pid(rollout, 0) != pids[0] and engine_pid(rollout, 1) != pids[1]
+    assert_same(rollout.generate(ids, GREEDY), current)
+    sync(version=1)  # new groups, with the replacements
+    assert rollout.restarts == 11 and sync.sent_bytes > 0
+    assert_same(rollout.generate(ids, GREEDY), current)
 
 
 def test_a_failure_past_the_restart_budget_stops_naming_the_engine(groups, tiny_tokenizer):
@@ -248,6 +248,6 @@ def test_a_failure_past_the_restart_budget_stops_naming_the_engine(groups, tiny_
     with pytest.raises(
         RemoteCallError,
         match=r"rollout\.generate: a worker died .* their logs: /\S+/logs .*Rollout engine 0 failed while "
-        r"generating, after 12 engine restart\(s\) in this run \(rollout\.max_restarts=12\)",
+        r"generating, after 11 engine restart\(s\) in this run \(rollout\.max_restarts=11\)",
     ):
         rollout.collect(request)

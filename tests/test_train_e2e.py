@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.train_runs import CLI, ENV, SMALL, expected_rounds, last_per_step, records, train, wait_for
 
@@ -150,7 +151,15 @@ def test_dapo_run_learns_and_writes_everything(workdir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(workdir / "hf20").encode("Answer: 42")
-    assert AutoModelForCausalLM.from_pretrained(workdir / "hf20").num_parameters() > 0
+    model = AutoModelForCausalLM.from_pretrained(workdir / "hf20", dtype=torch.float32)
+    assert model.num_parameters() > 0
+    # every step's weights went to the engine over gloo (the default), each tensor once: the
+    # model's fp32 bytes, tied embeddings under both names, each tensor aligned as on the wire
+    from nemo_dapo.transfer.wire import ALIGN
+
+    model_mib = sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in model.state_dict().values()) / 2**20
+    synced = [r["perf/weight_sync_mb"] for r in records(out / "metrics.jsonl") if "perf/weight_sync_mb" in r]
+    assert synced == [pytest.approx(model_mib)] * 40
 
 
 def assert_wandb_and_mlflow_have(out: Path, name: str, values: dict[int, float]) -> None:

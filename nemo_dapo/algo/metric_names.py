@@ -186,6 +186,12 @@ TIMING_PER_TOKEN_MS = metric(
 TOTAL_NUM_TOKENS = metric("perf/total_num_tokens", Reduce.MEAN, "prompt + response tokens of the step")
 TIME_PER_STEP = metric("perf/time_per_step", Reduce.MEAN, "seconds of the step")
 THROUGHPUT = metric("perf/throughput", Reduce.MEAN, "tokens per second per device (per process on CPU)")
+WEIGHT_SYNC_MB = metric(
+    "perf/weight_sync_mb",
+    Reduce.MEAN,
+    "MiB the exporting training ranks broadcast to the engines in the step's weight sync "
+    "(rollout.weight_transfer=gloo; each engine receives it once)",
+)
 RANK_INPUT_MB = metric(
     "perf/rank_input_mb/{call}",
     Reduce.MAX,

@@ -26,16 +26,15 @@ GLOO_DEFAULT_TIMEOUT_S = 1800.0  # gloo's own default, where the engines' calls 
 class ObjectStoreSync:
     def __init__(self, policy: PolicyGroup, rollout: RolloutGroup, bucket_bytes: int) -> None:
         self.policy, self.rollout, self.bucket_bytes = policy, rollout, bucket_bytes
-        self.sent_bytes = 0  # by the last sync, over all senders: not counted on this path
+        self.sent_bytes: int | None = None  # by the last sync, over all senders (not counted on this path)
 
     def __call__(self, version: int) -> None:
         self.rollout.update_weights(self.policy.export_weights(self.bucket_bytes), version)
 
 
 class CollectiveSync(ObjectStoreSync):
-    def __init__(self, policy: PolicyGroup, rollout: RolloutGroup, bucket_bytes: int, workers_per_engine: int) -> None:
+    def __init__(self, policy: PolicyGroup, rollout: RolloutGroup, bucket_bytes: int) -> None:
         super().__init__(policy, rollout, bucket_bytes)
-        self.workers_per_engine = workers_per_engine  # an engine's tensor-parallel ranks
         self._members: tuple | None = None  # the engines the groups were built with
 
     def __call__(self, version: int) -> None:
@@ -60,19 +59,22 @@ class CollectiveSync(ObjectStoreSync):
         return tuple(self.rollout.workers.restarts)
 
     def _connect(self) -> bool:
-        """Build the groups: each exporting rank serves a rendezvous, the engine workers join
-        every one (ranks after the sender's 0, engine after engine). False if an engine failed
-        to join: it was replaced (one restart for all that failed), the senders left."""
+        """Build the groups: each exporting rank serves a rendezvous, each engine's first worker
+        joins every one (engine e at rank e + 1). False if an engine failed to join: it was
+        replaced (one restart for all that failed), the senders left."""
         self._disconnect()
         engines = self.rollout.workers
+        built = engines.call_all("weight_transfer_backend")
+        if any(backend != "gloo" for backend in built):  # they would never join: the senders would wait
+            raise RuntimeError(f"rollout.weight_transfer=gloo, but the engines were built for {built}")
         rendezvous = [url for url in self.policy.workers.call_all("open_weight_transfer") if url]
-        world_size = 1 + engines.world_size * self.workers_per_engine
+        world_size = 1 + engines.world_size
         timeout_s = engines.call_deadline.seconds or GLOO_DEFAULT_TIMEOUT_S
         joining = [
             worker.init_weight_transfer.remote(
                 {
                     "rendezvous": rendezvous,
-                    "rank_offset": 1 + rank * self.workers_per_engine,
+                    "rank_offset": 1 + rank,
                     "world_size": world_size,
                     "timeout_s": timeout_s,
                 }
@@ -100,10 +102,6 @@ class CollectiveSync(ObjectStoreSync):
             self._members = None
 
 
-def weight_sync(
-    path: str, policy: PolicyGroup, rollout: RolloutGroup, bucket_bytes: int, workers_per_engine: int
-) -> ObjectStoreSync:
+def weight_sync(path: str, policy: PolicyGroup, rollout: RolloutGroup, bucket_bytes: int) -> ObjectStoreSync:
     """The sync ``rollout.weight_transfer`` names."""
-    if path == "gloo":
-        return CollectiveSync(policy, rollout, bucket_bytes, workers_per_engine)
-    return ObjectStoreSync(policy, rollout, bucket_bytes)
+    return (CollectiveSync if path == "gloo" else ObjectStoreSync)(policy, rollout, bucket_bytes)

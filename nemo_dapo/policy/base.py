@@ -143,6 +143,20 @@ class PolicyWorker(Protocol):
         """
         ...
 
+    def open_weight_transfer(self) -> str | None:
+        """An exporting rank's rendezvous address for the engines (None on the other ranks)."""
+        ...
+
+    def join_weight_transfer(self, world_size: int, timeout_s: float) -> str | None:
+        """Meet the engines there; an error's text, or None."""
+        ...
+
+    def send_weights(self, bucket_bytes: int) -> dict:
+        """Broadcast this rank's export to the engines (collective); ``sent_bytes`` and ``error``."""
+        ...
+
+    def close_weight_transfer(self) -> None: ...
+
     def save(self, path: str, asynchronous: bool = False) -> None:
         """Collective. ``asynchronous``: some files may still be written on return, until
         :meth:`finish_save` says the save is complete."""

@@ -84,6 +84,15 @@ class RolloutWorker(Protocol):
 
     def weight_version(self) -> int: ...
 
+    def weight_transfer_backend(self) -> str:
+        """The collective backend vLLM built in the engine's workers (``object_store``: none)."""
+
+    def init_weight_transfer(self, init_info: dict) -> None:
+        """Join the senders' transfer groups (docs/architecture.md, Weight sync)."""
+
+    def receive_collective(self, version: int) -> int:
+        """Take one round of weights over those groups; returns the engine's weight version."""
+
     def start_stream(self, max_inflight: int, kv_after_update: str) -> None:
         """Generate continuously from now on (``trainer.mode=stream``): groups run as they are
         added, up to ``max_inflight`` samples at once; weights load without draining them."""

@@ -128,7 +128,7 @@ class VLLMRolloutWorker:
         workers_per_node: int | None = None,
         return_routing: bool = False,
         enforce_eager: bool | None = None,
-        weight_transfer: str = "object_store",
+        weight_transfer: str = "gloo",
     ) -> None:
         """``enable_sleep_mode``: asked for when the engine shares its GPUs with training ranks;
         ``self.sleep_mode`` says whether this vLLM build honours it (see :meth:`sleep`).
@@ -136,7 +136,8 @@ class VLLMRolloutWorker:
         ``return_routing``: every sample carries the experts the engine routed its tokens to
         (MoE routing replay r3, docs/moe.md). ``enforce_eager``: see :func:`runs_eagerly`.
         ``weight_transfer``: ``gloo`` builds vLLM's weight-transfer engine of that backend in every
-        worker (docs/architecture.md, Weight sync); the object-store path works either way."""
+        worker (docs/architecture.md, Weight sync), ``object_store`` none; the object-store path
+        works either way."""
         configure_logging()  # before vLLM configures its loggers at import
         threads = use_cpu_threads(num_threads, workers_per_node or world_size, f"vLLM rollout worker {rank}")
         use_node_network()  # a TP > 1 engine's ranks connect on this node's address
@@ -152,6 +153,7 @@ class VLLMRolloutWorker:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # vLLM captures routing in this runner only
         self.routing = "native" if native else "capture" if return_routing else None
         self.rank = rank
+        self.weight_transfer = weight_transfer
         self._version = 0
         self._stream: EngineStream | None = None  # once start_stream was called
         self._on_cpu = current_platform.is_cpu()
@@ -334,6 +336,9 @@ class VLLMRolloutWorker:
         import ray
 
         return self.update_weights((ray.get(item[0]) for item in iter(queue.get, None)), version)
+
+    def weight_transfer_backend(self) -> str:
+        return self.weight_transfer
 
     def init_weight_transfer(self, init_info: dict) -> None:
         """Every worker joins the senders' groups (vLLM's ``init_weight_transfer_engine``); blocks

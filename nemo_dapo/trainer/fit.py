@@ -146,8 +146,7 @@ class DAPOTrainer:
         self.initial_val: dict[str, float] = {}
         self.total_steps = total_training_steps(cfg, len(train_data))
         self.rollout.set_weight_source(self._current_weights)  # for an engine replaced mid-run
-        r = cfg.rollout
-        self.weight_sync = weight_sync(r.weight_transfer, policy, rollout, WEIGHT_BUCKET_BYTES, r.tensor_parallel_size)
+        self.weight_sync = weight_sync(cfg.rollout.weight_transfer, policy, rollout, WEIGHT_BUCKET_BYTES)
 
     # ----------------------------------------------------------------- generation
     def _next_prompt_indices(self) -> list[int]:
@@ -254,6 +253,8 @@ class DAPOTrainer:
         metrics.update(timing_metrics(timer.seconds, response_tokens, total_tokens))
         metrics.update(throughput_metrics(total_tokens, time.perf_counter() - step_start, self._num_devices()))
         metrics[mn.ENGINE_RESTARTS.name] = float(self.rollout.restarts)
+        if self.weight_sync.sent_bytes is not None:
+            metrics[mn.WEIGHT_SYNC_MB.name] = self.weight_sync.sent_bytes / 2**20
 
     def _num_devices(self) -> int:
         return max(cluster_gpus(self.cfg), self.policy.world_size)

@@ -5,10 +5,12 @@ exports weights (one per pipeline stage). It runs the protocol vLLM's ``nccl`` b
 (init, start, update, finish on the workers; ``trainer_init`` and ``send_weights`` on the
 trainer) over gloo, so it works on CPUs and moves no tensor through a driver or an object store.
 
-Each sending rank meets all engine workers in a group of its own (its rank 0; workers at
-``rank_offset`` + their rank inside the engine), served by a TCPStore the sender binds to its
-own address (the fabric's where ``FABRIC_IFNAME`` names one). A worker receives stage after
-stage: everything the first stage's sender has, then the next.
+Each sending rank meets the engines in a group of its own (its rank 0; engine e's first worker
+at ``rank_offset`` = e + 1), served by a TCPStore the sender binds to its own address (the
+fabric's where ``FABRIC_IFNAME`` names one). An engine's first worker passes every broadcast on
+to its other workers over the engine's own group (its TP ranks: one node, shared memory or
+NVLink), so the model crosses the network once per engine, not once per worker. A worker
+receives stage after stage: everything the first stage's sender has, then the next.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def gloo_group(rendezvous: str, rank: int, world_size: int, timeout_s: float) ->
 
 @dataclass
 class GlooInitInfo(WeightTransferInitInfo):
-    """What every engine worker needs to join: one rendezvous per sending rank, in stage order."""
+    """What an engine's workers need to join: one rendezvous per sending rank, in stage order;
+    ``rank_offset`` is the engine's rank in each group."""
 
     rendezvous: list[str]
     rank_offset: int
@@ -72,21 +75,36 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.groups: list[dist.ProcessGroupGloo] = []
+        self.groups: list[dist.ProcessGroupGloo] = []  # the first worker's, one per sender
+        self.senders = 0
+        self.engine_group: dist.ProcessGroup | None = None  # the engine's workers, when more than one
         self.received_bytes = 0
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        rank = init_info.rank_offset + self.parallel_config.rank
-        self.groups = [gloo_group(url, rank, init_info.world_size, init_info.timeout_s) for url in init_info.rendezvous]
+        from vllm.distributed.parallel_state import get_world_group
+
+        world = get_world_group()
+        self.engine_group = world.device_group if world.world_size > 1 else None
+        self.senders = len(init_info.rendezvous)
+        if world.rank_in_group == 0:
+            self.groups = [
+                gloo_group(url, init_info.rank_offset, init_info.world_size, init_info.timeout_s)
+                for url in init_info.rendezvous
+            ]
 
     def start_weight_update(self) -> None:
         start_reload(self.model)
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        if not self.groups:
+        if not self.senders:
             raise RuntimeError("gloo weight transfer: init_weight_transfer_engine was not called")
-        for group in self.groups:
-            for bucket in receive_buckets(group):
+        for stage in range(self.senders):
+            if self.groups:  # the engine's first worker: from the sender, passed on to the others
+                buckets = receive_buckets(self.groups[stage], relay=self.engine_group)
+            else:
+                assert self.engine_group is not None
+                buckets = receive_buckets(self.engine_group)
+            for bucket in buckets:
                 self.model.load_weights(bucket)
                 self.received_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
 
@@ -97,7 +115,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         finish_reload(self.model, self.model_config)
 
     def shutdown(self) -> None:
-        self.groups = []  # dropping a group closes its connections; a peer blocked on it fails at once
+        self.groups, self.senders = [], 0  # dropping a group closes its connections: a peer blocked on it fails
 
 
 @dataclass

@@ -25,7 +25,7 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = 0
     group.broadcast([tensor], options).wait()
@@ -42,30 +42,35 @@ def send_bucket(group: dist.ProcessGroup, bucket: Bucket) -> int:
         raw = tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
         payload[offset : offset + raw.numel()] = raw
         offset += size
-    _broadcast(group, torch.tensor([encoded.numel(), payload.numel()], dtype=torch.int64))
-    _broadcast(group, encoded)
-    _broadcast(group, payload)
+    broadcast(group, torch.tensor([encoded.numel(), payload.numel()], dtype=torch.int64))
+    broadcast(group, encoded)
+    broadcast(group, payload)
     return payload.numel()
 
 
 def send_end(group: dist.ProcessGroup) -> None:
     """Tell the receivers this sender has no more buckets this round."""
-    _broadcast(group, torch.zeros(2, dtype=torch.int64))
+    broadcast(group, torch.zeros(2, dtype=torch.int64))
 
 
-def receive_buckets(group: dist.ProcessGroup) -> Iterator[Bucket]:
+def receive_buckets(group: dist.ProcessGroup, relay: dist.ProcessGroup | None = None) -> Iterator[Bucket]:
     """The buckets rank 0 of ``group`` sends, until its end mark. Each bucket's tensors are views
-    of one received buffer (the model's ``load_weights`` copies them into its parameters)."""
+    of one received buffer (the model's ``load_weights`` copies them into its parameters).
+    ``relay``: a group this process is rank 0 of, which gets every broadcast on (an engine's first
+    worker passing the buckets to its other workers, whose source ``group`` that is)."""
+
+    def take(tensor: torch.Tensor) -> torch.Tensor:
+        broadcast(group, tensor)
+        if relay is not None:
+            broadcast(relay, tensor)
+        return tensor
+
     while True:
-        sizes = torch.empty(2, dtype=torch.int64)
-        _broadcast(group, sizes)
-        header_bytes, payload_bytes = (int(s) for s in sizes)
+        header_bytes, payload_bytes = (int(s) for s in take(torch.empty(2, dtype=torch.int64)))
         if header_bytes == 0:
             return
-        encoded = torch.empty(header_bytes, dtype=torch.uint8)
-        _broadcast(group, encoded)
-        payload = torch.empty(payload_bytes, dtype=torch.uint8)
-        _broadcast(group, payload)
+        encoded = take(torch.empty(header_bytes, dtype=torch.uint8))
+        payload = take(torch.empty(payload_bytes, dtype=torch.uint8))
         yield list(_unpack(json.loads(bytes(encoded.numpy())), payload))
 
 
