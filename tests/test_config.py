@@ -212,3 +212,16 @@ def test_a_sample_budget_counts_streamed_samples():
     cfg = load_config("tiny_cpu", ["trainer.mode=stream", "trainer.total_generated_samples=1000"])
     assert cfg.trainer.total_generated_samples == 1000 and cfg.rollout.kv_after_update == "recompute"
     assert cfg.algorithm.filter_groups.carry_over is None  # the stream's own way: kept
+
+
+def test_engines_follow_the_allocation_when_colocated_on_gpus():
+    """rollout.num_workers=null (the GPU cluster presets): the job's GPUs over the engines' TP, so a
+    two-node bring-up needs only what the batch script passes from the allocation."""
+    assert load_config("dapo_qwen2.5_32b").rollout.num_workers == 32
+    two_nodes = ["trainer.nnodes=2", "actor.num_workers=16"]
+    assert load_config("dapo_qwen2.5_32b", two_nodes).rollout.num_workers == 4
+    assert load_config("dapo_qwen2.5_32b", [*two_nodes, "rollout.tensor_parallel_size=8"]).rollout.num_workers == 2
+    with pytest.raises(ConfigError, match=r"rollout\.num_workers=2: colocated, the engines must cover all 16 GPUs"):
+        load_config("dapo_qwen2.5_32b", [*two_nodes, "rollout.num_workers=2"])  # given, it is taken as given
+    with pytest.raises(ConfigError, match=r"rollout\.num_workers=None: null is derived only for a GPU job"):
+        load_config("tiny_cpu", ["rollout.num_workers=null"])

@@ -210,6 +210,8 @@ def test_dapo_spans_two_nodes_and_learns_like_one(cluster, tmp_path):
         job.wait_for("completion", lambda: job.field("JobState") == "COMPLETED", timeout=600)
     finally:
         job.run("scancel", job.id)
+    # the test cluster's KillWait (10 s) is shorter than the default TERM_TIMEOUT: the job says so
+    assert "TERM_TIMEOUT=60 s is not shorter than Slurm's KillWait (10 s)" in job.log()
     out = cluster.work / "dp2" / "ckpt"
     # each node's Ray session logs, copied off its /tmp when its Ray stopped
     kept = cluster.work / "dp2" / "logs" / job.id / "nodes"

@@ -231,3 +231,24 @@ def test_numbers_match_a_hand_calculation(tmp_path):
     assert g.kv_bytes_per_token == 32 and g.weights * GIB == pytest.approx(1352 * 2 / 2)
     assert g.kv_tokens == int((0.8 * GIB - 1352) // 32)
     assert g.full_sequences == g.kv_tokens // 16
+
+
+def test_the_start_up_check_refuses_gpus_other_than_the_plan_assumes():
+    """trainer.gpu_model against the head node's GPUs (facts as nvidia-smi gives them): the H800
+    preset on H20 nodes, on a MIG slice, or with no GPU is refused naming what was found and the
+    fix; the right GPUs, a CPU job and gpu_model=null pass."""
+    from nemo_dapo.config import load_config
+    from nemo_dapo.config.model_checks import gpu_problems
+
+    h800 = load_config("dapo_qwen2.5_32b")
+    assert h800.trainer.gpu_model == "H800" and load_config("dapo_early_qwen2.5_32b").trainer.gpu_model == "H20"
+    assert gpu_problems(h800, [("NVIDIA H800", 81559)] * 8) == []
+    (wrong,) = gpu_problems(h800, [("NVIDIA H20", 97871)] * 8)
+    assert "GPUs are NVIDIA H20 (97871 MiB): set trainer.gpu_model=H20 after `nemo-dapo plan --gpu H20`" in wrong
+    (sliced,) = gpu_problems(h800, [("NVIDIA H800", 40192)])
+    assert "reports 40192 MiB, the plan assumes 81559 (a MIG slice" in sliced
+    assert "nvidia-smi is missing" in gpu_problems(h800, None)[0]
+    (unknown,) = gpu_problems(h800, [("NVIDIA A100-SXM4-80GB", 81920)])
+    assert "GPUs are NVIDIA A100-SXM4-80GB (81920 MiB): check the nodes" in unknown
+    assert gpu_problems(load_config("dapo_qwen2.5_32b", ["trainer.gpu_model=null"]), [("NVIDIA H20", 97871)]) == []
+    assert gpu_problems(load_config("tiny_cpu", ["trainer.gpu_model=H800"]), None) == []  # CPU mode

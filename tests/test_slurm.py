@@ -36,6 +36,29 @@ def test_script_parses_and_passes_shellcheck(script):
     assert checked.returncode == 0, checked.stdout
 
 
+def test_a_job_on_several_nodes_names_the_site_paths_it_lacks_before_writing_anything(tmp_path):
+    """CKPT_DIR, DATA_DIR, HF_MODEL and CONTAINER (or CONTAINER=none) must be set on more than one
+    node, and CKPT_DIR not inside the checkout: exit 2 (never requeued) naming them, nothing made."""
+    site = ("CKPT_DIR", "DATA_DIR", "HF_MODEL", "CONTAINER", "LOG_DIR")
+    env = {k: v for k, v in os.environ.items() if k not in site} | {"SLURM_JOB_NUM_NODES": "2", "REPO_DIR": str(REPO)}
+
+    def submitted(**given: str) -> subprocess.CompletedProcess:
+        script = REPO / "slurm" / "dapo_32b.sbatch"
+        return subprocess.run(["bash", str(script)], env=env | given, capture_output=True, text=True, timeout=60)
+
+    done = submitted(DATA_DIR=str(tmp_path / "data"))
+    assert done.returncode == 2 and "needs CKPT_DIR HF_MODEL CONTAINER set" in done.stderr, done.stderr
+    inside = REPO / "outputs" / "site-paths-test"
+    done = submitted(CKPT_DIR=str(inside), DATA_DIR="/d", HF_MODEL="/m", CONTAINER="none")
+    assert done.returncode == 2 and "is inside the checkout" in done.stderr, done.stderr
+    assert not inside.exists() and not (tmp_path / "data").exists()
+    # the tiny CPU wrapper names its own: only CKPT_DIR is the submitter's to give
+    done = subprocess.run(
+        ["bash", str(REPO / "slurm" / "dapo_tiny_cpu.sbatch")], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and "needs CKPT_DIR set" in done.stderr, done.stderr
+
+
 def test_the_test_cluster_refuses_a_state_folder_someone_else_could_have_made(tmp_path):
     """setup_netns_slurm.sh trusts the munge key and slurm.conf in its state folder: one not
     root's with mode 0700 (here: mode 0755, then another user's, then a link) is refused before

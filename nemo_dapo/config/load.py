@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from nemo_dapo.config.schema import Config
+from nemo_dapo.config.topology import cluster_gpus
 from nemo_dapo.config.validate import ConfigError, validate
 
 DEFAULT_PRESET = "tiny_cpu"
@@ -80,7 +81,17 @@ EAGER_MAX_SEQUENCE = 512
 
 def resolve_auto(cfg: Config) -> Config:
     """The settings whose ``auto`` depends on the machine or the run, made concrete."""
-    return resolve_auto_prompt_sharing(resolve_auto_attention(resolve_auto_dtype(cfg)))
+    return resolve_auto_engines(resolve_auto_prompt_sharing(resolve_auto_attention(resolve_auto_dtype(cfg))))
+
+
+def resolve_auto_engines(cfg: Config) -> Config:
+    """``rollout.num_workers=null``: on GPUs, the job's GPUs (trainer.nnodes x
+    trainer.n_gpus_per_node, which the batch scripts set from the allocation) over
+    ``rollout.tensor_parallel_size``, what colocation needs; anywhere else left for validation to refuse."""
+    gpus, tp = cluster_gpus(cfg), cfg.rollout.tensor_parallel_size
+    if cfg.rollout.num_workers is not None or gpus == 0 or gpus % tp:
+        return cfg
+    return replace(cfg, rollout=replace(cfg.rollout, num_workers=gpus // tp))
 
 
 def resolve_auto_attention(cfg: Config) -> Config:

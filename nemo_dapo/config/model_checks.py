@@ -6,7 +6,7 @@ fit this machine's memory. Run by ``nemo-dapo train`` before any worker is place
 from __future__ import annotations
 
 from nemo_dapo.config.architecture import Architecture, resolve_architecture
-from nemo_dapo.config.capacity import DTYPE_BYTES, Layout, layout_of, training_memory
+from nemo_dapo.config.capacity import DTYPE_BYTES, GPU_MEMORY_MIB, Layout, layout_of, training_memory
 from nemo_dapo.config.schema import Config
 
 
@@ -130,3 +130,40 @@ def eager_attention_bytes(cfg: Config, arch: Architecture) -> float:
 
 
 HOST_MEMORY_FRACTION = 0.85  # the rest: driver, Ray, the reward pool, the page cache
+
+
+def gpu_problems(cfg: Config, gpus: list[tuple[str, int]] | None) -> list[str]:
+    """The GPUs of the head node (name, MiB; None: no nvidia-smi) against ``trainer.gpu_model``,
+    whose memory the config's figures assume: a job of an H20 preset on H800 nodes, or the reverse,
+    or on a partitioned (MIG) GPU, is refused before Ray starts instead of failing late."""
+    model = cfg.trainer.gpu_model
+    if cfg.trainer.n_gpus_per_node == 0 or model is None:
+        return []
+    skip = "(trainer.gpu_model=null skips this check)"
+    if not gpus:
+        found = "nvidia-smi is missing" if gpus is None else "nvidia-smi lists no GPU"
+        return [f"trainer.gpu_model={model}: {found} on the head node, so its GPUs cannot be checked {skip}"]
+    problems = []
+    for name, mib in sorted(set(gpus)):
+        other = next((m for m in GPU_MEMORY_MIB if m in name.split()), None)
+        if other != model:
+            fix = f"set trainer.gpu_model={other} after `nemo-dapo plan --gpu {other}`" if other else "check the nodes"
+            problems.append(f"trainer.gpu_model={model}: the head node's GPUs are {name} ({mib} MiB): {fix} {skip}")
+        elif mib < GPU_MEMORY_MIB[model]:
+            problems.append(
+                f"trainer.gpu_model={model}: the head node's {name} reports {mib} MiB, the plan assumes "
+                f"{GPU_MEMORY_MIB[model]} (a MIG slice or a limit?): give the job whole GPUs {skip}"
+            )
+    return problems
+
+
+def head_node_gpus() -> list[tuple[str, int]] | None:
+    """(name, memory MiB) of each GPU nvidia-smi lists here, without making a CUDA context."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    query = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"]
+    lines = subprocess.run(query, capture_output=True, text=True, timeout=60).stdout.splitlines()
+    return [(name.strip(), int(mib)) for name, mib in (line.rsplit(",", 1) for line in lines if "," in line)]

@@ -436,7 +436,13 @@ class ValSamplingConfig:
 
 @dataclass
 class RolloutConfig:
-    num_workers: int = setting(1, bounds=">= 1", help="vLLM engines.")
+    num_workers: Optional[int] = setting(
+        1,
+        bounds=">= 1",
+        help="vLLM engines. null: on GPUs, the job's GPUs over tensor_parallel_size, what colocation "
+        "needs (the batch scripts set trainer.nnodes and n_gpus_per_node from the allocation, so a "
+        "smaller bring-up needs no override); on CPUs it must be given.",
+    )
     tensor_parallel_size: int = setting(1, help="GPUs per engine.")
     gpu_memory_utilization: float = setting(
         0.8, help="Fraction of each GPU an engine may take for weights and KV cache."
@@ -612,6 +618,13 @@ class TrainerConfig:
     )
     nnodes: int = setting(1, help="Nodes of the job.")
     n_gpus_per_node: int = setting(8, help="GPUs per node; 0: CPU mode (workers are plain processes).")
+    gpu_model: Optional[str] = setting(
+        None,
+        choices=("H800", "H100", "H20", "H200"),
+        help="The GPU the config's memory figures are for (`nemo-dapo plan --gpu`): at start-up the "
+        "head node's GPUs (nvidia-smi) must be that model, with the memory CUDA reports for it, "
+        "else the run is refused naming what it found. null: not checked.",
+    )
     colocate: bool = setting(
         False,
         help="GPU mode: training ranks and vLLM engines share every GPU and take turns "

@@ -65,7 +65,15 @@ def policy_groups(cfg: Config) -> int:
 
 def engine_gpus(cfg: Config) -> int:
     """GPUs the vLLM engines take: rollout.num_workers x rollout.tensor_parallel_size."""
-    return cfg.rollout.num_workers * cfg.rollout.tensor_parallel_size
+    return num_engines(cfg) * cfg.rollout.tensor_parallel_size
+
+
+def num_engines(cfg: Config) -> int:
+    """``rollout.num_workers``, which loading resolves (null: derived from the job's GPUs)."""
+    engines = cfg.rollout.num_workers
+    if engines is None:
+        raise ValueError("rollout.num_workers is resolved when the config loads (load_config)")
+    return engines
 
 
 def is_colocated(cfg: Config) -> bool:

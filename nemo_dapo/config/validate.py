@@ -455,6 +455,15 @@ def validate(cfg: Config, placement: bool = True) -> Config:
     next to the memory figures instead of refusing to load.
     """
     problems = _Problems()
+    if cfg.rollout.num_workers is None:  # everything after counts engines: nothing else is checked
+        problems.require(
+            False,
+            "rollout.num_workers",
+            None,
+            "null is derived only for a GPU job whose GPUs (trainer.nnodes x trainer.n_gpus_per_node) "
+            "divide by rollout.tensor_parallel_size: give the engine count",
+        )
+        raise_problems(problems)
     checks = [
         _check_choices,
         _check_bounds,

@@ -261,7 +261,7 @@ def render(plan: Plan) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides, placement=False)  # placement problems are listed below
-    gpu_gib = args.gpu_memory_gib or gpu_memory_gib(args.gpu)
+    gpu_gib = args.gpu_memory_gib or gpu_memory_gib(args.gpu or cfg.trainer.gpu_model or "H800")
     plan = make_plan(cfg, args.config, gpu_gib, args.reserve_gib, args.min_headroom_gib)
     print(json.dumps(plan.as_dict(), indent=1) if args.json else render(plan))
     for warning in plan.warnings:
@@ -283,8 +283,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--gpu",
         choices=sorted(GPU_MEMORY_MIB),
-        default="H800",
-        help="GPU model: its memory as CUDA reports it (H800 and H100: 79.65 GiB, H20: 95.58, H200: 140.40)",
+        help="GPU model: its memory as CUDA reports it (H800 and H100: 79.65 GiB, H20: 95.58, H200: 140.40); "
+        "default: the config's trainer.gpu_model, else H800",
     )
     parser.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU in GiB, for a model --gpu lacks")
     parser.add_argument(

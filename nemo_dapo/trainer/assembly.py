@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from nemo_dapo.cluster.allocator import allocator_env, keeps_freed_memory
 from nemo_dapo.config import Config
-from nemo_dapo.config.topology import is_colocated, needs_reference, policy_groups, total_optimizer_steps
+from nemo_dapo.config.topology import is_colocated, needs_reference, num_engines, policy_groups, total_optimizer_steps
 from nemo_dapo.config.validate import combination_notes, raise_problems, separate_groups_problems
 from nemo_dapo.model.builtin import resolve_builtin
 from nemo_dapo.policy.base import WorkerSettings
@@ -49,7 +49,7 @@ def workers_per_node(cfg: Config, num_workers: int, gpus_per_worker: int = 1) ->
     generate while the policy trains: 2 + 2 threads on 2 cores made a tiny async step 3-4x slower
     than a synchronous one)."""
     if cfg.trainer.n_gpus_per_node == 0:
-        overlapping = cfg.actor.num_workers + cfg.rollout.num_workers if cfg.trainer.mode != "sync" else 0
+        overlapping = cfg.actor.num_workers + num_engines(cfg) if cfg.trainer.mode != "sync" else 0
         return -(-max(num_workers, overlapping) // cfg.trainer.nnodes)
     return max(1, min(num_workers, cfg.trainer.n_gpus_per_node // gpus_per_worker))
 
@@ -128,16 +128,16 @@ def _rollout_workers(cfg: Config, shared: SharedGPUs | None) -> WorkerGroup:
         "enable_sleep_mode": shared is not None,
         "distributed_executor_backend": SharedGPUs.engine_executor(tp) if shared else None,
         "num_threads": cfg.trainer.cpu_threads_per_worker,
-        "workers_per_node": workers_per_node(cfg, cfg.rollout.num_workers, gpus_per_worker=tp),
+        "workers_per_node": workers_per_node(cfg, num_engines(cfg), gpus_per_worker=tp),
         "return_routing": cfg.actor.backend == "megatron" and cfg.actor.megatron.router_replay == "r3",
         "weight_transfer": cfg.rollout.weight_transfer,
     }
     gpus = tp if cfg.trainer.n_gpus_per_node > 0 else 0
-    slots = shared.engine_slots(cfg.rollout.num_workers, tp) if shared else None
+    slots = shared.engine_slots(num_engines(cfg), tp) if shared else None
     own_timeout = cfg.rollout.timeout_s is not None
     return WorkerGroup(
         VLLMRolloutWorker,
-        cfg.rollout.num_workers,
+        num_engines(cfg),
         name="rollout",
         num_gpus_per_worker=gpus,
         worker_kwargs=kwargs,
@@ -206,10 +206,16 @@ def launch_workers(cfg: Config, total_optimizer_steps: int) -> StartingWorkers:
     import psutil
 
     from nemo_dapo.cluster.placement import SharedGPUs
-    from nemo_dapo.config.model_checks import cpu_memory_problems, startup_shape_problems
+    from nemo_dapo.config.model_checks import cpu_memory_problems, gpu_problems, head_node_gpus, startup_shape_problems
 
     host_gib = psutil.virtual_memory().total / 2**30
-    raise_problems(separate_groups_problems(cfg) + startup_shape_problems(cfg) + cpu_memory_problems(cfg, host_gib))
+    gpus = head_node_gpus() if cfg.trainer.n_gpus_per_node and cfg.trainer.gpu_model else []
+    raise_problems(
+        separate_groups_problems(cfg)
+        + startup_shape_problems(cfg)
+        + cpu_memory_problems(cfg, host_gib)
+        + gpu_problems(cfg, gpus)
+    )
     shared = None
     if is_colocated(cfg):
         shared = SharedGPUs(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, groups=policy_groups(cfg) + 1)
@@ -291,7 +297,7 @@ def _run_claimed(cfg: Config) -> dict:
     cfg = resolve_paths(cfg)
     for note in combination_notes(cfg):
         log.info(note)
-    processes = cfg.actor.num_workers * policy_groups(cfg) + cfg.rollout.num_workers
+    processes = cfg.actor.num_workers * policy_groups(cfg) + num_engines(cfg)
     init_ray(num_cpus=max(os.cpu_count() or 1, processes))
     reward = None
     try:

@@ -36,6 +36,7 @@ from nemo_dapo.algo.batch import RolloutBatch, group_rows
 from nemo_dapo.algo.metrics import staleness_metrics, token_staleness_metrics
 from nemo_dapo.algo.sampling import DynamicSamplingExhausted, filter_metric, group_keep_mask
 from nemo_dapo.cluster.streaming import StreamingEngines
+from nemo_dapo.config.topology import num_engines
 from nemo_dapo.safe_load import load_state
 from nemo_dapo.trainer.batching import batch_from_items
 from nemo_dapo.trainer.checkpoint import TRAINER_STATE
@@ -66,7 +67,7 @@ class StreamDAPOTrainer(DAPOTrainer):
         cfg = self.cfg
         self.batch_groups, self.max_staleness = cfg.data.train_batch_size, cfg.trainer.max_staleness
         per_engine = cfg.rollout.max_inflight or max(
-            cfg.rollout.n, -(-(self.max_staleness + 1) * self.batch_groups * cfg.rollout.n // cfg.rollout.num_workers)
+            cfg.rollout.n, -(-(self.max_staleness + 1) * self.batch_groups * cfg.rollout.n // num_engines(cfg))
         )
         self.engines = StreamingEngines(self.rollout, self._sampling(), per_engine, cfg.rollout.kv_after_update)
         self.issued = 0  # sequence number of the next prompt sent (its group key is g<sequence>)
@@ -211,7 +212,7 @@ class StreamDAPOTrainer(DAPOTrainer):
             mn.ENGINE_BUSY.name: load.busy_fraction,
             mn.ENGINE_STARVED.name: load.starved_fraction,
             mn.TRAINER_IDLE.name: (timer.seconds.get("gen", 0.0)) / max(step_s, 1e-9),
-            mn.GEN_TOKENS_PER_S.name: load.tokens / max(load.wall_s / self.cfg.rollout.num_workers, 1e-9),
+            mn.GEN_TOKENS_PER_S.name: load.tokens / max(load.wall_s / num_engines(self.cfg), 1e-9),
             mn.FILTERED_IN_STREAM.name: float(self.filtered),
             mn.DROPPED_STALE.name: float(self.dropped_stale),
             mn.REISSUED_PROMPTS.name: float(self.reissued + self.engines.resent),
