@@ -12,8 +12,11 @@ apply_loopback_env()  # before any test imports ray / vllm / torch.distributed
 pytest_plugins = ["tests.lanes"]  # `make test` runs in two lanes
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def tiny_model_dir():
+    """Built (or found in the cache) before any test of the session: built instead inside the first
+    job that needs it, beside the other lane's load, it took minutes and held that lane's first
+    fixture waiting on its lock; alone it takes ~20 s."""
     from nemo_dapo.model.tiny import ensure_tiny_model
 
     return ensure_tiny_model()
