@@ -32,6 +32,7 @@ from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
 from nemo_dapo.cluster.worker_group import WorkerGroup
 from nemo_dapo.config.schema import MegatronConfig, OptimConfig
 from nemo_dapo.model.tiny import ensure_tiny_model
+from nemo_dapo.policy.base import WorkerSettings
 
 
 def build_model(hidden: int, layers: int, folder: Path) -> int:
@@ -134,10 +135,8 @@ def main() -> None:
                 args.tp,
                 name="policy",
                 worker_kwargs={
-                    "model_path": str(folder),
-                    "optim": OptimConfig(),
+                    "settings": WorkerSettings(str(folder), OptimConfig(), num_threads=1),
                     "layout": MegatronConfig(tensor_model_parallel_size=args.tp),
-                    "num_threads": 1,
                 },
             )
         )
