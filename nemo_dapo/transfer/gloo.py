@@ -78,7 +78,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.groups: list[dist.ProcessGroupGloo] = []  # the first worker's, one per sender
         self.senders = 0
         self.engine_group: dist.ProcessGroup | None = None  # the engine's workers, when more than one
-        self.received_bytes = 0
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         from vllm.distributed.parallel_state import get_world_group
@@ -106,7 +105,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 buckets = receive_buckets(self.engine_group)
             for bucket in buckets:
                 self.model.load_weights(bucket)
-                self.received_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))  # CPU tensors: nothing to synchronize
