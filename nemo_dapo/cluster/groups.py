@@ -238,6 +238,11 @@ class RolloutGroup:
             self._queues[rank] = self._new_queue()
         self._cold.add(rank)
 
+    def replace_failed(self, failed: list[tuple[int, RemoteCallError]], stage: str, one_failure: bool) -> None:
+        """Replace each ``(rank, error)``; ``one_failure``: they fell together, one restart for all."""
+        for index, (rank, error) in enumerate(failed):
+            self.replace(rank, error, stage, counted=index == 0 or not one_failure)
+
     def warm_up(self, rank: int) -> None:
         """A replaced engine gets the policy's current weights before it generates."""
         if self._current_weights is None:
@@ -276,12 +281,12 @@ class RolloutGroup:
     def settle_sync(self, ranks: list[int], outcomes: list, version: int, one_failure: bool = False) -> None:
         """After a sync: replace the engines that failed it, mark the others warm. ``one_failure``:
         the failed engines fell together (a collective sync), one restart for all of them."""
-        counted = True
+        failed = [(rank, o) for rank, o in zip(ranks, outcomes) if isinstance(o, RemoteCallError)]
+        self.replace_failed(failed, "during a weight sync", one_failure)
         for rank, outcome in zip(ranks, outcomes):
             if isinstance(outcome, RemoteCallError):
-                self.replace(rank, outcome, "during a weight sync", counted)
-                counted = not one_failure
-            elif outcome != version:
+                continue
+            if outcome != version:
                 raise RuntimeError(f"rollout engine {rank} reports weight version {outcome}, expected {version}")
             else:
                 self._cold.discard(rank)

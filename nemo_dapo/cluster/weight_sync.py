@@ -1,6 +1,6 @@
 """The driver's side of a weight sync: which path, and what a failure costs (docs/architecture.md, Weight sync).
 
-``gloo``: the exporting training ranks broadcast their buckets straight to every engine worker
+``gloo``: the exporting training ranks broadcast their buckets straight to each engine's first worker
 (:mod:`~nemo_dapo.transfer.gloo`, vLLM's weight-transfer API); the driver only makes the calls
 and moves no tensor. The groups are built at the first sync and again whenever the engines
 change (one was replaced). An engine that fails during a sync, or whose transfer broke because
@@ -88,8 +88,7 @@ class CollectiveSync(ObjectStoreSync):
             for rank, outcome in zip(ranks, engines.settle(joining, "init_weight_transfer", ranks))
             if isinstance(outcome, RemoteCallError)
         ]
-        for rank, outcome in failed:
-            self.rollout.replace(rank, outcome, "joining the weight transfer", counted=outcome is failed[0][1])
+        self.rollout.replace_failed(failed, "joining the weight transfer", one_failure=True)
         if errors or failed:
             self.policy.workers.call_all("close_weight_transfer")
             return False

@@ -485,7 +485,8 @@ class RolloutConfig:
         "gloo",
         choices=("gloo", "object_store"),
         help="How the weights reach the engines after each update. gloo: the training ranks that "
-        "export them (one per pipeline stage) broadcast straight to every engine worker through "
+        "export them (one per pipeline stage) broadcast straight to each engine (its first worker passes "
+        "them on to the others) through "
         "vLLM's weight-transfer API, nothing through the driver; object_store: buckets through "
         "Ray's object store, a queue per engine (docs/architecture.md, Weight sync).",
     )

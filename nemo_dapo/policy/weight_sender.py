@@ -1,6 +1,6 @@
 """The training ranks' side of the collective weight path (docs/architecture.md, Weight sync): each rank that
-exports weights (one per pipeline stage) serves a rendezvous, joins the engine workers in a gloo
-group as vLLM's trainer-side weight-transfer engine, and broadcasts its export bucket by bucket
+exports weights (one per pipeline stage) serves a rendezvous, joins each engine's first worker in a
+gloo group as vLLM's trainer-side weight-transfer engine, and broadcasts its export bucket by bucket
 as the export gathers it. The other ranks only take part in the export's gathers.
 
 The engine side's calls (init, start, update, finish) are the driver's to make
