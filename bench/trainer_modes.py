@@ -1,13 +1,13 @@
-"""The three trainers side by side on one preset: sync, async (one round ahead) and stream.
+"""The two trainers side by side on one preset: sync and stream.
 
     .venv/bin/python bench/trainer_modes.py [--config tiny_cpu] [--steps 30] [--seeds 1]
-        [--modes sync,async,stream] [key=value ...]
+        [--modes sync,stream] [key=value ...]
 
 Every mode trains the same number of samples (``--steps`` x ``train_batch_size`` x ``n``); the
 first 3 steps are dropped from the timings as warm-up. Per mode, over the seeds: seconds per step,
 ms per trained sample, trained response tokens per second of wall time, the engines' busy
-fraction (stream: the time they spent stepping; sync and async: not measured by the engines,
-given as generation's share of the step for sync), the stream's starved fraction (its engines
+fraction (stream: the time they spent stepping; sync: not measured by the engines, given as
+generation's share of the step), the stream's starved fraction (its engines
 held no sample) and its busy share of the time they had samples, the response length, and
 held-out accuracy at the end. Writes ``outputs/bench_trainer_modes/result.json``.
 """
@@ -53,7 +53,7 @@ def measure(config: str, mode: str, steps: int, seed: int, overrides: list[str],
         "step_s": step_s,
         "ms_per_trained_sample": 1000 * step_s / (cfg.data.train_batch_size * cfg.rollout.n),
         "trained_tokens_per_s": tokens / sum(r["perf/time_per_step"] for r in timed),
-        "engine_busy": statistics.mean(busy) if mode != "async" else None,
+        "engine_busy": statistics.mean(busy),
         "engine_starved": starved,
         "engine_busy_fed": statistics.mean(busy) / (1 - starved) if starved is not None and starved < 1 else None,
         "response_length": statistics.mean(r["response_length/mean"] for r in timed),
@@ -74,7 +74,7 @@ def mean(runs: list[dict], key: str) -> str:
 def main() -> None:
     parser = bench_parser(__doc__)
     parser.add_argument("--seeds", type=int, default=1)
-    parser.add_argument("--modes", default="sync,async,stream")
+    parser.add_argument("--modes", default="sync,stream")
     args = parser.parse_args()
     root = Path("outputs/bench_trainer_modes")
     modes = args.modes.split(",")

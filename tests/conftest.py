@@ -45,18 +45,6 @@ def qwen3_dir(tmp_path_factory):
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"), TinyQwen3Spec(num_experts=0))
 
 
-@pytest.fixture(scope="session")
-def sync_first_step(tmp_path_factory):
-    """One synchronous step, checkpointed: what the async and streaming trainers must reproduce
-    bit for bit at max_staleness=0 (run once for both)."""
-    from tests.train_runs import FIRST_STEP, train
-
-    out = tmp_path_factory.mktemp("sync_first_step") / "sync"
-    done = train(out, *FIRST_STEP)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out
-
-
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
     """Run a test inside its own folder so relative output paths land there."""

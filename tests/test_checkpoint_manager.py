@@ -230,7 +230,7 @@ def test_a_complete_run_is_known_from_its_summary_and_trainer_state_alone(tmp_pa
     import torch
 
     from nemo_dapo.config import load_config
-    from nemo_dapo.config.topology import prompts_per_round, updates_per_step
+    from nemo_dapo.config.topology import prompts_per_round
     from nemo_dapo.trainer.summary import completed_run
 
     def config(*overrides):
@@ -249,19 +249,21 @@ def test_a_complete_run_is_known_from_its_summary_and_trainer_state_alone(tmp_pa
     assert completed_run(config("trainer.total_training_steps=5"), never) is None
     assert completed_run(config("trainer.total_training_steps=5", "trainer.total_generated_samples=96"), never)
     epochs = config("trainer.total_training_steps=null", "trainer.total_epochs=1")
-    per_step = prompts_per_round(epochs) * updates_per_step(epochs)
+    per_step = prompts_per_round(epochs)
     assert completed_run(epochs, lambda: 4 * per_step) and not completed_run(epochs, lambda: 5 * per_step)
     (folder / "weights.bin").write_bytes(b"damaged")  # not read here
     assert completed_run(config("trainer.total_training_steps=4"), never)
     # a checkpoint of another trainer.mode is refused, finished or not (told by its contents when
-    # it predates the mode entry: the stream's untrained rows, the async data plane)
-    for mode, saved in (("stream", {"mode": "sync"}), ("sync", {"stream_untrained": []}), ("sync", {"data_plane": {}})):
+    # it predates the mode entry: the stream's untrained rows, the retired async trainer's data plane)
+    for mode, saved, refusal in (
+        ("stream", {"mode": "sync"}, r"written by a trainer\.mode=sync run, which this trainer\.mode=stream"),
+        ("sync", {"stream_untrained": []}, r"written by a trainer\.mode=stream run, which this trainer\.mode=sync"),
+        ("sync", {"data_plane": {}}, r"trainer\.mode=async run; that trainer was replaced by trainer\.mode=stream"),
+    ):
         torch.save({"global_step": 4, **saved}, folder / "trainer_state.pt")
         (folder / "manifest.json").unlink()
         write_manifest(folder)
-        with pytest.raises(
-            CheckpointError, match=rf"written by a trainer\.mode=\w+ run, which this trainer\.mode={mode}"
-        ):
+        with pytest.raises(CheckpointError, match=refusal):
             completed_run(config("trainer.total_training_steps=9", f"trainer.mode={mode}"), never)
     (folder / "trainer_state.pt").write_bytes((folder / "trainer_state.pt").read_bytes()[:-1] + b"!")
     assert completed_run(config("trainer.total_training_steps=4"), never) is None

@@ -30,13 +30,8 @@ TWO_GPUS = [
     "overrides,message",
     [
         (
-            ["trainer.mode=async"],
-            r"trainer\.mode='async': the async and stream trainers .* use trainer\.mode=sync, or "
-            r"trainer\.colocate=false",
-        ),
-        (
             ["trainer.mode=stream"],
-            r"trainer\.mode='stream': the async and stream trainers .* use trainer\.mode=sync, or "
+            r"trainer\.mode='stream': the stream trainer generates while it trains, .* use trainer\.mode=sync, or "
             r"trainer\.colocate=false",
         ),
         (
@@ -62,7 +57,7 @@ def test_impossible_colocated_layouts_fail_at_load(overrides, message):
 
 
 def test_colocate_means_nothing_on_cpu():
-    cfg = load_config("tiny_cpu", ["trainer.colocate=true", "trainer.mode=async", "rollout.num_workers=3"])
+    cfg = load_config("tiny_cpu", ["trainer.colocate=true", "trainer.mode=stream", "rollout.num_workers=3"])
     assert cfg.trainer.n_gpus_per_node == 0 and placement_problems(cfg) == []
 
 
@@ -75,7 +70,7 @@ def test_separate_groups_must_fit_the_job_side_by_side():
     ]
     fits = load_config(
         "dapo_qwen2.5_32b",
-        ["trainer.colocate=false", "trainer.mode=async", "actor.num_workers=64", "rollout.num_workers=16"],
+        ["trainer.colocate=false", "trainer.mode=stream", "actor.num_workers=64", "rollout.num_workers=16"],
     )
     assert placement_problems(fits) == []
 

@@ -145,28 +145,22 @@ def test_a_hub_name_as_model_path_is_refused_before_anything_runs(tmp_path, caps
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("sync_step", [1, 3])
-def test_the_async_schedule_spans_every_local_update(sync_step):
-    """An async trainer step is parameter_sync_step local updates: the learning-rate schedule spans
-    all of them (its last optimizer step at the schedule's end) and an epoch counts them all."""
-    from nemo_dapo.config.topology import total_optimizer_steps, total_training_steps
-    from nemo_dapo.policy.lr_schedule import lr_lambda
+def test_the_retired_async_trainer_is_refused_naming_stream(tmp_path, capsys):
+    """trainer.mode=async and a parameter_sync_step other than 1 fail at load naming trainer.mode=stream;
+    parameter_sync_step=1, which every config saved by an older run holds, is dropped."""
+    from nemo_dapo.cli import main
+    from nemo_dapo.config.load import from_yaml, to_yaml
 
-    overrides = ["trainer.mode=async", f"trainer.parameter_sync_step={sync_step}", "trainer.total_training_steps=null"]
-    overrides += [
-        "actor.optim.lr_schedule=cosine",
-        "actor.optim.min_lr_ratio=0.1",
-        "algorithm.filter_groups.enable=false",
-    ]
-    cfg = load_config("tiny_cpu", overrides)
-    dataset = 1800
-    steps = total_training_steps(cfg, dataset)
-    assert steps == dataset // (cfg.data.train_batch_size * sync_step)  # one epoch
-    mini_batches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
-    optimizer_steps = total_optimizer_steps(cfg, dataset)
-    assert optimizer_steps == steps * sync_step * mini_batches  # what the trainer takes
-    factor = lr_lambda(cfg.actor.optim, optimizer_steps)
-    assert factor(optimizer_steps - 1) == pytest.approx(0.1, abs=0.02) and factor(optimizer_steps // 2) > 0.3
+    with pytest.raises(ConfigError, match=r"trainer\.mode='async': .* set trainer\.mode=stream"):
+        load_config("tiny_cpu", ["trainer.mode=async"])
+    with pytest.raises(ConfigError, match=r"trainer\.parameter_sync_step=3: .*trainer\.mode=stream.* remove the key"):
+        load_config("tiny_cpu", ["trainer.parameter_sync_step=3"])
+    saved = to_yaml(load_config("tiny_cpu", ["trainer.max_staleness=2"]))
+    older = saved.replace("  max_staleness: 2", "  parameter_sync_step: 1\n  max_staleness: 2")
+    assert older != saved and from_yaml(older) == from_yaml(saved)
+    code = main(["train", "trainer.mode=async", f"trainer.output_dir={tmp_path / 'run'}"])
+    assert code == 2 and "set trainer.mode=stream" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_numbers_are_checked_against_the_bounds_their_fields_declare():
@@ -190,10 +184,6 @@ def test_numbers_are_checked_against_the_bounds_their_fields_declare():
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (
-            ["trainer.mode=async", "trainer.total_generated_samples=1000"],
-            r"trainer\.total_generated_samples=1000: is a stopping point of the sync and stream trainers only",
-        ),
         (
             ["trainer.mode=stream", "algorithm.filter_groups.carry_over=false"],
             r"algorithm\.filter_groups\.carry_over=False: the streaming trainer always keeps",

@@ -1,7 +1,7 @@
 """A rollout engine that dies (SIGKILL) or stops answering (SIGSTOP) while generating, or stops
 taking weights during a weight sync, is replaced on its slot, given the policy's current weights,
-and its prompts are generated again (the sync trainer), reissued through the data plane (the
-async trainer), or sent again to the replacement (the streaming trainer). An engine that fails
+and its prompts are generated again (the sync trainer) or sent again to the replacement (the
+streaming trainer). An engine that fails
 inside its live actor (an error in its step) counts as dead. A stream goes on whatever replaced
 an engine (a weight sync, validation, a failed warm-up), and replaces a hung one within its own
 deadline (derived from the engines' step times), not the group's. One failure past
@@ -53,7 +53,7 @@ def groups(local_ray, tiny_model_dir):
         timeout_key="rollout.timeout_s",
         start_timeout_s=300,
     )
-    rollout = RolloutGroup(engines, max_restarts=11)
+    rollout = RolloutGroup(engines, max_restarts=10)
     rollout.set_weight_source(lambda: (policy.export_weights(1 << 16), 1))
     yield policy, rollout
     rollout.workers.shutdown()
@@ -89,9 +89,6 @@ def assert_same(generations, reference) -> None:
 
 
 def test_replaced_engines_generate_with_the_current_weights(groups, tiny_tokenizer):
-    from nemo_dapo.trainer.data_plane import DataPlane
-    from nemo_dapo.trainer.prompt_queue import PromptQueue, PromptStatus
-
     policy, rollout = groups
     ids = prompt_ids(tiny_tokenizer)
     base = rollout.generate(ids, GREEDY)
@@ -117,22 +114,6 @@ def test_replaced_engines_generate_with_the_current_weights(groups, tiny_tokeniz
     rollout.update_weights(policy.export_weights(1 << 16), version=1)
     assert rollout.restarts == 3 and engine_pid(rollout, 0) != pid
     assert_same(rollout.generate(ids, GREEDY), current)
-
-    # async trainer: the dead engine's prompts go back to the data plane as pending, next attempt
-    queue = PromptQueue(DataPlane(), rollout)
-    items = [{"prompt_ids": p, "ground_truth": "0", "data_source": "arith", "index": i} for i, p in enumerate(ids)]
-    queue.issue(items, global_step=3)
-    pid = engine_pid(rollout, 1)  # asked before the round: a call to the actor queues behind generate
-    queue.launch(len(items), GREEDY, policy_version=1)
-    os.kill(pid, signal.SIGKILL)
-    assert queue.harvest(global_step=3) == 2  # engine 1 held prompts 2 and 3
-    assert queue.plane.kv_list("train", {"is_prompt": True, "status": PromptStatus.PENDING.value}).keys == ["q2", "q3"]
-    queue.launch(len(items), GREEDY, policy_version=1)
-    assert queue.harvest(global_step=3) == 0
-    finished = sorted(queue.take_finished(), key=lambda p: p.key)
-    assert [(p.key, p.attempt) for p in finished] == [("q0", 1), ("q1", 1), ("q2", 2), ("q3", 2)]
-    assert_same([p.generation for p in finished], current)
-    assert rollout.restarts == 4
 
 
 @pytest.fixture(scope="module")
@@ -165,14 +146,14 @@ def test_a_stream_goes_on_whenever_and_however_an_engine_fails(groups, stream, t
     taken: list = []
     while len(taken) < len(ids):
         taken += stream.take(1.0)
-    assert stream.resent == 2 and rollout.restarts == 5 and not stream.outstanding
+    assert stream.resent == 2 and rollout.restarts == 4 and not stream.outstanding
     assert_same([g.generation for g in sorted(taken, key=lambda g: g.key)], current)
 
     # engine 1 dies before a weight sync, which replaces it; its first replacement dies while it
     # warms up: the next call warms the one after and starts its stream once (a second start raises)
     os.kill(engine_pid(rollout, 1), signal.SIGKILL)
     rollout.update_weights(policy.export_weights(1 << 16), version=1)
-    assert rollout.restarts == 6
+    assert rollout.restarts == 5
     killed: list[int] = []
 
     def dies_while_warming_up():
@@ -183,17 +164,17 @@ def test_a_stream_goes_on_whenever_and_however_an_engine_fails(groups, stream, t
 
     rollout.set_weight_source(dies_while_warming_up)
     assert_same(stream_all(stream, ids, "w"), current)
-    assert killed and rollout.restarts == 7 and engine_pid(rollout, 1) != killed[0]
+    assert killed and rollout.restarts == 6 and engine_pid(rollout, 1) != killed[0]
     rollout.set_weight_source(lambda: (policy.export_weights(1 << 16), 1))
 
     # an engine that fails inside its live actor (an error in its step) is replaced as a dead one:
     # engine 1 while streaming; engine 0 in validation's generate, after which the stream goes on
     break_engine(rollout.workers.workers[1])
     assert_same(stream_all(stream, ids, "f"), current)
-    assert rollout.restarts == 8
+    assert rollout.restarts == 7
     break_engine(rollout.workers.workers[0])
     assert_same(rollout.generate(ids, GREEDY), current)
-    assert rollout.restarts == 9 and stream.load().wall_s > 0
+    assert rollout.restarts == 8 and stream.load().wall_s > 0
     assert_same(stream_all(stream, ids, "v"), current)
 
     # an engine that hangs (SIGSTOP) while streaming is replaced within the stream's own deadline
@@ -207,7 +188,7 @@ def test_a_stream_goes_on_whenever_and_however_an_engine_fails(groups, stream, t
         os.kill(engine_pid(rollout, 1), signal.SIGSTOP)
         started = time.monotonic()
         assert_same(stream_all(stream, ids, "h"), current)
-        assert time.monotonic() - started < 60 and rollout.restarts == 10
+        assert time.monotonic() - started < 60 and rollout.restarts == 9
     finally:
         rollout.workers.call_deadline = group_deadline
 
@@ -223,15 +204,15 @@ def test_a_broken_collective_sync_replaces_its_engines_for_one_restart(groups, t
     current = rollout.generate(ids, GREEDY)
     sync = CollectiveSync(policy, rollout, bucket_bytes=1 << 16)
     sync(version=1)  # builds the groups
-    assert rollout.restarts == 10 and sync.sent_bytes > 0
+    assert rollout.restarts == 9 and sync.sent_bytes > 0
     pids = [engine_pid(rollout, 0), engine_pid(rollout, 1)]
     os.kill(pids[1], signal.SIGKILL)
     sync(version=1)
-    assert rollout.restarts == 11 and sync.sent_bytes == 0
+    assert rollout.restarts == 10 and sync.sent_bytes == 0
     assert engine_pid(rollout, 0) != pids[0] and engine_pid(rollout, 1) != pids[1]
     assert_same(rollout.generate(ids, GREEDY), current)
     sync(version=1)  # new groups, with the replacements
-    assert rollout.restarts == 11 and sync.sent_bytes > 0
+    assert rollout.restarts == 10 and sync.sent_bytes > 0
     assert_same(rollout.generate(ids, GREEDY), current)
 
 
@@ -248,6 +229,6 @@ def test_a_failure_past_the_restart_budget_stops_naming_the_engine(groups, tiny_
     with pytest.raises(
         RemoteCallError,
         match=r"rollout\.generate: a worker died .* their logs: /\S+/logs .*Rollout engine 0 failed while "
-        r"generating, after 11 engine restart\(s\) in this run \(rollout\.max_restarts=11\)",
+        r"generating, after 10 engine restart\(s\) in this run \(rollout\.max_restarts=10\)",
     ):
         rollout.collect(request)

@@ -23,13 +23,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.quiet]  # arrivals, and so what is l
 STREAM = ["trainer.mode=stream"]
 
 
-def test_max_staleness_zero_reproduces_the_sync_first_update(workdir, sync_first_step):
+def test_max_staleness_zero_reproduces_the_sync_first_update(workdir):
     """On-policy streaming admits one batch, trains it, syncs: the same samples (the engine's
     random draws do not depend on how requests arrive when they arrive together), the same
-    update to the last bit."""
-    stream = train(workdir / "stream", *STREAM, "trainer.max_staleness=0", *FIRST_STEP)
-    assert stream.returncode == 0, stream.stderr[-2000:]
-    assert assert_same_first_update(sync_first_step, workdir / "stream")["staleness/token_lag/max"] == 0
+    update to the last bit as one synchronous step."""
+    for name, mode in (("sync", []), ("stream", [*STREAM, "trainer.max_staleness=0"])):
+        done = train(workdir / name, *mode, *FIRST_STEP)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert assert_same_first_update(workdir / "sync", workdir / "stream")["staleness/token_lag/max"] == 0
 
 
 def latest_state(out):

@@ -22,9 +22,9 @@ def test_workers_per_node_follow_the_layout():
     cpu = load_config("tiny_cpu", [])
     assert workers_per_node(cpu, 2) == 2  # a CPU machine: the whole group shares it
     assert workers_per_node(cpu, 1) == 1
-    overlapped = load_config("tiny_cpu", ["trainer.mode=async"])  # engines generate while the policy trains
+    overlapped = load_config("tiny_cpu", ["trainer.mode=stream"])  # engines generate while the policy trains
     assert workers_per_node(overlapped, 1) == 2
-    assert workers_per_node(load_config("tiny_cpu", ["trainer.mode=async", "rollout.num_workers=2"]), 1) == 3
+    assert workers_per_node(load_config("tiny_cpu", ["trainer.mode=stream", "rollout.num_workers=2"]), 1) == 3
     spread = load_config("tiny_cpu", ["trainer.nnodes=2", "trainer.placement_strategy=SPREAD"])
     assert workers_per_node(spread, 2) == 1 and workers_per_node(spread, 3) == 2  # a node's share of the group
     gpu = load_config("tiny_cpu", ["trainer.n_gpus_per_node=8"])

@@ -19,8 +19,8 @@ SMALL = [  # runs that check the mechanics, not the learning: small batches, no 
     "actor.ppo_mini_batch_size=4",
     "data.val_files=[]",
 ]
-# one step, checkpointed, with the thread count every mode uses then (async and stream divide the
-# cores between engine and policy by default): the same arithmetic in every mode, so the same
+# one step, checkpointed, with the thread count both modes use then (stream divides the
+# cores between engine and policy by default): the same arithmetic in both modes, so the same
 # numbers to the last bit; without dynamic sampling a sync round is one batch, as a stream's
 FIRST_STEP = [
     "trainer.total_training_steps=1",

@@ -142,13 +142,13 @@ ROUTER_AGREEMENT = {
     "min": metric("moe/router_agreement/min", Reduce.MIN, "the same, its lowest MoE layer"),
 }
 
-# ---- asynchronous trainer
+# ---- off-policy samples (the streaming trainer)
 STALENESS_LAG = stats("staleness/lag", "policy versions a trained sample lags behind")
 DROPPED_STALE = metric("staleness/dropped_stale", Reduce.MAX, "stream: groups dropped as too stale (cumulative)")
 REISSUED_PROMPTS = metric(
     "recovery/reissued_prompts",
     Reduce.MAX,
-    "async and stream: prompts reissued after the last restore, a replaced engine or a stale drop",
+    "stream: prompts reissued after the last restore, a replaced engine or a stale drop",
 )
 
 # ---- streaming trainer (docs/architecture.md, "Streaming generation")

@@ -59,17 +59,39 @@ def load_config(
 
     ``placement=False``: see :func:`~nemo_dapo.config.validate.validate`.
     """
-    schema = OmegaConf.structured(Config)
     try:
-        layers = [schema]
-        if name_or_path:
-            layers.append(read_preset(name_or_path))
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
-        merged = OmegaConf.merge(*layers)
-        cfg = OmegaConf.to_object(merged)
+        layers = [read_preset(name_or_path)] if name_or_path else []
+        given = without_retired(OmegaConf.merge(*layers, OmegaConf.from_dotlist(list(overrides))))
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), given))
     except OmegaConfBaseException as err:
         raise ConfigError(f"config {name_or_path!r}: {err}") from None
     return validate(resolve_auto(cfg), placement)
+
+
+ASYNC_REPLACED = (
+    "the async trainer was replaced by trainer.mode=stream, which is faster per trained sample and "
+    "as accurate (docs/benchmarks.md, Three trainers side by side)"
+)
+
+
+def without_retired(given: DictConfig) -> DictConfig:
+    """Settings of the retired async trainer: ``trainer.mode=async`` refused with its replacement
+    named; ``trainer.parameter_sync_step`` dropped at its default 1 (every config saved with a run
+    or checkpoint holds it), refused otherwise."""
+    trainer = given.get("trainer") or {}
+    if trainer.get("mode") == "async":
+        raise ConfigError(
+            f"trainer.mode='async': {ASYNC_REPLACED}: set trainer.mode=stream (trainer.max_staleness keeps "
+            "its meaning: how many versions a sample may lag the policy that trains on it)"
+        )
+    if "parameter_sync_step" in trainer:
+        if trainer.parameter_sync_step != 1:
+            raise ConfigError(
+                f"trainer.parameter_sync_step={trainer.parameter_sync_step}: {ASYNC_REPLACED}, and it syncs the "
+                "weights after every step: remove the key (trainer.max_staleness bounds how far samples lag)"
+            )
+        del trainer["parameter_sync_step"]
+    return given
 
 
 # Longest prompt + response for which ``actor.attn_implementation=auto`` picks eager attention on
@@ -129,5 +151,5 @@ def to_yaml(cfg: Config) -> str:
 
 
 def from_yaml(text: str) -> Config:
-    merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text))
+    merged = OmegaConf.merge(OmegaConf.structured(Config), without_retired(OmegaConf.create(text)))
     return validate(resolve_auto(OmegaConf.to_object(merged)))

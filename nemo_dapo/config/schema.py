@@ -150,7 +150,7 @@ class FilterGroupsConfig:
     carry_over: Optional[bool] = setting(
         None,
         help="Keep the kept groups beyond train_batch_size for the next step instead of dropping them. "
-        "null: the mode's way: dropped in sync and async, kept in stream (which has no other).",
+        "null: the mode's way: dropped in sync, kept in stream (which has no other).",
     )
 
 
@@ -548,21 +548,16 @@ class CheckpointConfig:
 class TrainerConfig:
     mode: str = setting(
         "sync",
-        choices=("sync", "async", "stream"),
-        help="sync: generate, then train, then sync weights. async: the engines generate the next "
-        "round while the policy trains on this one (off-policy by up to max_staleness). stream: "
+        choices=("sync", "stream"),
+        help="sync: generate, then train, then sync weights. stream: "
         "the engines generate continuously, prompts enter as others finish, groups are scored and "
         "filtered as they arrive, weights load into the running engines (docs/architecture.md, "
         "Streaming generation).",
     )
-    parameter_sync_step: int = setting(1, bounds=">= 1", help="async: local updates between two weight syncs.")
     max_staleness: int = setting(
         1,
         bounds=">= 0",
-        help="async: 0 turns the overlap off (generation and training take turns, on-policy); "
-        ">= 1 lets the engines generate the next round while the policy trains, so a trajectory "
-        "lags by exactly one version (the async trainer runs one round ahead, never more). "
-        "stream: the bound at admission: a prompt enters "
+        help="stream: the bound at admission: a prompt enters "
         "only while fewer than (version + max_staleness + 1) x train_batch_size unfiltered groups "
         "were admitted, so a sample's first token lags the policy that trains on it by at most "
         "max_staleness versions (a group that still ends up older is dropped, counted, and its "

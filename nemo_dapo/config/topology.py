@@ -86,20 +86,14 @@ def prompts_per_round(cfg: Config) -> int:
     return cfg.data.effective_gen_batch_size if cfg.algorithm.filter_groups.enable else cfg.data.train_batch_size
 
 
-def updates_per_step(cfg: Config) -> int:
-    """Batches one trainer step trains on: the async trainer's ``parameter_sync_step`` local
-    updates between two weight syncs, else one."""
-    return cfg.trainer.parameter_sync_step if cfg.trainer.mode == "async" else 1
-
-
 def total_training_steps(cfg: Config, dataset_size: int) -> int:
     """trainer.total_training_steps, or total_epochs x steps per epoch (at least one step)."""
-    per_step = prompts_per_round(cfg) * updates_per_step(cfg)
+    per_step = prompts_per_round(cfg)
     return cfg.trainer.total_training_steps or cfg.trainer.total_epochs * max(dataset_size // per_step, 1)
 
 
 def total_optimizer_steps(cfg: Config, dataset_size: int) -> int:
     """Optimizer steps of the whole run (what a learning-rate schedule spans)."""
     mini_batches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
-    per_step = updates_per_step(cfg) * cfg.actor.ppo_epochs * mini_batches
+    per_step = cfg.actor.ppo_epochs * mini_batches
     return total_training_steps(cfg, dataset_size) * per_step

@@ -309,7 +309,7 @@ def _check_placement(cfg: Config, problems: _Problems) -> None:
         cfg.trainer.mode == "sync",
         "trainer.mode",
         cfg.trainer.mode,
-        "the async and stream trainers generate while they train, so they cannot share GPUs with the engines "
+        "the stream trainer generates while it trains, so it cannot share GPUs with the engines "
         "(trainer.colocate=true): use trainer.mode=sync, or trainer.colocate=false with "
         "actor.num_workers + rollout.num_workers x rollout.tensor_parallel_size <= the job's GPUs",
     )
@@ -407,12 +407,6 @@ def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
     )
     budget = trainer.total_generated_samples
     problems.require(budget is None or budget >= 1, "trainer.total_generated_samples", budget, "must be >= 1 or null")
-    problems.require(
-        budget is None or trainer.mode != "async",
-        "trainer.total_generated_samples",
-        budget,
-        "is a stopping point of the sync and stream trainers only: use trainer.mode=sync or stream, or leave it null",
-    )
     problems.require(
         trainer.mode != "stream" or cfg.algorithm.filter_groups.carry_over is not False,
         "algorithm.filter_groups.carry_over",

@@ -45,9 +45,9 @@ def resolve_paths(cfg: Config) -> Config:
 def workers_per_node(cfg: Config, num_workers: int, gpus_per_worker: int = 1) -> int:
     """Workers that compute at the same time on one node, among which a worker's share of the
     node's cores is divided: on GPU nodes, those of its group that one node holds; on CPU nodes,
-    the group's share of a node (all of it on one node), and in async and stream mode the engines too (they
-    generate while the policy trains: 2 + 2 threads on 2 cores made a tiny async step 3-4x slower
-    than a synchronous one)."""
+    the group's share of a node (all of it on one node), and in stream mode the engines too (they
+    generate while the policy trains: 2 + 2 threads on 2 cores made a tiny overlapped step 3-4x
+    slower than a synchronous one)."""
     if cfg.trainer.n_gpus_per_node == 0:
         overlapping = cfg.actor.num_workers + num_engines(cfg) if cfg.trainer.mode != "sync" else 0
         return -(-max(num_workers, overlapping) // cfg.trainer.nnodes)
@@ -313,15 +313,10 @@ def _run_claimed(cfg: Config) -> dict:
         workers = starting.ready()
         policy, ref, rollout = workers.policy, workers.ref, workers.rollout
         common = (cfg, policy, rollout, data.tokenizer, data.train, data.val, reward)
-        if cfg.trainer.mode == "async":
-            from nemo_dapo.trainer.async_fit import AsyncDAPOTrainer
-            from nemo_dapo.trainer.data_plane import DataPlane
-
-            trainer: DAPOTrainer = AsyncDAPOTrainer(*common, ref_policy=ref, plane=DataPlane())
-        elif cfg.trainer.mode == "stream":
+        if cfg.trainer.mode == "stream":
             from nemo_dapo.trainer.stream_fit import StreamDAPOTrainer
 
-            trainer = StreamDAPOTrainer(*common, ref_policy=ref)
+            trainer: DAPOTrainer = StreamDAPOTrainer(*common, ref_policy=ref)
         else:
             trainer = DAPOTrainer(*common, ref_policy=ref)
         summary = trainer.fit()

@@ -98,14 +98,10 @@ def batch_from_items(
     uid_prefix: str,
     pad_token_id: int,
     policy_version: int | Sequence[int],
-    extra: dict[str, list] | None = None,
 ) -> RolloutBatch:
     """Dataset items (``RLDataset`` rows: ``prompt_ids``, ``ground_truth``, ``data_source``,
     ``index``) and the engines' generations for them, as a RolloutBatch: the one way training,
-    the asynchronous trainer, validation and evaluation build their batches. ``extra``: more
-    prompt-level fields."""
+    validation and evaluation build their batches."""
     fields = {name: [item[key] for item in items] for name, key in ITEM_FIELDS.items()}
     prompts = [item["prompt_ids"] for item in items]
-    return build_rollout_batch(
-        prompts, generations, {**fields, **(extra or {})}, uid_prefix, pad_token_id, policy_version
-    )
+    return build_rollout_batch(prompts, generations, fields, uid_prefix, pad_token_id, policy_version)

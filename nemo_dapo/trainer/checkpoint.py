@@ -49,8 +49,15 @@ def saved_mode(state: dict) -> str:
 
 
 def refuse_mode_change(state: dict, mode: str, path: Path) -> None:
-    """Each trainer keeps what it holds in flight in its own form (the async data plane, the
-    stream's untrained rows, the sync carry-over): a checkpoint resumes in its own mode only."""
+    """Each trainer keeps what it holds in flight in its own form (the stream's untrained rows,
+    the sync carry-over): a checkpoint resumes in its own mode only. A checkpoint of the retired
+    async trainer (its data plane) resumes in none."""
+    if saved_mode(state) == "async":
+        raise CheckpointError(
+            f"{path}: written by a trainer.mode=async run; that trainer was replaced by trainer.mode=stream "
+            f"(docs/architecture.md), which cannot continue its data plane: start the run in another "
+            f"trainer.output_dir, or from its weights: `nemo-dapo export {path} OUT`, then model.path=OUT"
+        )
     if saved_mode(state) != mode:
         raise CheckpointError(
             f"{path}: written by a trainer.mode={saved_mode(state)} run, which this trainer.mode={mode} run "

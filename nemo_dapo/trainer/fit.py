@@ -85,12 +85,11 @@ class DAPOTrainer:
     reference group, on the driver: :meth:`fit` runs steps until the budget is spent, with
     validation, checkpoints, preemption and the learning-health warnings around them.
 
-    What a subclass may replace (the asynchronous trainer does): :meth:`train_step`, one step
-    from prompts to synced weights, returning its metrics; :meth:`_next_round`, one generation
-    round as a scored batch; :meth:`trainer_state` and :meth:`load_checkpoint`, the state a
-    checkpoint keeps beyond the workers'. What every trainer shares and no subclass replaces:
-    :meth:`train_on_batch` (old policy, reference, advantages, update), :meth:`sync_weights`,
-    :meth:`validate`, checkpoint writing and :meth:`fit` itself.
+    What a subclass may replace (the streaming trainer does): :meth:`train_step`, one step
+    from prompts to synced weights, returning its metrics; :meth:`trainer_state` and
+    :meth:`load_checkpoint`, the state a checkpoint keeps beyond the workers'. What every trainer
+    shares and no subclass replaces: :meth:`train_on_batch` (old policy, reference, advantages,
+    update), :meth:`sync_weights`, :meth:`validate`, checkpoint writing and :meth:`fit` itself.
     """
 
     def __init__(
@@ -165,7 +164,7 @@ class DAPOTrainer:
         )
 
     def _next_round(self, timer: StageTimer, round_index: int) -> RolloutBatch:
-        """One generation round, scored (the async trainer takes it from the data plane instead)."""
+        """One generation round, scored."""
         indices = self._next_prompt_indices()
         items = [self.train_data[i] for i in indices]
         with timer("gen"):
@@ -216,7 +215,7 @@ class DAPOTrainer:
         return metrics
 
     def train_on_batch(self, batch: RolloutBatch, timer: StageTimer) -> dict[str, float]:
-        """old_log_prob -> ref -> advantages -> update_actor: shared by the sync and async loops.
+        """old_log_prob -> ref -> advantages -> update_actor: shared by the sync and stream trainers.
         Which rows the old policy's own pass scores, and which the update's first forward does,
         is :class:`~nemo_dapo.trainer.old_policy.OldPolicyScores`'s to say."""
         metrics: dict[str, float] = {}
@@ -272,8 +271,6 @@ class DAPOTrainer:
         with open(self.output_dir / "prompts.jsonl", "a", encoding="utf-8") as handle:
             record = {"step": self.global_step + 1, "consumed": consumed, "trained": sorted(set(batch["prompt_index"]))}
             record |= extra or {}
-            if "prompt_key" in batch:  # async: which issued prompt, and which attempt of it, was trained
-                record["prompt_keys"] = sorted({f"{k}#{a}" for k, a in zip(batch["prompt_key"], batch["attempt"])})
             handle.write(json.dumps(record) + "\n")
 
     # ----------------------------------------------------------------- validation
