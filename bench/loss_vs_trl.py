@@ -64,7 +64,7 @@ def gradient(model) -> dict[str, torch.Tensor]:
 
 
 def our_gradient(cfg, worker, batch) -> tuple[dict, list[int]]:
-    from nemo_dapo.config import correction_settings
+    from nemo_dapo.algo.correction import correction_settings
     from nemo_dapo.policy.inputs import mini_batch_rows, mini_batches_per_rank, worker_inputs
     from nemo_dapo.trainer.fit import loss_settings
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from nemo_dapo.config import ConfigError, correction_settings, from_yaml, list_presets, load_config, to_yaml
+from nemo_dapo.algo.correction import correction_settings
+from nemo_dapo.config import ConfigError, from_yaml, list_presets, load_config, to_yaml
 from nemo_dapo.config.load import conf_dir
 
 

@@ -6,7 +6,8 @@ Megatron's side (gathered from the last pipeline stage): tests/test_megatron_wor
 
 import pytest
 
-from nemo_dapo.config import correction_settings, load_config
+from nemo_dapo.algo.correction import correction_settings
+from nemo_dapo.config import load_config
 from nemo_dapo.policy.base import LossSettings, WorkerSettings
 from nemo_dapo.policy.inputs import mini_batch_rows, mini_batches_per_rank, worker_inputs
 from nemo_dapo.trainer.old_policy import rows_scored_by_update

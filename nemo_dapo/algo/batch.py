@@ -19,6 +19,10 @@ LEFT_PADDED = frozenset({"prompts", "prompt_mask", "prompt_routing"})
 
 @dataclass
 class RolloutBatch:
+    """One step's samples, one row per sequence: ``tensors`` (ids, masks, log-probs, advantages,
+    first dimension the rows), ``fields`` (per-row Python values: uid, data source, ground truth)
+    and ``meta`` (batch-level). Indexing by name reads either; :meth:`add` puts a new field."""
+
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     fields: dict[str, list] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)

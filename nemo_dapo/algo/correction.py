@@ -14,6 +14,7 @@ import torch
 
 from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.loss import masked_mean, masked_sum
+from nemo_dapo.errors import ConfigError
 
 LOG_RATIO_CLAMP = 20.0
 IS_LEVELS = (None, "token", "sequence")
@@ -48,8 +49,23 @@ PRESETS: dict[str, CorrectionSettings] = {
 
 def preset(name: str, **overrides) -> CorrectionSettings:
     if name not in PRESETS:
-        raise ValueError(f"algorithm.rollout_correction.preset={name!r} is unknown; choose one of {sorted(PRESETS)}")
+        raise ConfigError(f"algorithm.rollout_correction.preset={name!r}: choose one of {sorted(PRESETS)}")
     return replace(PRESETS[name], **overrides)
+
+
+def correction_settings(section) -> CorrectionSettings:
+    """The effective settings of ``algorithm.rollout_correction`` (the config's section, or any
+    object with its fields): the preset's, then every field set (not null) on top; ``rollout_is:
+    none`` turns a preset's weights off."""
+    base = preset(section.preset) if section.preset else CorrectionSettings()
+    chosen = {
+        name: getattr(section, name)
+        for name in CorrectionSettings.__dataclass_fields__
+        if getattr(section, name) is not None
+    }
+    if chosen.get("rollout_is") == "none":
+        chosen["rollout_is"] = None
+    return replace(base, **chosen)
 
 
 def rollout_log_ratio(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

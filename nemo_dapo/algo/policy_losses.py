@@ -7,7 +7,7 @@ them. Sequence-level losses (GSPO, GMPO) put their row loss on each of the row's
 reduce with ``seq-mean-token-mean``: a row is never split between micro-batches or ranks (a
 context-parallel rank sees the whole row's log-probs), so the row loss is exact too.
 
-Built in (the README's "The algorithm core" lists them beside the other registries):
+Built in (docs/algorithm.md §1 gives their formulas):
 
 - ``dapo``: decoupled clip (clip-higher) with dual clip, the DAPO paper's loss (arXiv 2503.14476).
 - ``gspo`` / ``gspo_token``: sequence-level ratio from the length-normalised log-ratio (GSPO,

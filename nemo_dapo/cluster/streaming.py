@@ -33,6 +33,11 @@ class Outstanding:
 
 
 class StreamingEngines:
+    """The rollout group's engines as one stream for the streaming trainer: :meth:`add` sends
+    groups, :meth:`take` returns the finished ones from every engine, :meth:`load` says how busy
+    they were. It keeps which group each engine holds, so that an engine replaced anywhere (here,
+    in a weight sync, in validation) gets its stream restarted and its groups sent again."""
+
     def __init__(
         self,
         rollout: RolloutGroup,

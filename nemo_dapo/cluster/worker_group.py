@@ -42,6 +42,12 @@ def _without_worker(_worker: Any, function: Callable, *args: Any) -> Any:
 
 
 class WorkerGroup:
+    """``num_workers`` Ray actors of one worker class, addressed as one: calls go to every rank
+    (or one) and come back in rank order, each bounded by the group's deadline; a rank that dies
+    or hangs fails the call with a :class:`~nemo_dapo.errors.RemoteCallError` naming the group,
+    the call, the ranks and their logs. :class:`~nemo_dapo.cluster.groups.PolicyGroup` and
+    ``RolloutGroup`` wrap one each with the calls a trainer makes."""
+
     def __init__(
         self,
         worker_cls: type,

@@ -2,13 +2,12 @@
 
 from nemo_dapo.config.load import DEFAULT_PRESET, from_yaml, list_presets, load_config, to_yaml
 from nemo_dapo.config.schema import Config
-from nemo_dapo.config.validate import ConfigError, correction_settings, validate
+from nemo_dapo.config.validate import ConfigError, validate
 
 __all__ = [
     "Config",
     "ConfigError",
     "DEFAULT_PRESET",
-    "correction_settings",
     "from_yaml",
     "list_presets",
     "load_config",

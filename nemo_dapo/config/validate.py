@@ -6,12 +6,10 @@ at once so a user fixes a config in one go.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from nemo_dapo.algo.correction import PRESETS, CorrectionSettings, parse_rs_modes
+from nemo_dapo.algo.correction import correction_settings, parse_rs_modes
 from nemo_dapo.algo.policy_losses import policy_loss_problems
 from nemo_dapo.config.fields import settings as schema_settings
-from nemo_dapo.config.schema import Config, RolloutCorrectionConfig
+from nemo_dapo.config.schema import Config
 from nemo_dapo.config.topology import (
     cluster_gpus,
     engine_gpus,
@@ -52,19 +50,6 @@ def _check_bounds(cfg: Config, problems: _Problems) -> None:
     for setting in schema_settings().values():
         if setting.bounds is not None and not setting.in_bounds(value := setting.value_in(cfg)):
             problems.append(f"{setting.key}={value!r}: {setting.bounds_text()}")
-
-
-def correction_settings(cfg: RolloutCorrectionConfig) -> CorrectionSettings:
-    """Effective correction settings: the preset, then every field the user set."""
-    if cfg.preset is not None and cfg.preset not in PRESETS:
-        raise ConfigError(f"algorithm.rollout_correction.preset={cfg.preset!r}: choose one of {sorted(PRESETS)}")
-    base = PRESETS[cfg.preset] if cfg.preset else CorrectionSettings()
-    chosen = {
-        name: getattr(cfg, name) for name in CorrectionSettings.__dataclass_fields__ if getattr(cfg, name) is not None
-    }
-    if chosen.get("rollout_is") == "none":
-        chosen["rollout_is"] = None
-    return replace(base, **chosen)
 
 
 def _check_algorithm(cfg: Config, problems: _Problems) -> None:

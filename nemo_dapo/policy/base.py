@@ -114,7 +114,7 @@ class PolicyWorker(Protocol):
     """What the driver-side :class:`~nemo_dapo.cluster.groups.PolicyGroup` calls on every rank.
 
     Both backends (``torch_worker.TorchPolicyWorker``, ``megatron.worker.MegatronPolicyWorker``)
-    implement it; the type checker holds them to it (``tests/test_interfaces.py``).
+    implement it; the type checker holds them to it (``tests/interfaces_typecheck.py``).
     """
 
     def ready(self) -> bool: ...

@@ -136,6 +136,10 @@ def _check_contents(folder: Path, files: dict) -> None:
 
 
 class CheckpointManager:
+    """The ``global_step_<N>`` folders under one root: writes each atomically (staged, sealed with
+    a manifest, renamed, then ``latest``), finds the newest complete one to resume from (a damaged
+    one is skipped and said so), keeps the last ``keep_last``, and sets a rolled-back branch aside."""
+
     def __init__(self, root: str | Path, keep_last: int = 2, hasher: Hasher = digest_files) -> None:
         self.root = Path(root)
         self.keep_last = keep_last

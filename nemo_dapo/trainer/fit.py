@@ -21,12 +21,12 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import RolloutBatch
-from nemo_dapo.algo.correction import CorrectionSettings
+from nemo_dapo.algo.correction import CorrectionSettings, correction_settings
 from nemo_dapo.algo.kl import build_kl_controller
 from nemo_dapo.algo.metrics import throughput_metrics, timing_metrics
 from nemo_dapo.algo.sampling import GroupAccumulator
 from nemo_dapo.cluster.weight_sync import weight_sync
-from nemo_dapo.config import Config, correction_settings, to_yaml
+from nemo_dapo.config import Config, to_yaml
 from nemo_dapo.config.topology import cluster_gpus, is_colocated, prompts_per_round, total_training_steps
 from nemo_dapo.data import ResumableBatchSampler
 from nemo_dapo.policy.base import LossSettings
