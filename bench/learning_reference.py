@@ -71,7 +71,7 @@ def run_ours(config: str, overrides: list[str], system: str, output: Path) -> Pa
 
     cfg = load_config(config, overrides)
     if system == "nemo_dapo":
-        from nemo_dapo.trainer.assembly import run_training
+        from nemo_dapo.trainer.run import run_training
 
         run_training(cfg)
         return output / "hf_export"

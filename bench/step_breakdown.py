@@ -29,7 +29,7 @@ import psutil
 from _common import bench_parser, fresh_folder
 
 from nemo_dapo.config import load_config
-from nemo_dapo.trainer.assembly import run_training
+from nemo_dapo.trainer.run import run_training
 
 # reading a process's proportional set size walks its page tables: every 0.2 s over the ~10
 # processes of a real-model run that took most of a core from the 2 the run computes on

@@ -21,7 +21,7 @@ from pathlib import Path
 from _common import bench_parser, fresh_folder
 
 from nemo_dapo.config import load_config
-from nemo_dapo.trainer.assembly import run_training
+from nemo_dapo.trainer.run import run_training
 from nemo_dapo.trainer.validation import mean_val_accuracy
 
 

@@ -25,7 +25,7 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from nemo_dapo.trainer.assembly import run_training
+    from nemo_dapo.trainer.run import run_training
 
     summary = run_training(load_config(args.config, args.overrides))
     print(

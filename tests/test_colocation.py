@@ -158,7 +158,7 @@ def test_shared_gpu_slots(two_gpu_ray):
 @pytest.mark.slow
 def test_colocated_training_run(two_gpu_ray, workdir):
     """A short real run of the sync trainer with both groups on the 2 shared GPUs (ends Ray)."""
-    from nemo_dapo.trainer.assembly import run_training
+    from nemo_dapo.trainer.run import run_training
 
     out = workdir / "run"
     cfg = load_config(

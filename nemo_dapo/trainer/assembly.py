@@ -1,23 +1,19 @@
-"""Build the workers from a config and run the trainer: the body of ``nemo-dapo train``."""
+"""Build the workers, the data and the reward from a config (what ``nemo-dapo train`` runs the
+trainer on, ``trainer/run.py``)."""
 
 from __future__ import annotations
 
 import logging
 import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nemo_dapo.cluster.allocator import allocator_env, keeps_freed_memory
 from nemo_dapo.config import Config
-from nemo_dapo.config.topology import is_colocated, needs_reference, num_engines, policy_groups, total_optimizer_steps
-from nemo_dapo.config.validate import combination_notes, raise_problems, separate_groups_problems
+from nemo_dapo.config.topology import is_colocated, needs_reference, num_engines, policy_groups
+from nemo_dapo.config.validate import raise_problems, separate_groups_problems
 from nemo_dapo.model.builtin import resolve_builtin
 from nemo_dapo.policy.base import WorkerSettings
-from nemo_dapo.trainer.checkpoint import CheckpointManager
-from nemo_dapo.trainer.export import export_hf, exported_from
-from nemo_dapo.trainer.run_folder import RunFolder, refuse_mixing
-from nemo_dapo.trainer.summary import completed_run
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -269,69 +265,3 @@ def reward_manager(cfg: Config) -> RewardManager:
         num_workers=cfg.reward.num_workers,
         timeout_s=cfg.reward.timeout_s,
     )
-
-
-def run_training(cfg: Config) -> dict:
-    """``nemo-dapo train``: claim the output folder, start the workers, train, export."""
-    from nemo_dapo.logs import configure_logging
-    from nemo_dapo.trainer.sinks import missing_packages
-
-    configure_logging(cfg.trainer.log_level)  # before Ray starts: its workers inherit the level
-    raise_problems(missing_packages(cfg.trainer.loggers))
-    folder = RunFolder(cfg.trainer.output_dir)  # held until the run ends: one run per folder
-    try:
-        checkpoints = CheckpointManager(Path(cfg.trainer.output_dir) / "checkpoints").step_folders()
-        refuse_mixing(checkpoints, cfg.checkpoint.resume, cfg.trainer.output_dir)
-        finished = completed_run(cfg, lambda: len(load_data(resolve_paths(cfg)).train))
-        if finished is not None:  # said before Ray or any worker starts
-            return {**finished, "hf_export": str(_exported(cfg, Path(finished["checkpoint"])))}
-        return _run_claimed(cfg)
-    finally:
-        folder.release()
-
-
-def _run_claimed(cfg: Config) -> dict:
-    from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
-    from nemo_dapo.trainer.fit import DAPOTrainer
-
-    cfg = resolve_paths(cfg)
-    for note in combination_notes(cfg):
-        log.info(note)
-    processes = cfg.actor.num_workers * policy_groups(cfg) + num_engines(cfg)
-    init_ray(num_cpus=max(os.cpu_count() or 1, processes))
-    reward = None
-    try:
-        # a run whose length the config fixes needs no data to size its schedule: its workers load
-        # their models while the driver reads the data (an epoch-counted run reads it first)
-        if cfg.trainer.total_training_steps:
-            starting = launch_workers(cfg, total_optimizer_steps(cfg, dataset_size=0))
-            data = load_data(cfg)
-        else:
-            data = load_data(cfg)
-            starting = launch_workers(cfg, total_optimizer_steps(cfg, len(data.train)))
-        reward = reward_manager(cfg)
-        workers = starting.ready()
-        policy, ref, rollout = workers.policy, workers.ref, workers.rollout
-        common = (cfg, policy, rollout, data.tokenizer, data.train, data.val, reward)
-        if cfg.trainer.mode == "stream":
-            from nemo_dapo.trainer.stream_fit import StreamDAPOTrainer
-
-            trainer: DAPOTrainer = StreamDAPOTrainer(*common, ref_policy=ref)
-        else:
-            trainer = DAPOTrainer(*common, ref_policy=ref)
-        summary = trainer.fit()
-        return {**summary, "hf_export": str(_exported(cfg, trainer.checkpoints.step_folders()[0][1]))}
-    finally:
-        if reward is not None:
-            reward.close()
-        shutdown_ray()
-
-
-def _exported(cfg: Config, checkpoint: Path) -> Path:
-    """``hf_export`` holding the run's last checkpoint: exported unless a complete export of that
-    checkpoint is there (a run found finished whose export failed or was cut short exports it)."""
-    export_dir = Path(cfg.trainer.output_dir) / "hf_export"
-    if exported_from(export_dir) != checkpoint.resolve():
-        log.info("exporting %s to %s", checkpoint, export_dir)
-        export_hf(checkpoint, resolve_paths(cfg).model.path, export_dir, overwrite=True)
-    return export_dir
