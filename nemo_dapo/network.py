@@ -115,3 +115,19 @@ def join_store(rendezvous: str, world_size: int):
         return dist.FileStore(rendezvous, world_size)
     host, _, port = rendezvous.removeprefix("tcp://").rpartition(":")
     return dist.TCPStore(host.strip("[]"), int(port), world_size, False, STORE_TIMEOUT)
+
+
+def join_group(rank: int, world_size: int, rendezvous: str, backend: str | None = None) -> None:
+    """This rank's default process group, once: met at ``rendezvous`` (:func:`join_store`), the
+    ranks connecting on this node's address (loopback locally, the fabric with ``FABRIC_IFNAME``).
+    ``backend``: NCCL where CUDA is, gloo elsewhere, unless given."""
+    import torch
+    import torch.distributed as dist
+
+    use_node_network()
+    if dist.is_initialized():
+        return
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, store=join_store(rendezvous, world_size), rank=rank, world_size=world_size)

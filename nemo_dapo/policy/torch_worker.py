@@ -18,7 +18,7 @@ from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.algo.logprob import chunk_tokens_for, chunked_token_stats, token_stats
 from nemo_dapo.logs import configure_logging
-from nemo_dapo.network import join_store, use_node_network
+from nemo_dapo.network import join_group
 from nemo_dapo.policy.actor_loss import micro_batch_loss
 from nemo_dapo.policy.base import (
     DTYPES,
@@ -41,12 +41,9 @@ from nemo_dapo.threads import use_cpu_threads
 
 
 def init_data_parallel(rank: int, world_size: int, rendezvous: str) -> None:
-    """gloo process group met at ``rendezvous`` (:func:`~nemo_dapo.network.join_store`); the
-    ranks connect on this node's address (loopback locally)."""
-    if world_size > 1 and not dist.is_initialized():
-        use_node_network()
-        store = join_store(rendezvous, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    """A gloo group of the data-parallel ranks (:func:`~nemo_dapo.network.join_group`); none for one rank."""
+    if world_size > 1:
+        join_group(rank, world_size, rendezvous, backend="gloo")
 
 
 class TorchPolicyWorker(WeightSender):

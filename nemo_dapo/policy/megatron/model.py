@@ -21,7 +21,7 @@ from nemo_dapo.config.architecture import Architecture
 from nemo_dapo.config.schema import MegatronConfig
 from nemo_dapo.config.topology import Parallelism
 from nemo_dapo.errors import InputError
-from nemo_dapo.network import join_store, use_node_network
+from nemo_dapo.network import join_group
 from nemo_dapo.policy.megatron import convert as convert
 from nemo_dapo.policy.megatron.cpu_compat import define_router_gemm_without_te
 
@@ -41,18 +41,12 @@ def num_chunks() -> int:
 
 
 def init_distributed(rank: int, world_size: int, rendezvous: str, parallel: Parallelism, seed: int) -> None:
-    """Default group (met at ``rendezvous``: :func:`~nemo_dapo.network.join_store`; on this
-    node's address, loopback locally) + Megatron's TP/PP/DP/EP groups + the model-parallel RNG."""
+    """The default group (:func:`~nemo_dapo.network.join_group`) + Megatron's TP/PP/DP/EP groups +
+    the model-parallel RNG."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    use_node_network()
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        store = join_store(rendezvous, world_size)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    join_group(rank, world_size, rendezvous)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tensor,
