@@ -15,7 +15,7 @@ from nemo_dapo.algo.advantage import get_advantage_estimator
 from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.algo.kl import kl_penalty
 from nemo_dapo.algo.loss import aggregate_loss
-from nemo_dapo.algo.policy_losses import dapo_loss
+from nemo_dapo.algo.policy_losses import PolicyLossSettings, dapo_loss
 from nemo_dapo.algo.sampling import GroupAccumulator
 from nemo_dapo.algo.shaping import overlong_penalty
 from nemo_dapo.reward.math_dapo import compute_score
@@ -25,7 +25,7 @@ def _one_token_loss(log_ratio: float, advantage: float) -> float:
     def t(v):
         return torch.tensor([[float(v)]])
 
-    return dapo_loss(t(0.0), t(log_ratio), t(advantage), torch.ones(1, 1))[0].item()
+    return dapo_loss(t(0.0), t(log_ratio), t(advantage), torch.ones(1, 1), PolicyLossSettings())[0].item()
 
 
 def _checks() -> list[tuple[str, float, float]]:

@@ -5,6 +5,6 @@ from nemo_dapo.algo.policy_losses import dapo_loss, register_policy_loss
 
 
 @register_policy_loss("doubled_dapo")
-def doubled_dapo(*args, **kwargs):
-    loss, metrics = dapo_loss(*args, **kwargs)
+def doubled_dapo(old_log_prob, log_prob, advantages, mask, settings):
+    loss, metrics = dapo_loss(old_log_prob, log_prob, advantages, mask, settings)
     return 2 * loss, metrics

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from nemo_dapo.algo.loss import aggregate_loss, reinforce_loss
-from nemo_dapo.algo.policy_losses import dapo_loss
+from nemo_dapo.algo.loss import aggregate_loss
+from nemo_dapo.algo.policy_losses import PolicyLossSettings as PL
+from nemo_dapo.algo.policy_losses import dapo_loss, reinforce_loss
 
 
 def one_token(old, new, adv, **kw):
@@ -15,7 +16,7 @@ def one_token(old, new, adv, **kw):
     def t(v):
         return torch.tensor([[float(v)]])
 
-    return dapo_loss(t(old), t(new), t(adv), torch.ones(1, 1), **kw)
+    return dapo_loss(t(old), t(new), t(adv), torch.ones(1, 1), PL(**kw))
 
 
 def test_unclipped_ratio_gives_minus_a_r():
@@ -67,7 +68,7 @@ def test_dual_clip_must_exceed_one():
 
 def test_gradient_zero_where_clipped():
     new = torch.tensor([[math.log(1.5), math.log(1.1)]], requires_grad=True)
-    loss, _ = dapo_loss(torch.zeros(1, 2), new, torch.ones(1, 2), torch.ones(1, 2))
+    loss, _ = dapo_loss(torch.zeros(1, 2), new, torch.ones(1, 2), torch.ones(1, 2), PL())
     loss.backward()
     assert new.grad[0, 0].item() == 0.0
     assert new.grad[0, 1].item() == pytest.approx(-1.1 / 2)  # d(-r)/dlp = -r, token-mean over 2
@@ -77,15 +78,14 @@ def test_rollout_is_weights_scale_the_token_loss():
     def t(*v):
         return torch.tensor([list(map(float, v))])
 
-    loss, _ = dapo_loss(t(0, 0), t(0, 0), t(1, 1), torch.ones(1, 2), rollout_is_weights=t(0.5, 2.0))
+    loss, _ = dapo_loss(t(0, 0), t(0, 0), t(1, 1), torch.ones(1, 2), PL(is_weights=t(0.5, 2.0)))
     assert loss.item() == pytest.approx(-(0.5 + 2.0) / 2)
 
 
 def test_reinforce_loss():
     lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    loss, _ = reinforce_loss(
-        lp, torch.tensor([[2.0, 2.0]]), torch.ones(1, 2), rollout_is_weights=torch.tensor([[1.0, 0.5]])
-    )
+    weights = PL(is_weights=torch.tensor([[1.0, 0.5]]))
+    loss, _ = reinforce_loss(torch.zeros(1, 2), lp, torch.tensor([[2.0, 2.0]]), torch.ones(1, 2), weights)
     assert loss.item() == pytest.approx(-(2 * -1.0 * 1.0 + 2 * -2.0 * 0.5) / 2)
     loss.backward()
     assert lp.grad[0].tolist() == pytest.approx([-1.0, -0.5])
@@ -137,7 +137,7 @@ def _random_batch(seed=0, rows=8, width=7):
 
 def _grad(old, new, adv, mask, mode, **agg):
     new = new.clone().requires_grad_(True)
-    loss, _ = dapo_loss(old, new, adv, mask, loss_agg_mode=mode, **agg)
+    loss, _ = dapo_loss(old, new, adv, mask, PL(loss_agg_mode=mode, **agg))
     loss.backward()
     return new.grad
 
@@ -178,7 +178,7 @@ def test_data_parallel_sum_gives_the_full_batch_gradient(mode):
     for rank_rows in (slice(0, 4), slice(4, 8)):
         total = torch.zeros_like(weight)
         for rows in (slice(rank_rows.start, rank_rows.start + 2), slice(rank_rows.start + 2, rank_rows.stop)):
-            loss, _ = dapo_loss(old[rows], new[rows] + weight, adv[rows], mask[rows], loss_agg_mode=mode, **counts)
+            loss, _ = dapo_loss(old[rows], new[rows] + weight, adv[rows], mask[rows], PL(loss_agg_mode=mode, **counts))
             total += torch.autograd.grad(loss, weight)[0]
         rank_grads.append(total)
     assert torch.allclose(rank_grads[0] + rank_grads[1], full.sum(dim=0), atol=1e-6)

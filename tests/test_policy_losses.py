@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nemo_dapo.algo.loss import aggregate_loss
-from nemo_dapo.algo.policy_losses import get_policy_loss
+from nemo_dapo.algo.policy_losses import PolicyLossSettings, get_policy_loss
 from nemo_dapo.config import ConfigError, load_config
 from nemo_dapo.policy.base import WorkerSettings
 
@@ -20,9 +20,8 @@ def run(name, old, new, adv, mask, **kwargs):
     new = torch.tensor(new, dtype=torch.float32, requires_grad=True)
     tensor = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
     mode = "seq-mean-token-mean" if name in SEQUENCE_LOSSES else "token-mean"
-    loss, metrics = get_policy_loss(name).fn(
-        tensor(old), new, tensor(adv), tensor(mask), loss_agg_mode=kwargs.pop("loss_agg_mode", mode), **kwargs
-    )
+    settings = PolicyLossSettings(loss_agg_mode=kwargs.pop("loss_agg_mode", mode), **kwargs)
+    loss, metrics = get_policy_loss(name).fn(tensor(old), new, tensor(adv), tensor(mask), settings)
     loss.backward()
     return loss.item(), new.grad, metrics
 
@@ -106,7 +105,7 @@ def test_micro_batches_and_data_parallel_ranks_give_the_full_batch_gradient(name
 
     def grad(rows, **counts):
         leaf = new[rows].clone().requires_grad_(True)
-        value, _ = loss.fn(old[rows], leaf, adv[rows], mask[rows], loss_agg_mode=mode, **counts)
+        value, _ = loss.fn(old[rows], leaf, adv[rows], mask[rows], PolicyLossSettings(loss_agg_mode=mode, **counts))
         value.backward()
         return leaf.grad
 
@@ -172,8 +171,9 @@ def test_a_user_registered_loss_is_used_by_name_in_a_real_worker(tiny_model_dir)
 def test_registered_losses_reduce_with_the_shared_aggregation():
     """Every built-in returns aggregate_loss of its matrix: with all-equal rows it is the row value."""
     old, new, adv, mask = torch.zeros(2, 3), torch.full((2, 3), 0.1), torch.ones(2, 3), torch.ones(2, 3)
+    settings = PolicyLossSettings(loss_agg_mode="seq-mean-token-mean")
     for name in BUILT_IN:
-        value, _ = get_policy_loss(name).fn(old, new, adv, mask, loss_agg_mode="seq-mean-token-mean")
+        value, _ = get_policy_loss(name).fn(old, new, adv, mask, settings)
         per_token = -math.exp(0.1) * (0.1 if name == "cispo" else 1.0)  # CISPO: -w A lp, w = r
         assert value.item() == pytest.approx(
             aggregate_loss(torch.full((2, 3), per_token), mask, "seq-mean-token-mean").item(), abs=1e-6

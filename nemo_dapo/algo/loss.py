@@ -83,22 +83,3 @@ def aggregate_loss(
 
 def _at_least_one(count) -> torch.Tensor:
     return torch.as_tensor(count, dtype=torch.float32).clamp(min=1.0)
-
-
-def reinforce_loss(
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    loss_agg_mode: str | LossAggMode = LossAggMode.TOKEN_MEAN,
-    rollout_is_weights: torch.Tensor | None = None,
-    **agg_kwargs,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """REINFORCE loss ``-A * lp * w`` for bypass mode (w: IS weights, or 1).
-
-    In bypass mode old_lp is the rollout log-prob, so no ratio is clipped: off-policy
-    correction comes only from the (truncated, detached) IS weights.
-    """
-    weights = torch.ones_like(log_prob) if rollout_is_weights is None else rollout_is_weights.detach()
-    loss_mat = -advantages * log_prob * weights
-    return aggregate_loss(loss_mat, response_mask, loss_agg_mode, **agg_kwargs), {}

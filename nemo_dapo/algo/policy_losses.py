@@ -15,9 +15,13 @@ Built in (docs/algorithm.md §1 gives their formulas):
 - ``cispo``: clipped, stop-gradient IS weight times the log-prob (MiniMax-M1, arXiv 2506.13585).
 - ``gmpo``: geometric mean of the token ratios, clipped per token in log space (GMPO, arXiv 2507.20673).
 
-Your own loss, without editing the library: decorate it with ``@register_policy_loss("name")``
-in a module of yours and set ``actor.policy_loss: "your.module:name"``; every worker imports
-the module, which registers the loss, then looks the name up.
+Every loss has one signature, ``loss(old_log_prob, log_prob, advantages, mask, settings) ->
+(loss, metrics)``, with :class:`PolicyLossSettings` carrying the clip range, the aggregation and
+its global counts, and the rollout IS weights; ``settings.aggregate(loss_matrix, mask)`` reduces
+the matrix split-exactly. Your own loss, without editing the library: decorate it with
+``@register_policy_loss("name")`` in a module of yours and set ``actor.policy_loss:
+"your.module:name"``; every worker imports the module, which registers the loss, then looks the
+name up.
 """
 
 from __future__ import annotations
@@ -35,9 +39,42 @@ SEQUENCE_LEVEL = ("seq-mean-token-mean",)
 
 
 @dataclass(frozen=True)
+class PolicyLossSettings:
+    """What a policy loss reads besides the four tensors: the clip range (``actor.clip_ratio_*``),
+    the aggregation with this batch's global counts (so micro-batches and data-parallel ranks add
+    up to the whole batch's loss), and the rollout-correction IS weights (detached; None: 1)."""
+
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float = 10.0
+    loss_agg_mode: str = "token-mean"
+    global_token_count: float | torch.Tensor | None = None
+    global_seq_count: float | torch.Tensor | None = None
+    norm_constant: float | None = None
+    is_weights: torch.Tensor | None = None
+
+    def aggregate(self, loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The IS-weighted loss matrix reduced with :func:`~nemo_dapo.algo.loss.aggregate_loss`."""
+        weighted = loss_mat if self.is_weights is None else loss_mat * self.is_weights.detach()
+        return aggregate_loss(
+            weighted,
+            mask,
+            self.loss_agg_mode,
+            global_token_count=self.global_token_count,
+            global_seq_count=self.global_seq_count,
+            norm_constant=self.norm_constant,
+        )
+
+
+LossFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PolicyLossSettings], tuple[torch.Tensor, dict[str, float]]
+]
+
+
+@dataclass(frozen=True)
 class PolicyLoss:
     name: str
-    fn: Callable[..., tuple[torch.Tensor, dict[str, float]]]
+    fn: LossFn
     loss_agg_modes: tuple[str, ...]  # the aggregations the loss is defined for
 
 
@@ -45,12 +82,8 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
 def register_policy_loss(name: str, *, loss_agg_modes: tuple[str, ...] = LOSS_AGG_MODES):
-    """Decorator: make ``fn`` available as ``actor.policy_loss: name``.
-
-    ``fn(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low, clip_ratio_high,
-    clip_ratio_c, loss_agg_mode, rollout_is_weights, **agg_kwargs) -> (loss, metrics)``; reduce the
-    loss matrix with ``aggregate_loss(..., loss_agg_mode, **agg_kwargs)`` to stay split-exact.
-    """
+    """Decorator: make ``fn(old_log_prob, log_prob, advantages, mask, settings) -> (loss, metrics)``
+    available as ``actor.policy_loss: name``; reduce its loss matrix with ``settings.aggregate``."""
     unknown = set(loss_agg_modes) - set(LOSS_AGG_MODES)
     if unknown:
         raise ValueError(f"policy loss {name!r}: unknown loss_agg_modes {sorted(unknown)}; known: {LOSS_AGG_MODES}")
@@ -101,10 +134,6 @@ def _row_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_sum(values, mask, dim=-1) / mask.float().sum(dim=-1).clamp(min=1.0)
 
 
-def _weighted(loss_mat: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
-    return loss_mat if rollout_is_weights is None else loss_mat * rollout_is_weights.detach()
-
-
 def _pessimistic(ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float):
     """PPO's ``max(-A r, -A clip(r, 1-low, 1+high))`` and where the clipped branch wins."""
     unclipped = -advantages * ratio
@@ -113,19 +142,7 @@ def _pessimistic(ratio: torch.Tensor, advantages: torch.Tensor, low: float, high
 
 
 @register_policy_loss("dapo")
-def dapo_loss(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    *,
-    clip_ratio_low=0.2,
-    clip_ratio_high=0.28,
-    clip_ratio_c=10.0,
-    loss_agg_mode="token-mean",
-    rollout_is_weights=None,
-    **agg_kwargs,
-):
+def dapo_loss(old_log_prob, log_prob, advantages, mask, settings: PolicyLossSettings):
     """Decoupled-clip PPO loss with dual clip (DAPO, arXiv 2503.14476; dual clip: arXiv 1912.09729).
 
     ``r = exp(clamp(lp - old_lp, -20, 20))``; ``C1 = max(-A r, -A clip(r, 1-eps_low, 1+eps_high))``;
@@ -133,125 +150,58 @@ def dapo_loss(
     token cannot dominate the update. Rollout IS weights multiply the per-token loss. Metrics:
     ``pg_clipfrac``, ``pg_clipfrac_lower`` (dual clip active), ``ppo_kl``.
     """
-    if clip_ratio_c <= 1.0:
-        raise ValueError(f"actor.clip_ratio_c={clip_ratio_c}: the dual-clip bound must be > 1.0 (DAPO uses 10)")
+    if settings.clip_ratio_c <= 1.0:
+        raise ValueError(
+            f"actor.clip_ratio_c={settings.clip_ratio_c}: the dual-clip bound must be > 1.0 (DAPO uses 10)"
+        )
     log_ratio = _log_ratio(old_log_prob, log_prob)
-    clip_max, clipped = _pessimistic(torch.exp(log_ratio), advantages, clip_ratio_low, clip_ratio_high)
-    dual_bound = -advantages * clip_ratio_c
+    ratio = torch.exp(log_ratio)
+    clip_max, clipped = _pessimistic(ratio, advantages, settings.clip_ratio_low, settings.clip_ratio_high)
+    dual_bound = -advantages * settings.clip_ratio_c
     negative = advantages < 0
     loss_mat = torch.where(negative, torch.minimum(dual_bound, clip_max), clip_max)
     metrics = {
-        "pg_clipfrac": masked_mean(clipped.float(), response_mask).item(),
-        "pg_clipfrac_lower": masked_mean(((clip_max > dual_bound) & negative).float(), response_mask).item(),
-        "ppo_kl": masked_mean(-log_ratio, response_mask).item(),
+        "pg_clipfrac": masked_mean(clipped.float(), mask).item(),
+        "pg_clipfrac_lower": masked_mean(((clip_max > dual_bound) & negative).float(), mask).item(),
+        "ppo_kl": masked_mean(-log_ratio, mask).item(),
     }
-    return aggregate_loss(_weighted(loss_mat, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs), metrics
+    return settings.aggregate(loss_mat, mask), metrics
 
 
-def _gspo(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    token_level: bool,
-    low: float,
-    high: float,
-    loss_agg_mode: str,
-    rollout_is_weights,
-    agg_kwargs,
-):
-    log_ratio = _log_ratio(old_log_prob, log_prob)
-    sequence_log_ratio = _row_mean(log_ratio, response_mask)[:, None]  # log s_i = mean_t log r_t
-    if token_level:  # s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]: the value of s_i, a per-token gradient
-        ratio = torch.exp(sequence_log_ratio.detach() + log_prob - log_prob.detach())
-        row_advantages = advantages
-    else:
-        ratio = torch.exp(sequence_log_ratio).expand_as(log_prob)
-        row_advantages = _row_mean(advantages, response_mask)[:, None].expand_as(log_prob)
-    loss_mat, clipped = _pessimistic(ratio, row_advantages, low, high)
-    metrics = {
-        "pg_clipfrac": masked_mean(clipped.float(), response_mask).item(),
-        "ppo_kl": masked_mean(-log_ratio, response_mask).item(),
-    }
-    return aggregate_loss(_weighted(loss_mat, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs), metrics
-
-
-@register_policy_loss("gspo", loss_agg_modes=SEQUENCE_LEVEL)
-def gspo_loss(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    *,
-    clip_ratio_low=0.2,
-    clip_ratio_high=0.28,
-    clip_ratio_c=10.0,
-    loss_agg_mode="seq-mean-token-mean",
-    rollout_is_weights=None,
-    **agg_kwargs,
-):
+def gspo(token_level: bool) -> LossFn:
     """GSPO (arXiv 2507.18071): one ratio per sequence, ``s_i = exp(mean_t (lp - old_lp))``,
-    clipped like PPO with the row's mean advantage, averaged over sequences. The paper's clip range
-    is far narrower than a token ratio's (eps 3e-4 / 4e-4): set ``actor.clip_ratio_low/high``.
-    ``clip_ratio_c`` (dual clip) does not apply."""
-    return _gspo(
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        False,
-        clip_ratio_low,
-        clip_ratio_high,
-        loss_agg_mode,
-        rollout_is_weights,
-        agg_kwargs,
-    )
+    clipped like PPO, averaged over sequences. ``token_level=False`` (``gspo``): with the row's
+    mean advantage. ``token_level=True`` (``gspo_token``): ``s_i,t = sg[s_i] * pi_t / sg[pi_t]``
+    with per-token advantages, the value of ``s_i`` and a per-token gradient (with one advantage
+    per row, value and gradient equal ``gspo``'s). The paper's clip range is far narrower than a
+    token ratio's (eps 3e-4 / 4e-4): set ``actor.clip_ratio_low/high``. ``clip_ratio_c`` (dual
+    clip) does not apply."""
+
+    def loss(old_log_prob, log_prob, advantages, mask, settings: PolicyLossSettings):
+        log_ratio = _log_ratio(old_log_prob, log_prob)
+        sequence_log_ratio = _row_mean(log_ratio, mask)[:, None]  # log s_i = mean_t log r_t
+        if token_level:
+            ratio = torch.exp(sequence_log_ratio.detach() + log_prob - log_prob.detach())
+            row_advantages = advantages
+        else:
+            ratio = torch.exp(sequence_log_ratio).expand_as(log_prob)
+            row_advantages = _row_mean(advantages, mask)[:, None].expand_as(log_prob)
+        loss_mat, clipped = _pessimistic(ratio, row_advantages, settings.clip_ratio_low, settings.clip_ratio_high)
+        metrics = {
+            "pg_clipfrac": masked_mean(clipped.float(), mask).item(),
+            "ppo_kl": masked_mean(-log_ratio, mask).item(),
+        }
+        return settings.aggregate(loss_mat, mask), metrics
+
+    return loss
 
 
-@register_policy_loss("gspo_token", loss_agg_modes=SEQUENCE_LEVEL)
-def gspo_token_loss(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    *,
-    clip_ratio_low=0.2,
-    clip_ratio_high=0.28,
-    clip_ratio_c=10.0,
-    loss_agg_mode="seq-mean-token-mean",
-    rollout_is_weights=None,
-    **agg_kwargs,
-):
-    """GSPO-token (arXiv 2507.18071): ``s_i,t = sg[s_i] * pi_t / sg[pi_t]`` with per-token advantages;
-    with one advantage per row its value and gradient equal ``gspo``'s."""
-    return _gspo(
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        True,
-        clip_ratio_low,
-        clip_ratio_high,
-        loss_agg_mode,
-        rollout_is_weights,
-        agg_kwargs,
-    )
+register_policy_loss("gspo", loss_agg_modes=SEQUENCE_LEVEL)(gspo(token_level=False))
+register_policy_loss("gspo_token", loss_agg_modes=SEQUENCE_LEVEL)(gspo(token_level=True))
 
 
 @register_policy_loss("cispo")
-def cispo_loss(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    *,
-    clip_ratio_low=0.2,
-    clip_ratio_high=0.28,
-    clip_ratio_c=10.0,
-    loss_agg_mode="token-mean",
-    rollout_is_weights=None,
-    **agg_kwargs,
-):
+def cispo_loss(old_log_prob, log_prob, advantages, mask, settings: PolicyLossSettings):
     """CISPO (MiniMax-M1, arXiv 2506.13585): ``-sg[clip(r, 1-eps_low, 1+eps_high)] * A * lp``.
 
     The IS weight is clipped and detached instead of the update being cut off, so every token
@@ -261,29 +211,17 @@ def cispo_loss(
     """
     log_ratio = _log_ratio(old_log_prob, log_prob)
     ratio = torch.exp(log_ratio)
-    weight = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high).detach()
+    weight = torch.clamp(ratio, 1.0 - settings.clip_ratio_low, 1.0 + settings.clip_ratio_high).detach()
     loss_mat = -weight * advantages * log_prob
     metrics = {
-        "pg_clipfrac": masked_mean((weight != ratio.detach()).float(), response_mask).item(),
-        "ppo_kl": masked_mean(-log_ratio, response_mask).item(),
+        "pg_clipfrac": masked_mean((weight != ratio.detach()).float(), mask).item(),
+        "ppo_kl": masked_mean(-log_ratio, mask).item(),
     }
-    return aggregate_loss(_weighted(loss_mat, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs), metrics
+    return settings.aggregate(loss_mat, mask), metrics
 
 
 @register_policy_loss("gmpo", loss_agg_modes=SEQUENCE_LEVEL)
-def gmpo_loss(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    *,
-    clip_ratio_low=0.2,
-    clip_ratio_high=0.28,
-    clip_ratio_c=10.0,
-    loss_agg_mode="seq-mean-token-mean",
-    rollout_is_weights=None,
-    **agg_kwargs,
-):
+def gmpo_loss(old_log_prob, log_prob, advantages, mask, settings: PolicyLossSettings):
     """GMPO (arXiv 2507.20673): the geometric mean of the token ratios instead of their mean.
 
     Per token, in log space, the pessimistic choice between ``log r`` and its clip to
@@ -292,20 +230,25 @@ def gmpo_loss(
     ``(e^-0.4, e^0.4)``: ``clip_ratio_low=0.33``, ``clip_ratio_high=0.49``. ``pg_clipfrac``:
     tokens where the clip won.
     """
+    low, high = settings.clip_ratio_low, settings.clip_ratio_high
     log_ratio = _log_ratio(old_log_prob, log_prob)
-    bounded = torch.clamp(
-        log_ratio,
-        math.log(1.0 - clip_ratio_low) if clip_ratio_low < 1 else -LOG_RATIO_CLAMP,
-        math.log1p(clip_ratio_high),
-    )
+    bounded = torch.clamp(log_ratio, math.log(1.0 - low) if low < 1 else -LOG_RATIO_CLAMP, math.log1p(high))
     sign = torch.sign(advantages)
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * bounded)
-    row_advantages = _row_mean(advantages, response_mask)
-    row_loss = -row_advantages * torch.exp(_row_mean(pessimistic, response_mask))
+    row_advantages = _row_mean(advantages, mask)
+    row_loss = -row_advantages * torch.exp(_row_mean(pessimistic, mask))
     loss_mat = row_loss[:, None].expand_as(log_prob)
     clipped = (pessimistic != log_ratio) & (sign != 0)
     metrics = {
-        "pg_clipfrac": masked_mean(clipped.float(), response_mask).item(),
-        "ppo_kl": masked_mean(-log_ratio, response_mask).item(),
+        "pg_clipfrac": masked_mean(clipped.float(), mask).item(),
+        "ppo_kl": masked_mean(-log_ratio, mask).item(),
     }
-    return aggregate_loss(_weighted(loss_mat, rollout_is_weights), response_mask, loss_agg_mode, **agg_kwargs), metrics
+    return settings.aggregate(loss_mat, mask), metrics
+
+
+def reinforce_loss(old_log_prob, log_prob, advantages, mask, settings: PolicyLossSettings):
+    """REINFORCE, ``-A * lp * w`` (w: the IS weights, or 1), for bypass mode
+    (``algorithm.rollout_correction.loss_type=reinforce``; not a registered policy loss): there
+    the old log-probs are the rollout's, so no ratio is clipped and the correction comes only
+    from the truncated, detached IS weights. ``old_log_prob`` is not read."""
+    return settings.aggregate(-advantages * log_prob, mask), {}

@@ -7,13 +7,15 @@ entropy bonus, KL loss, bypass-mode correction) is here, once, built from ``nemo
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.correction import CorrectionSettings, apply_rollout_correction
 from nemo_dapo.algo.kl import kl_penalty
-from nemo_dapo.algo.loss import aggregate_loss, masked_mean, reinforce_loss
-from nemo_dapo.algo.policy_losses import get_policy_loss
+from nemo_dapo.algo.loss import masked_mean
+from nemo_dapo.algo.policy_losses import PolicyLossSettings, get_policy_loss, reinforce_loss
 from nemo_dapo.policy.base import LossSettings, MiniBatch
 from nemo_dapo.policy.microbatch import MicroBatch, RowStats
 
@@ -54,45 +56,29 @@ def actor_loss(
     ``old_log_probs``: the old policy's (in bypass mode the rollout's, which the correction's
     weights compare with the current policy)."""
     mask = micro["loss_mask"].float()
-    agg = {
-        "global_token_count": global_token_count,
-        "global_seq_count": global_seq_count,
-        "norm_constant": settings.norm_constant,
-    }
     weights = micro.get("is_weights")
     metrics: dict[str, float] = {}
     if settings.bypass_mode and correction is not None:  # weights against the current policy, inside the loss
         weights, mask, metrics = apply_rollout_correction(log_probs.detach(), old_log_probs, mask, correction)
-    if settings.loss_type == "reinforce":
-        pg_loss, pg_metrics = reinforce_loss(
-            log_probs,
-            micro["advantages"],
-            mask,
-            loss_agg_mode=settings.loss_agg_mode,
-            rollout_is_weights=weights,
-            **agg,
-        )
-    else:
-        pg_loss, pg_metrics = get_policy_loss(settings.policy_loss).fn(
-            old_log_probs,
-            log_probs,
-            micro["advantages"],
-            mask,
-            clip_ratio_low=settings.clip_ratio_low,
-            clip_ratio_high=settings.clip_ratio_high,
-            clip_ratio_c=settings.clip_ratio_c,
-            loss_agg_mode=settings.loss_agg_mode,
-            rollout_is_weights=weights,
-            **agg,
-        )
+    pg = PolicyLossSettings(
+        clip_ratio_low=settings.clip_ratio_low,
+        clip_ratio_high=settings.clip_ratio_high,
+        clip_ratio_c=settings.clip_ratio_c,
+        loss_agg_mode=settings.loss_agg_mode,
+        global_token_count=global_token_count,
+        global_seq_count=global_seq_count,
+        norm_constant=settings.norm_constant,
+        is_weights=weights,
+    )
+    loss_fn = reinforce_loss if settings.loss_type == "reinforce" else get_policy_loss(settings.policy_loss).fn
+    pg_loss, pg_metrics = loss_fn(old_log_probs, log_probs, micro["advantages"], mask, pg)
     loss = pg_loss
-    entropy_value = aggregate_loss(entropy, mask, settings.loss_agg_mode, **agg)
+    unweighted = replace(pg, is_weights=None)
+    entropy_value = unweighted.aggregate(entropy, mask)
     if settings.entropy_coeff:
         loss = loss - settings.entropy_coeff * entropy_value
     if settings.use_kl_loss:
-        kl = aggregate_loss(
-            kl_penalty(log_probs, micro["ref_log_probs"], settings.kl_loss_type), mask, settings.loss_agg_mode, **agg
-        )
+        kl = unweighted.aggregate(kl_penalty(log_probs, micro["ref_log_probs"], settings.kl_loss_type), mask)
         loss = loss + settings.kl_loss_coef * kl
         metrics[mn.KL_LOSS.name] = kl.item()
     # a policy loss names its metrics briefly (pg_clipfrac): they are logged under actor/
