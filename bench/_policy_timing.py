@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from nemo_dapo.config.schema import OptimConfig
+from nemo_dapo.config.schema_actor import OptimConfig
 from nemo_dapo.model.builtin import resolve_builtin
 from nemo_dapo.policy.base import WorkerSettings
 from nemo_dapo.policy.torch_worker import TorchPolicyWorker

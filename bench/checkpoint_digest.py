@@ -30,7 +30,7 @@ import numpy as np
 from nemo_dapo.cluster.groups import PolicyGroup
 from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
 from nemo_dapo.cluster.worker_group import WorkerGroup
-from nemo_dapo.config.schema import OptimConfig
+from nemo_dapo.config.schema_actor import OptimConfig
 from nemo_dapo.digest import digest_files
 from nemo_dapo.model.tiny import ensure_tiny_model
 from nemo_dapo.policy.torch_worker import TorchPolicyWorker

@@ -328,7 +328,7 @@ def main() -> None:
     print(f"device: {device_name}; torch {torch.__version__}; transformer_engine importable: {have_te}")
     print(f"layer spec: {impl}; precision: {'fp8 hybrid / delayed scaling' if fp8 else 'bf16'}", flush=True)
 
-    from nemo_dapo.config.schema import MegatronConfig, OptimConfig
+    from nemo_dapo.config.schema_actor import MegatronConfig, OptimConfig
     from nemo_dapo.policy.base import LossSettings, WorkerSettings
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 

@@ -56,7 +56,7 @@ def dapo_like_batch(rows: int, max_response: int, vocab: int, seed: int) -> dict
 def run_variant(variant: str, model_dir: str, args, out: str) -> None:
     from logprob_memory import saved_bytes
 
-    from nemo_dapo.config.schema import MegatronConfig, OptimConfig
+    from nemo_dapo.config.schema_actor import MegatronConfig, OptimConfig
     from nemo_dapo.policy.base import LossSettings, MiniBatch, WorkerSettings
     from nemo_dapo.policy.megatron import attention as megatron_attention
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker

@@ -55,7 +55,7 @@ def _remove_on_rank0(rank: int, path: str) -> None:
 
 
 def save_rank(rank: int, world_size: int, folder: str, out: str, optimizer_format: str, saves: int, dtype: str) -> None:
-    from nemo_dapo.config.schema import MegatronConfig, OptimConfig
+    from nemo_dapo.config.schema_actor import MegatronConfig, OptimConfig
     from nemo_dapo.policy.base import WorkerSettings
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 

@@ -30,7 +30,7 @@ from step_breakdown import TreeMemory
 from nemo_dapo.cluster.groups import PolicyGroup, RolloutGroup
 from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
 from nemo_dapo.cluster.worker_group import WorkerGroup
-from nemo_dapo.config.schema import MegatronConfig, OptimConfig
+from nemo_dapo.config.schema_actor import MegatronConfig, OptimConfig
 from nemo_dapo.model.tiny import ensure_tiny_model
 from nemo_dapo.policy.base import WorkerSettings
 

@@ -23,7 +23,7 @@ from weight_sync import build_model
 
 
 def build_rank(rank: int, world_size: int, folder: str, out: str, pp: int, tp: int) -> None:
-    from nemo_dapo.config.schema import MegatronConfig, OptimConfig
+    from nemo_dapo.config.schema_actor import MegatronConfig, OptimConfig
     from nemo_dapo.policy.base import WorkerSettings
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 

@@ -11,7 +11,7 @@ WARMUP = 2  # first step runs at lr / 2
 
 
 def optim_settings():
-    from nemo_dapo.config.schema import OptimConfig
+    from nemo_dapo.config.schema_actor import OptimConfig
 
     return OptimConfig(lr=LR, warmup_steps=WARMUP)
 

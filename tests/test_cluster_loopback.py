@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from nemo_dapo.cluster.weight_sync import CollectiveSync
-from nemo_dapo.config.schema import OptimConfig
+from nemo_dapo.config.schema_actor import OptimConfig
 from nemo_dapo.digest import digest_files
 from nemo_dapo.policy.base import LossSettings, WorkerSettings
 from nemo_dapo.rollout.base import SamplingSettings

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from nemo_dapo.config.schema import OptimConfig
+from nemo_dapo.config.schema_actor import OptimConfig
 from nemo_dapo.policy.base import LossSettings, WorkerSettings
 from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.trainer.batching import build_rollout_batch

@@ -32,7 +32,7 @@ def run_smoke_steps(rank: int, world_size: int, model_dir: str, work: str) -> No
     sys.path.insert(0, str(BENCH))
     import gpu_megatron_smoke as smoke
 
-    from nemo_dapo.config.schema import MegatronConfig, OptimConfig
+    from nemo_dapo.config.schema_actor import MegatronConfig, OptimConfig
     from nemo_dapo.policy.base import LossSettings
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 

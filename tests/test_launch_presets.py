@@ -162,7 +162,7 @@ def test_every_megatron_field_reaches_the_worker():
     from dataclasses import fields
     from pathlib import Path
 
-    from nemo_dapo.config.schema import MegatronConfig
+    from nemo_dapo.config.schema_actor import MegatronConfig
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
     assert "layout" in inspect.signature(MegatronPolicyWorker).parameters

@@ -23,7 +23,7 @@ def greedy_after_export(rank: int, world_size: int, model_dir: str, out_file: st
     after exported weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from nemo_dapo.config.schema import OptimConfig
+    from nemo_dapo.config.schema_actor import OptimConfig
     from nemo_dapo.policy.megatron.model import read_hf_weights
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
     from nemo_dapo.rollout.base import SamplingSettings

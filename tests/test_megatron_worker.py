@@ -29,7 +29,7 @@ def megatron_worker(rank: int, world_size: int, rendezvous: str, model_dir: str,
     names) go into its MegatronConfig, the rest into its WorkerSettings."""
     from dataclasses import fields
 
-    from nemo_dapo.config.schema import MegatronConfig
+    from nemo_dapo.config.schema_actor import MegatronConfig
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
     names = {f.name for f in fields(MegatronConfig)}
@@ -214,7 +214,7 @@ def test_transformer_engine_names_round_trip():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_transformer_engine_is_refused_on_a_rank_without_a_gpu():
     """The one layer-spec check the config cannot make: is there a GPU on this rank."""
-    from nemo_dapo.config.schema import MegatronConfig
+    from nemo_dapo.config.schema_actor import MegatronConfig
     from nemo_dapo.policy.megatron import model as mm
 
     with pytest.raises(ValueError, match="transformer_impl=transformer_engine needs a GPU"):
@@ -245,7 +245,7 @@ def test_gpu_only_layer_options_are_refused_at_start_up(overrides, message):
 
 
 def test_recompute_fields():
-    from nemo_dapo.config.schema import MegatronConfig
+    from nemo_dapo.config.schema_actor import MegatronConfig
     from nemo_dapo.policy.megatron import model as mm
 
     assert mm.layer_options(MegatronConfig(recompute_granularity="full"))["recompute_method"] == "uniform"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from nemo_dapo.algo.batch import RolloutBatch
-from nemo_dapo.config.schema import OptimConfig
+from nemo_dapo.config.schema_actor import OptimConfig
 from nemo_dapo.policy.base import LossSettings, WorkerSettings
 from nemo_dapo.policy.inputs import mini_batches_per_rank, worker_inputs
 from nemo_dapo.rollout.base import SamplingSettings

@@ -81,7 +81,7 @@ def real_batch():
 
 
 def megatron_log_probs(rank: int, world_size: int, rendezvous: str, model_dir: str, out_dir: str) -> None:
-    from nemo_dapo.config.schema import MegatronConfig, OptimConfig
+    from nemo_dapo.config.schema_actor import MegatronConfig, OptimConfig
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
 
     worker = MegatronPolicyWorker(
@@ -126,7 +126,7 @@ def vllm_log_probs(model_dir, dtype: str) -> torch.Tensor:
 @requires_megatron
 @pytest.mark.slow
 def test_torch_megatron_tp1_tp3_and_vllm_score_the_same_sequences(smollm2_dir, tmp_path):
-    from nemo_dapo.config.schema import OptimConfig
+    from nemo_dapo.config.schema_actor import OptimConfig
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
 
     batch = real_batch()

@@ -79,7 +79,7 @@ def test_a_moe_model_shares_prompts_alike(moe_dir):
 
 def gradients(model_dir, shared: bool) -> dict[str, torch.Tensor]:
     """Every parameter's gradient of the summed response log-probs of the grouped batch."""
-    from nemo_dapo.config.schema import OptimConfig
+    from nemo_dapo.config.schema_actor import OptimConfig
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
 
     worker = TorchPolicyWorker(0, 1, "", WorkerSettings(str(model_dir), OptimConfig()), shared_prompt_forward=shared)

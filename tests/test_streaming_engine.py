@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from nemo_dapo.config.schema import OptimConfig
+from nemo_dapo.config.schema_actor import OptimConfig
 from nemo_dapo.policy.base import WorkerSettings
 from nemo_dapo.policy.inputs import worker_inputs
 from nemo_dapo.rollout.base import SamplingSettings

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nemo_dapo.config.schema import Config, MegatronConfig
+from nemo_dapo.config.schema import Config
+from nemo_dapo.config.schema_actor import MegatronConfig
 
 
 @dataclass(frozen=True)

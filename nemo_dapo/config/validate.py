@@ -9,6 +9,7 @@ from __future__ import annotations
 from nemo_dapo.algo.correction import correction_settings, parse_rs_modes
 from nemo_dapo.algo.policy_losses import policy_loss_problems
 from nemo_dapo.config.fields import settings as schema_settings
+from nemo_dapo.config.problems import Problems, raise_problems
 from nemo_dapo.config.schema import Config
 from nemo_dapo.config.topology import (
     cluster_gpus,
@@ -18,16 +19,11 @@ from nemo_dapo.config.topology import (
     policy_groups,
     training_world_size,
 )
+from nemo_dapo.config.validate_megatron import check_megatron, check_router_replay
 from nemo_dapo.errors import ConfigError
 
 
-class _Problems(list):
-    def require(self, ok: bool, key: str, value, allowed: str) -> None:
-        if not ok:
-            self.append(f"{key}={value!r}: {allowed}")
-
-
-def _check_choices(cfg: Config, problems: _Problems) -> None:
+def _check_choices(cfg: Config, problems: Problems) -> None:
     """Every enumerated setting against the choices the schema declares for it.
 
     null passes where the field is optional and null is not one of the choices: there it means
@@ -45,14 +41,14 @@ def _check_choices(cfg: Config, problems: _Problems) -> None:
             problems.append(f"{setting.key}={value!r}: choose one of {setting.allowed_text()}")
 
 
-def _check_bounds(cfg: Config, problems: _Problems) -> None:
+def _check_bounds(cfg: Config, problems: Problems) -> None:
     """Every number against the bounds the schema declares for it (``setting(bounds=...)``)."""
     for setting in schema_settings().values():
         if setting.bounds is not None and not setting.in_bounds(value := setting.value_in(cfg)):
             problems.append(f"{setting.key}={value!r}: {setting.bounds_text()}")
 
 
-def _check_algorithm(cfg: Config, problems: _Problems) -> None:
+def _check_algorithm(cfg: Config, problems: Problems) -> None:
     algo = cfg.algorithm
     if algo.kl_ctrl.type == "adaptive":
         problems.require(
@@ -96,7 +92,7 @@ def _check_algorithm(cfg: Config, problems: _Problems) -> None:
         problems.append(str(err))
 
 
-def _check_actor(cfg: Config, problems: _Problems) -> None:
+def _check_actor(cfg: Config, problems: Problems) -> None:
     actor, optim = cfg.actor, cfg.actor.optim
     problems.require(
         actor.clip_ratio_c > 1,
@@ -139,137 +135,7 @@ def _check_actor(cfg: Config, problems: _Problems) -> None:
     )
 
 
-def _check_megatron(cfg: Config, problems: _Problems) -> None:
-    """Layouts Megatron would reject at start-up, after the cluster is already allocated."""
-    if cfg.actor.backend != "megatron":
-        return
-    if _check_megatron_sizes(cfg, problems):
-        _check_megatron_features(cfg, problems)
-
-
-def _check_megatron_sizes(cfg: Config, problems: _Problems) -> bool:
-    """The parallel sizes: each >= 1, and their products dividing the training ranks and a
-    mini-batch's sequences. False when a size is below 1 (nothing else is checked then)."""
-    mg, key = cfg.actor.megatron, "actor.megatron"
-    tp, pp, cp, ep = (
-        mg.tensor_model_parallel_size,
-        mg.pipeline_model_parallel_size,
-        mg.context_parallel_size,
-        mg.expert_model_parallel_size,
-    )
-    sizes = {
-        "tensor_model_parallel_size": tp,
-        "pipeline_model_parallel_size": pp,
-        "context_parallel_size": cp,
-        "expert_model_parallel_size": ep,
-    }
-    for name, size in sizes.items():
-        problems.require(size >= 1, f"{key}.{name}", size, "must be >= 1")
-    if min(sizes.values()) < 1:
-        return False
-    vpp = mg.virtual_pipeline_model_parallel_size
-    problems.require(
-        vpp is None or (vpp >= 2 and pp >= 2),
-        f"{key}.virtual_pipeline_model_parallel_size",
-        vpp,
-        f"interleaving needs >= 2 chunks and pipeline_model_parallel_size >= 2 (it is {pp}); null turns it off",
-    )
-    world = training_world_size(cfg)
-    if world % (tp * pp * cp):
-        problems.append(
-            f"{key}: TP={tp} x PP={pp} x CP={cp} = {tp * pp * cp} must divide the {world} training "
-            "ranks (actor.num_workers); DP is the quotient"
-        )
-    if world % (tp * ep * pp):
-        problems.append(
-            f"{key}: TP={tp} x EP={ep} x PP={pp} = {tp * ep * pp} must divide the {world} training "
-            "ranks (the expert layout; expert DP is the quotient)"
-        )
-    if world % (tp * pp * cp) == 0:
-        dp = world // (tp * pp * cp)
-        sequences = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
-        problems.require(
-            sequences % dp == 0,
-            "actor.ppo_mini_batch_size",
-            cfg.actor.ppo_mini_batch_size,
-            f"x rollout.n = {sequences} sequences per optimizer step must split evenly over DP = {dp}",
-        )
-    return True
-
-
-def _check_megatron_features(cfg: Config, problems: _Problems) -> None:
-    """Features that need another setting (sequence parallelism, FP8, context parallelism,
-    overlapped gathers) and the numbers Megatron takes as they are."""
-    mg, key = cfg.actor.megatron, "actor.megatron"
-    tp, cp, ep = mg.tensor_model_parallel_size, mg.context_parallel_size, mg.expert_model_parallel_size
-    problems.require(
-        not mg.sequence_parallel or tp > 1,
-        f"{key}.sequence_parallel",
-        mg.sequence_parallel,
-        "needs tensor_model_parallel_size > 1 (it splits the sequence over the TP group)",
-    )
-    problems.require(
-        ep == 1 or tp == 1 or mg.sequence_parallel,
-        f"{key}.sequence_parallel",
-        mg.sequence_parallel,
-        "must be true when experts (EP > 1) are combined with tensor parallelism (TP > 1)",
-    )
-    te = mg.transformer_impl == "transformer_engine"
-    problems.require(
-        not mg.sequence_parallel or te,
-        f"{key}.sequence_parallel",
-        mg.sequence_parallel,
-        "needs transformer_impl=transformer_engine (its norms handle sequence-split activations)",
-    )
-    problems.require(not mg.fp8 or te, f"{key}.fp8", mg.fp8, "needs transformer_impl=transformer_engine")
-    problems.require(
-        cp == 1 or mg.sequence_packing,
-        f"{key}.context_parallel_size",
-        cp,
-        "context parallelism splits packed rows: set actor.megatron.sequence_packing=true (or use 1)",
-    )
-    problems.require(
-        not mg.overlap_param_gather or mg.use_distributed_optimizer,
-        f"{key}.overlap_param_gather",
-        mg.overlap_param_gather,
-        "needs use_distributed_optimizer=true (it gathers the optimizer's shards)",
-    )
-    problems.require(
-        mg.moe_aux_loss_coeff >= 0,
-        f"{key}.moe_aux_loss_coeff",
-        mg.moe_aux_loss_coeff,
-        "must be >= 0 (0 turns the router's load-balancing loss off)",
-    )
-    problems.require(
-        mg.ddp_bucket_size is None or mg.ddp_bucket_size > 0,
-        f"{key}.ddp_bucket_size",
-        mg.ddp_bucket_size,
-        "must be a positive number of parameters, or null for Megatron's default",
-    )
-
-
-def _check_router_replay(cfg: Config, problems: _Problems) -> None:
-    """Routing replay (docs/moe.md) lives in the Megatron worker's MoE routers; R2 records in the
-    old_log_prob pass, which bypass mode skips."""
-    mode, key = cfg.actor.megatron.router_replay, "actor.megatron.router_replay"
-    if mode == "none":
-        return
-    problems.require(
-        cfg.actor.backend == "megatron",
-        key,
-        mode,
-        "the torch (HF) worker has no routing replay: use actor.backend=megatron, or set it to none",
-    )
-    problems.require(
-        mode != "r2" or not correction_settings(cfg.algorithm.rollout_correction).bypass_mode,
-        key,
-        mode,
-        "r2 replays what the old_log_prob pass recorded, and bypass mode skips that pass: use r3 "
-        "(the engine's routing) or decoupled mode",
-    )
-
-
-def _check_placement(cfg: Config, problems: _Problems) -> None:
+def _check_placement(cfg: Config, problems: Problems) -> None:
     """What the two worker groups need of the job's GPUs (GPU mode only).
 
     Colocated, GPU ``g`` hosts training rank ``g`` and a TP slice of engine ``g // TP``, so both
@@ -343,12 +209,12 @@ def separate_groups_problems(cfg: Config) -> list[str]:
 
 def placement_problems(cfg: Config) -> list[str]:
     """Every GPU-placement problem of ``cfg`` (what ``plan`` reports)."""
-    problems = _Problems()
+    problems = Problems()
     _check_placement(cfg, problems)
     return problems + separate_groups_problems(cfg)
 
 
-def _check_data_and_rollout(cfg: Config, problems: _Problems) -> None:
+def _check_data_and_rollout(cfg: Config, problems: Problems) -> None:
     data, rollout = cfg.data, cfg.rollout
     problems.require(
         data.effective_gen_batch_size >= data.train_batch_size,
@@ -364,7 +230,7 @@ def _check_data_and_rollout(cfg: Config, problems: _Problems) -> None:
     )
 
 
-def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
+def _check_reward_and_trainer(cfg: Config, problems: Problems) -> None:
     buffer = cfg.reward.overlong_buffer
     if buffer.enable:
         problems.require(
@@ -422,18 +288,13 @@ def _check_reward_and_trainer(cfg: Config, problems: _Problems) -> None:
     )
 
 
-def raise_problems(problems: list[str]) -> None:
-    if problems:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
-
-
 def validate(cfg: Config, placement: bool = True) -> Config:
     """Raise :class:`ConfigError` listing every impossible value; return ``cfg`` if none.
 
     ``placement=False`` leaves the GPU placement to the caller: ``plan`` lists those problems
     next to the memory figures instead of refusing to load.
     """
-    problems = _Problems()
+    problems = Problems()
     if cfg.rollout.num_workers is None:  # everything after counts engines: nothing else is checked
         problems.require(
             False,
@@ -449,8 +310,8 @@ def validate(cfg: Config, placement: bool = True) -> Config:
         _check_data_and_rollout,
         _check_algorithm,
         _check_actor,
-        _check_megatron,
-        _check_router_replay,
+        check_megatron,
+        check_router_replay,
         _check_reward_and_trainer,
     ]
     for check in checks + ([_check_placement] if placement else []):

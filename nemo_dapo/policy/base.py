@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from nemo_dapo.algo.correction import CorrectionSettings
-from nemo_dapo.config.schema import OptimConfig
+from nemo_dapo.config.schema_actor import OptimConfig
 
 # model.dtype names -> the compute dtype of either backend
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

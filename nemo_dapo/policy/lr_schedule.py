@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from nemo_dapo.config.schema import OptimConfig
+from nemo_dapo.config.schema_actor import OptimConfig
 
 
 def lr_lambda(optim: OptimConfig, total_steps: int):

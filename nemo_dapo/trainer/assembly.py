@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 
 from nemo_dapo.cluster.allocator import allocator_env, keeps_freed_memory
 from nemo_dapo.config import Config
+from nemo_dapo.config.problems import raise_problems
 from nemo_dapo.config.topology import is_colocated, needs_reference, num_engines, policy_groups
-from nemo_dapo.config.validate import raise_problems, separate_groups_problems
+from nemo_dapo.config.validate import separate_groups_problems
 from nemo_dapo.model.builtin import resolve_builtin
 from nemo_dapo.policy.base import WorkerSettings
 

@@ -8,8 +8,9 @@ import os
 from pathlib import Path
 
 from nemo_dapo.config import Config
+from nemo_dapo.config.problems import raise_problems
 from nemo_dapo.config.topology import num_engines, policy_groups, total_optimizer_steps
-from nemo_dapo.config.validate import combination_notes, raise_problems
+from nemo_dapo.config.validate import combination_notes
 from nemo_dapo.trainer import assembly
 from nemo_dapo.trainer.checkpoint import CheckpointManager
 from nemo_dapo.trainer.export import export_hf, exported_from

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from nemo_dapo.config.architecture import Architecture
-from nemo_dapo.config.schema import MegatronConfig, OptimConfig
+from nemo_dapo.config.schema_actor import MegatronConfig, OptimConfig
 from nemo_dapo.config.topology import Parallelism
 from nemo_dapo.policy.megatron import model as mm
 from nemo_dapo.policy.megatron.vocab import DeferredOutputLayer

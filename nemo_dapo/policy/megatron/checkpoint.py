@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from nemo_dapo.config.schema import MegatronConfig
+from nemo_dapo.config.schema_actor import MegatronConfig
 from nemo_dapo.errors import InputError
 from nemo_dapo.policy.megatron.cpu_compat import (
     init_fallback_adam_state,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from nemo_dapo.config.schema import MegatronConfig
+from nemo_dapo.config.schema_actor import MegatronConfig
 from nemo_dapo.config.topology import Parallelism
 from nemo_dapo.policy.microbatch import MicroBatch, micro_batches, uniform_micro_batches
 from nemo_dapo.policy.packing import (

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_dapo.config.architecture import Architecture
-from nemo_dapo.config.schema import MegatronConfig
+from nemo_dapo.config.schema_actor import MegatronConfig
 from nemo_dapo.config.topology import Parallelism
 from nemo_dapo.errors import InputError
 from nemo_dapo.network import join_group

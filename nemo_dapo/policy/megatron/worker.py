@@ -25,7 +25,7 @@ import torch
 from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.algo.logprob import chunk_tokens_for
-from nemo_dapo.config.schema import MegatronConfig
+from nemo_dapo.config.schema_actor import MegatronConfig
 from nemo_dapo.config.topology import Parallelism
 from nemo_dapo.logs import configure_logging
 from nemo_dapo.policy.actor_loss import micro_batch_loss
