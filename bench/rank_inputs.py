@@ -41,6 +41,7 @@ def scored_batch(rows: int, prompt: int, response: int, group: int = 16) -> Roll
         "prompt_mask": prompt_mask,
         "responses": torch.randint(0, 151_000, (rows, response), generator=gen) * response_mask,
         "response_mask": response_mask,
+        "loss_mask": response_mask.clone(),
         "rollout_log_probs": log_probs,
         "old_log_probs": log_probs.clone(),
         "advantages": torch.randn(rows, 1, generator=gen) * response_mask,

@@ -65,6 +65,7 @@ def rollout_batch(rows=None) -> RolloutBatch:
             "prompt_mask": torch.ones_like(prompts),
             "responses": responses * response_mask,
             "response_mask": response_mask,
+            "loss_mask": response_mask.clone(),
             "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])[:, None] * response_mask,
         },
         {"uid": ["a", "a", "b", "b", "c", "c"], "finish_reason": list(REASONS)},

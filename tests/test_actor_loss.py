@@ -46,7 +46,7 @@ def test_bypass_reinforce_with_sequence_is():
 
 
 def test_decoupled_token_is_weights_enter_the_clipped_loss():
-    batch = RolloutBatch({"old_log_probs": LP, "rollout_log_probs": ROLLOUT, "response_mask": MASK.long()})
+    batch = RolloutBatch({"old_log_probs": LP, "rollout_log_probs": ROLLOUT, "loss_mask": MASK.long()})
     metrics = add_rollout_correction(batch, preset("decoupled_token_is"))
     weights = batch["is_weights"]
     assert weights[0].tolist() == pytest.approx([math.exp(0.2), 1.0])

@@ -85,6 +85,16 @@ def test_carry_over_keeps_surplus_for_next_step_and_survives_state_dict():
     assert restored.last_metrics["dapo/carried_in_groups"] == 1
 
 
+def test_groups_carried_by_a_checkpoint_without_a_loss_mask_get_one():
+    """A checkpoint written before batches were built with ``loss_mask``: the carried groups get
+    every response token as theirs, so they concatenate with the new rounds."""
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    carried = {"tensors": {"response_mask": mask}, "fields": {"uid": ["c", "c"], "acc": [1, 0]}, "meta": {}}
+    acc = GroupAccumulator(target_groups=1, carry_over=True)
+    acc.load_state_dict({"carried": carried})
+    assert torch.equal(acc.state_dict()["carried"]["tensors"]["loss_mask"], mask)
+
+
 def test_limit_raises_naming_the_knobs():
     acc = GroupAccumulator(target_groups=2, max_num_gen_batches=2)
     for _ in range(2):

@@ -5,6 +5,7 @@ Megatron's side (gathered from the last pipeline stage): tests/test_megatron_wor
 """
 
 import pytest
+import torch
 
 from nemo_dapo.algo.correction import correction_settings
 from nemo_dapo.config import load_config
@@ -52,9 +53,11 @@ def test_the_first_mini_batch_trains_as_with_the_old_log_prob_pass(tiny_model_di
     assert moved < 1e-4  # Adam's first step is ~lr * g / |g| (5e-3 here): rounding moves it a little
 
 
-def test_a_second_epoch_refuses_old_log_probs_from_the_forward():
-    with pytest.raises(ValueError, match="ppo_epochs=1 only, not 2"):
-        mini_batches_per_rank(rollout_batch(), PROMPTS_PER_MINI_BATCH, 1, 2, first_old_from_forward=True)
+def test_only_the_first_step_of_the_first_epoch_takes_old_log_probs_from_its_forward():
+    """Later epochs run on moved weights: their copy of the first mini-batch reads the pass's."""
+    (steps,) = mini_batches_per_rank(rollout_batch(), PROMPTS_PER_MINI_BATCH, 1, 2, first_old_from_forward=True)
+    assert len(steps) % 2 == 0 and [s.old_from_forward for s in steps] == [True] + [False] * (len(steps) - 1)
+    assert torch.equal(steps[len(steps) // 2].data["loss_mask"], steps[0].data["loss_mask"])
 
 
 @pytest.mark.parametrize(

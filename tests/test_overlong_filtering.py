@@ -28,7 +28,7 @@ def test_truncated_rows_get_an_empty_loss_mask():
     assert torch.equal(batch["loss_mask"][kept], batch["response_mask"][kept])
     assert torch.equal(batch["response_mask"], rollout_batch()["response_mask"])  # lengths and metrics keep them
     off = rollout_batch()
-    assert add_overlong_filter(off, config(False)) == {} and "loss_mask" not in off
+    assert add_overlong_filter(off, config(False)) == {} and torch.equal(off["loss_mask"], off["response_mask"])
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -103,7 +103,8 @@ def test_tokens_older_than_max_token_staleness_leave_the_loss_and_compose_with_o
     versions[:, :2] = 3  # every sample's first two tokens drawn two versions back
     batch.add("token_versions", versions)
     untouched = rollout_batch()
-    assert add_stale_token_mask(untouched, 5, None) == {} and "loss_mask" not in untouched
+    assert add_stale_token_mask(untouched, 5, None) == {}
+    assert torch.equal(untouched["loss_mask"], untouched["response_mask"])
     metrics = add_stale_token_mask(batch, current_version=5, max_token_staleness=1)
     response = batch["response_mask"]
     expected = response.clone()

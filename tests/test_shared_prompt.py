@@ -30,6 +30,7 @@ def grouped_batch(vocab: int = 494) -> RolloutBatch:
     responses = torch.randint(3, vocab, (rows, 6), generator=gen) * response_mask
     advantages = torch.linspace(-1.5, 1.5, rows)[:, None] * response_mask
     fields = {"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses, "response_mask": response_mask}
+    fields["loss_mask"] = response_mask.clone()
     uids = [str(row // 3) for row in range(rows)]
     return RolloutBatch({**fields, "advantages": advantages}, {"uid": uids, "finish_reason": ["stop"] * rows})
 

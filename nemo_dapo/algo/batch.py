@@ -60,6 +60,14 @@ class RolloutBatch:
         target = self.tensors if isinstance(value, torch.Tensor) else self.fields
         target[name] = value if isinstance(value, torch.Tensor) else list(value)
 
+    def narrow_loss_mask(self, keep: torch.Tensor) -> None:
+        """Take tokens out of the loss: ``loss_mask`` (every response token when the batch is built)
+        keeps only where ``keep`` ([B, R], or [B, 1] for whole rows) is true as well. The one field
+        several stages change, each only ever narrowing it (overlong filtering, stale tokens,
+        rejection sampling), so their order does not matter."""
+        mask = self.tensors["loss_mask"]
+        self.tensors["loss_mask"] = mask * keep.to(mask.dtype)
+
     def select(self, rows: Sequence[int] | torch.Tensor) -> RolloutBatch:
         index = torch.as_tensor(rows, dtype=torch.long)
         positions = index.tolist()

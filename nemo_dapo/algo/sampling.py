@@ -157,4 +157,6 @@ class GroupAccumulator:
 
     def load_state_dict(self, state: dict) -> None:
         self._carried = RolloutBatch(**state["carried"])
+        if "response_mask" in self._carried and "loss_mask" not in self._carried:  # saved before the field
+            self._carried.add("loss_mask", self._carried["response_mask"].clone())
         self._reset_round_state()

@@ -7,6 +7,8 @@ mini-batch's, so any split over ranks and micro-batches gives the same loss.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from nemo_dapo.algo.batch import RolloutBatch, group_rows
@@ -17,12 +19,6 @@ from nemo_dapo.policy.weights import own_storage
 
 # Response-aligned [B, R] fields a policy worker may need for its loss.
 WORKER_FIELDS = ("responses", "advantages", "old_log_probs", "ref_log_probs", "rollout_log_probs", "is_weights")
-
-
-def loss_mask(batch: RolloutBatch) -> torch.Tensor:
-    """The tokens the loss sees: ``loss_mask`` once a filter set one (overlong filtering, rejection
-    sampling), else every response token."""
-    return batch["loss_mask"] if "loss_mask" in batch else batch["response_mask"]
 
 
 def worker_inputs(batch: RolloutBatch) -> dict[str, torch.Tensor]:
@@ -37,7 +33,7 @@ def worker_inputs(batch: RolloutBatch) -> dict[str, torch.Tensor]:
         "input_ids": torch.cat([batch["prompts"], batch["responses"]], dim=1),
         "attention_mask": attention,
         "position_ids": position_ids,
-        "loss_mask": loss_mask(batch),
+        "loss_mask": batch["loss_mask"],
     }
     data.update({name: batch[name] for name in WORKER_FIELDS if name in batch})
     if PROMPT_ROUTING in batch:  # MoE routing replay: the experts to replay, aligned with input_ids
@@ -104,9 +100,8 @@ def mini_batches_per_rank(
     """Each mini-batch = whole prompt groups; counts are mini-batch-wide so any split is exact.
 
     ``first_old_from_forward``: the first mini-batch takes its old log-probs from its own forward
-    (:class:`MiniBatch`); only the first pass over the batch runs on unchanged weights."""
-    if first_old_from_forward and ppo_epochs != 1:
-        raise ValueError(f"old log-probs from the forward are exact for ppo_epochs=1 only, not {ppo_epochs}")
+    (:class:`MiniBatch`); only that first step runs on unchanged weights, so later epochs do not
+    (whether it is exact at all is :func:`~nemo_dapo.trainer.old_policy.rows_scored_by_update`'s to say)."""
     data = worker_inputs(batch)
     per_rank: list[list[MiniBatch]] = [[] for _ in range(world_size)]
     for index, rows in enumerate(mini_batch_rows(batch, prompts_per_mini_batch)):
@@ -116,4 +111,4 @@ def mini_batches_per_rank(
         from_forward = first_old_from_forward and index == 0
         for rank, rank_part in enumerate(shard(part, world_size)):
             per_rank[rank].append(MiniBatch(rank_part, tokens, seqs, from_forward))
-    return [mbs * ppo_epochs for mbs in per_rank]
+    return [mbs + [replace(mb, old_from_forward=False) for mb in mbs] * (ppo_epochs - 1) for mbs in per_rank]

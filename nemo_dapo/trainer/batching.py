@@ -75,6 +75,7 @@ def build_rollout_batch(
         "prompt_mask": prompt_mask,
         "responses": responses,
         "response_mask": response_mask,
+        "loss_mask": response_mask.clone(),  # narrowed by the filters (RolloutBatch.narrow_loss_mask)
         "rollout_log_probs": _pad_rows(rows_logprob, response_width, 0.0, torch.float32),
         "policy_version": torch.tensor([versions[p] for p in source], dtype=torch.long),
         "aborted": torch.tensor([reason == "abort" for reason in finish]),

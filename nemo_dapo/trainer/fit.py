@@ -218,19 +218,15 @@ class DAPOTrainer:
         """old_log_prob -> ref -> advantages -> update_actor: shared by the sync and stream trainers.
         Which rows the old policy's own pass scores, and which the update's first forward does,
         is :class:`~nemo_dapo.trainer.old_policy.OldPolicyScores`'s to say."""
-        metrics: dict[str, float] = {}
+        metrics = add_overlong_filter(batch, self.cfg)  # finish reasons alone: before any pass
         old = OldPolicyScores(batch, self.cfg, self.correction)
-        if not old.bypass:  # bypass mode: the rollout log-probs are the old policy's
-            with timer("old_log_prob"):
-                metrics.update(old.score_by_pass(self.policy, batch))
+        metrics.update(old.before_update(self.policy, batch, timer))
         if self.ref_policy is not None:
             with timer("ref"):
                 ref = self.ref_policy.compute_log_prob(batch, self.cfg.rollout.temperature)
             batch.add("ref_log_probs", ref["log_probs"])
         with timer("adv"):
             metrics.update(add_rewards(batch, self.cfg, self.kl_controller))
-            metrics.update(add_overlong_filter(batch, self.cfg))
-            metrics.update(old.correct_if_scored(batch))
             add_advantages(batch, self.cfg)
         with timer("update_actor"):
             result = self.policy.update(
@@ -242,7 +238,7 @@ class DAPOTrainer:
                 first_old_from_forward=old.first_mini_batch_by_update,
             )
         metrics.update(result.metrics)
-        metrics.update(old.take_from_update(batch, result.first_forward))
+        metrics.update(old.after_update(batch, result.first_forward))
         metrics.update(batch_metrics(batch, self.cfg))
         return metrics
 

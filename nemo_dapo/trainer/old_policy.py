@@ -6,8 +6,9 @@ mini-batch are left to the update: its first forward runs on the same weights, s
 it computes are the old ones, and a pass over those rows is saved. :class:`OldPolicyScores`
 knows which rows each source scores; the old policy's metrics and rollout correction come once
 every row is scored: before the update when the pass scored them all (decoupled correction's
-weights must reach the loss), after it otherwise. In bypass mode the rollout log-probs are the
-old policy: nothing is scored.
+weights must reach the loss), after it otherwise: the two calls :meth:`OldPolicyScores.before_update`
+and :meth:`OldPolicyScores.after_update`. In bypass mode the rollout log-probs are the old
+policy: nothing is scored.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.algo.correction import CorrectionSettings, mismatch_metrics
 from nemo_dapo.config.schema import Config
-from nemo_dapo.policy.inputs import loss_mask, mini_batch_rows
+from nemo_dapo.policy.inputs import mini_batch_rows
 from nemo_dapo.policy.microbatch import ROUTED_EXPERTS
 from nemo_dapo.policy.routing import split_routing
 from nemo_dapo.trainer.stages import add_rollout_correction
+from nemo_dapo.trainer.tracking import StageTimer
 
 # The batch fields of the old policy's scores, and the keys a log-prob pass returns them under.
 OLD_POLICY_FIELDS = {"old_log_probs": "log_probs", "old_entropy": "entropy"}
@@ -42,23 +44,26 @@ class OldPolicyScores:
     def first_mini_batch_by_update(self) -> bool:
         return self.by_update is not None
 
-    def score_by_pass(self, policy, batch: RolloutBatch) -> dict[str, float]:
-        """The old_log_prob pass over :attr:`by_pass`; the rows left to the update stay zero."""
+    def before_update(self, policy, batch: RolloutBatch, timer: StageTimer) -> dict[str, float]:
+        """The old_log_prob pass over :attr:`by_pass` (the rows left to the update stay zero); when
+        it scored every row, the old policy's metrics and rollout correction too, whose weights the
+        loss needs. Nothing in bypass mode. Runs after the filters narrowed ``loss_mask``."""
+        if self.bypass:
+            return {}
         every_row = self.by_update is None
         part = batch if every_row else batch.select(self.by_pass)
-        scored = policy.compute_log_prob(part, self.cfg.rollout.temperature) if len(self.by_pass) else {}
+        with timer("old_log_prob"):
+            scored = policy.compute_log_prob(part, self.cfg.rollout.temperature) if len(self.by_pass) else {}
         for name, key in OLD_POLICY_FIELDS.items():
             values = scored[key] if every_row else torch.zeros(batch["responses"].shape)
             if not every_row and len(self.by_pass):
                 values[self.by_pass] = scored[key]
             batch.add(name, values)
-        return add_old_log_prob_extras(batch, scored) if every_row else {}
+        if not every_row:
+            return {}
+        return {**add_old_log_prob_extras(batch, scored), **self._metrics_and_correction(batch)}
 
-    def correct_if_scored(self, batch: RolloutBatch) -> dict[str, float]:
-        """Rollout correction and the old policy's metrics, now if the pass scored every row."""
-        return {} if self.bypass or self.by_update is not None else self._metrics_and_correction(batch)
-
-    def take_from_update(self, batch: RolloutBatch, first_forward: dict[str, torch.Tensor] | None) -> dict[str, float]:
+    def after_update(self, batch: RolloutBatch, first_forward: dict[str, torch.Tensor] | None) -> dict[str, float]:
         """The update's first forward completes the rows it scored; then the old policy's metrics
         (no correction weights are due: :func:`rows_scored_by_update` leaves none configured)."""
         if self.by_update is None:
@@ -88,7 +93,7 @@ def add_old_log_prob_extras(batch: RolloutBatch, out: dict[str, torch.Tensor]) -
             batch.add(name, half)
     if "own_log_probs" not in out:
         return {}
-    own = mismatch_metrics(out["own_log_probs"], batch["rollout_log_probs"], loss_mask(batch).float())
+    own = mismatch_metrics(out["own_log_probs"], batch["rollout_log_probs"], batch["loss_mask"].float())
     return {mn.NO_REPLAY_PREFIX + name.removeprefix("rollout_corr/"): value for name, value in own.items()}
 
 

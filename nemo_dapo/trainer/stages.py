@@ -14,7 +14,6 @@ from nemo_dapo.algo.correction import CorrectionSettings, apply_rollout_correcti
 from nemo_dapo.algo.kl import apply_kl_in_reward
 from nemo_dapo.algo.metrics import data_metrics
 from nemo_dapo.config.schema import Config
-from nemo_dapo.policy.inputs import loss_mask
 from nemo_dapo.reward.manager import RewardManager
 
 
@@ -57,8 +56,7 @@ def add_overlong_filter(batch: RolloutBatch, cfg: Config) -> dict[str, float]:
     if not cfg.algorithm.overlong_filtering:
         return {}
     truncated = torch.tensor([reason == "length" for reason in batch["finish_reason"]])
-    kept = (~truncated).to(batch["response_mask"].dtype)[:, None]
-    batch.add("loss_mask", loss_mask(batch) * kept, overwrite="loss_mask" in batch)
+    batch.narrow_loss_mask(~truncated[:, None])
     return {mn.OVERLONG_FILTERED.name: float(truncated.float().mean())}
 
 
@@ -69,7 +67,7 @@ def add_stale_token_mask(batch: RolloutBatch, current_version: int, max_token_st
     if max_token_staleness is None or "token_versions" not in batch:
         return {}
     fresh = (current_version - batch["token_versions"] <= max_token_staleness).to(batch["response_mask"].dtype)
-    batch.add("loss_mask", loss_mask(batch) * fresh, overwrite="loss_mask" in batch)
+    batch.narrow_loss_mask(fresh)
     drawn = batch["response_mask"].bool()
     return {mn.STALE_TOKEN_FRACTION.name: float(1.0 - fresh[drawn].float().mean())}
 
@@ -80,12 +78,12 @@ def add_rollout_correction(batch: RolloutBatch, settings: CorrectionSettings) ->
     Without any correction configured this still measures the train/rollout mismatch.
     """
     weights, kept, metrics = apply_rollout_correction(
-        batch["old_log_probs"], batch["rollout_log_probs"], loss_mask(batch).float(), settings
+        batch["old_log_probs"], batch["rollout_log_probs"], batch["loss_mask"].float(), settings
     )
     if weights is not None:
         batch.add("is_weights", weights)
-    if settings.rollout_rs:  # narrows the overlong filter's mask when both are on
-        batch.add("loss_mask", kept.long(), overwrite=True)
+    if settings.rollout_rs:
+        batch.narrow_loss_mask(kept)
     return metrics
 
 
