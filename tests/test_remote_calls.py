@@ -22,7 +22,7 @@ def test_a_silent_or_dead_worker_fails_the_call_naming_group_call_and_rank(local
         WorkerGroup(Napper, 2, name=name, num_cpus_per_worker=0.5, call_timeout_s=3) for name in ("stuck", "crashed")
     )
     try:
-        assert stuck.call_all("nap", 0.1) == [0, 1]
+        assert stuck.call_all(Napper.nap, 0.1) == [0, 1]
         served = {int(group._rendezvous.url.rsplit(":", 1)[1]) for group in (stuck, crashed)}
         assert served <= store_ports() - before and all(
             group._rendezvous.url.startswith("tcp://127.0.0.1:") for group in (stuck, crashed)
@@ -32,9 +32,9 @@ def test_a_silent_or_dead_worker_fails_the_call_naming_group_call_and_rank(local
             match=r"stuck\.nap: rank\(s\) \[1\] gave no answer within 3 s "
             r"\(trainer\.remote_timeout_s\); their logs: /\S+/logs",
         ):
-            stuck.call_all("nap", 60)
+            stuck.call_all(Napper.nap, 60)
         with pytest.raises(RemoteCallError, match=r"crashed\.die: a worker died \(\w+"):
-            crashed.call_all("die")
+            crashed.call_all(Napper.die)
     finally:
         stuck.shutdown()
         crashed.shutdown()

@@ -21,10 +21,10 @@ from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.cluster.worker_group import WorkerGroup
 from nemo_dapo.digest import digest_files, shares_by_size
 from nemo_dapo.errors import RemoteCallError
-from nemo_dapo.policy.base import LossSettings, UpdateResult
+from nemo_dapo.policy.base import LossSettings, PolicyWorker, UpdateResult
 from nemo_dapo.policy.inputs import mini_batches_per_rank, shard, worker_inputs
 from nemo_dapo.policy.microbatch import ROUTED_EXPERTS
-from nemo_dapo.rollout.base import Generation, SamplingSettings
+from nemo_dapo.rollout.base import Generation, RolloutWorker, SamplingSettings
 
 log = logging.getLogger(__name__)
 # Weight buckets a policy rank may gather ahead of the engines (and each engine's queue depth).
@@ -40,7 +40,7 @@ class PolicyGroup:
 
     def __init__(self, workers: WorkerGroup) -> None:
         self.workers = workers
-        layout = workers.call_all("data_parallel_layout")
+        layout = workers.call_all(PolicyWorker.data_parallel_layout)
         self.dp_size = layout[0][1]
         self._dp_rank = [dp_rank for dp_rank, _ in layout]
         self._leaders = [self._dp_rank.index(r) for r in range(self.dp_size)]
@@ -66,7 +66,7 @@ class PolicyGroup:
 
     def compute_log_prob(self, batch: RolloutBatch, temperature: float) -> dict[str, torch.Tensor]:
         shards = self._send("compute_log_prob", shard(worker_inputs(batch), self.dp_size))
-        results = self.workers.call_each("compute_log_prob", [(s, temperature) for s in shards])
+        results = self.workers.call_each(PolicyWorker.compute_log_prob, [(s, temperature) for s in shards])
         width = batch["responses"].shape[1]
         leaders = [results[i] for i in self._leaders]
         # [B, R] results are cut to the batch's response width; routing ([B, P + R, L, K]) is whole
@@ -90,7 +90,7 @@ class PolicyGroup:
             batch, prompts_per_mini_batch, self.dp_size, ppo_epochs, first_old_from_forward
         )
         results = self.workers.call_each(
-            "update", [(mbs, settings, correction) for mbs in self._send("update", per_replica)]
+            PolicyWorker.update, [(mbs, settings, correction) for mbs in self._send("update", per_replica)]
         )
         leaders = [results[i] for i in self._leaders]
         # per optimizer step, the replicas' parts combine into one value (a SUM metric: each holds
@@ -126,18 +126,18 @@ class PolicyGroup:
             yield from stream
 
     def save(self, path: str, asynchronous: bool = False) -> None:
-        self.workers.call_all("save", path, asynchronous)
+        self.workers.call_all(PolicyWorker.save, path, asynchronous)
 
     def finish_save(self, blocking: bool = True) -> bool:
         """Whether every rank has finished writing (all ranks take part in the check)."""
-        return all(self.workers.call_all("finish_save", blocking))
+        return all(self.workers.call_all(PolicyWorker.finish_save, blocking))
 
     def load(self, path: str) -> None:
-        self.workers.call_all("load", path)
+        self.workers.call_all(PolicyWorker.load, path)
 
     def release_memory(self) -> int:
         """Bytes of cached GPU memory the ranks gave back (see ``PolicyWorker.release_memory``)."""
-        return sum(self.workers.call_all("release_memory"))
+        return sum(self.workers.call_all(PolicyWorker.release_memory))
 
     def digest_files(self, folder: Path, names: Sequence[str]) -> dict[str, str]:
         """A checkpoint's file digests, computed by the ranks in parallel on their own nodes, each
@@ -199,7 +199,7 @@ class RolloutGroup:
     def _send(self, request: GenerationRequest, rank: int, start: int, stop: int) -> EngineShare:
         if rank in self._cold:
             self.warm_up(rank)
-        ref = self.workers.workers[rank].generate.remote(request.prompts[start:stop], request.sampling)
+        ref = self.workers.submit(rank, RolloutWorker.generate, request.prompts[start:stop], request.sampling)
         return EngineShare(rank, start, stop, ref)
 
     def collect(self, request: GenerationRequest, regenerate: bool = True) -> list[Generation | None]:
@@ -252,10 +252,10 @@ class RolloutGroup:
 
     def sleep(self) -> None:
         """Engines release their GPU memory to the colocated training ranks (no-op where they can't)."""
-        self.workers.call_all("sleep")
+        self.workers.call_all(RolloutWorker.sleep)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        self.workers.call_all("wake_up", tags)
+        self.workers.call_all(RolloutWorker.wake_up, tags)
 
     def update_weights(self, bucket_refs: Iterable, version: int, ranks: list[int] | None = None) -> None:
         """Stream weight buckets (object refs) into the engines (``ranks``; all by default) as they
@@ -268,7 +268,7 @@ class RolloutGroup:
         syncing = {
             rank: (
                 self._weight_queues()[rank],
-                self.workers.workers[rank].receive_weights.remote(self._weight_queues()[rank], version),
+                self.workers.submit(rank, RolloutWorker.receive_weights, self._weight_queues()[rank], version),
             )
             for rank in ranks
         }

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from nemo_dapo.cluster.groups import RolloutGroup
 from nemo_dapo.cluster.worker_group import Deadline
 from nemo_dapo.errors import RemoteCallError
-from nemo_dapo.rollout.base import SamplingSettings, StreamedGroup, StreamStats
+from nemo_dapo.rollout.base import RolloutWorker, SamplingSettings, StreamedGroup, StreamStats
 
 log = logging.getLogger(__name__)
 SLOWEST_STEPS = 10  # a stream call waits this many of the slowest engine step seen so far ...
@@ -57,7 +57,7 @@ class StreamingEngines:
 
     def _start(self, ranks: list[int]) -> None:
         workers = self.rollout.workers
-        refs = [workers.workers[r].start_stream.remote(self.max_inflight, self.kv_after_update) for r in ranks]
+        refs = [workers.submit(r, RolloutWorker.start_stream, self.max_inflight, self.kv_after_update) for r in ranks]
         workers.gather(refs, "start_stream")
 
     def add(self, groups: list[tuple[str, list[int]]]) -> None:
@@ -77,7 +77,7 @@ class StreamingEngines:
     def _send(self, per_rank: dict[int, list[tuple[str, list[int]]]]) -> None:
         workers = self.rollout.workers
         ranks = list(per_rank)
-        refs = [workers.workers[r].stream_add.remote(per_rank[r], self.sampling) for r in ranks]
+        refs = [workers.submit(r, RolloutWorker.stream_add, per_rank[r], self.sampling) for r in ranks]
         for rank, outcome in zip(ranks, workers.settle(refs, "stream_add", ranks, self._deadline())):
             if isinstance(outcome, RemoteCallError):
                 self._recover(rank, outcome)
@@ -87,7 +87,7 @@ class StreamingEngines:
         self._recover_replaced()
         workers = self.rollout.workers
         ranks = list(range(workers.world_size))
-        refs = [workers.workers[r].stream_take.remote(wait_s) for r in ranks]
+        refs = [workers.submit(r, RolloutWorker.stream_take, wait_s) for r in ranks]
         finished = []
         for rank, outcome in zip(ranks, workers.settle(refs, "stream_take", ranks, self._deadline(wait_s))):
             if isinstance(outcome, RemoteCallError):
@@ -104,7 +104,7 @@ class StreamingEngines:
         self._recover_replaced()
         workers = self.rollout.workers
         ranks = list(range(workers.world_size))
-        refs = [workers.workers[r].stream_stats.remote() for r in ranks]
+        refs = [workers.submit(r, RolloutWorker.stream_stats) for r in ranks]
         stats = []
         for rank, outcome in zip(ranks, workers.settle(refs, "stream_stats", ranks, self._deadline())):
             if isinstance(outcome, RemoteCallError):

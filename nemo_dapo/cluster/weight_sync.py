@@ -18,6 +18,8 @@ import logging
 
 from nemo_dapo.cluster.groups import PolicyGroup, RolloutGroup
 from nemo_dapo.errors import RemoteCallError
+from nemo_dapo.policy.base import PolicyWorker
+from nemo_dapo.rollout.base import RolloutWorker
 
 log = logging.getLogger(__name__)
 GLOO_DEFAULT_TIMEOUT_S = 1800.0  # gloo's own default, where the engines' calls have no deadline
@@ -44,7 +46,7 @@ class CollectiveSync(ObjectStoreSync):
         engines = self.rollout.workers
         ranks = list(range(engines.world_size))
         receiving = [worker.receive_collective.remote(version) for worker in engines.workers]
-        reports = self.policy.workers.call_all("send_weights", self.bucket_bytes)
+        reports = self.policy.workers.call_all(PolicyWorker.send_weights, self.bucket_bytes)
         self.sent_bytes = sum(report["sent_bytes"] for report in reports)
         errors = [report["error"] for report in reports if report["error"]]
         if errors:  # the senders left their groups: every engine still receiving fails now
@@ -64,10 +66,10 @@ class CollectiveSync(ObjectStoreSync):
         replaced (one restart for all that failed), the senders left."""
         self._disconnect()
         engines = self.rollout.workers
-        built = engines.call_all("weight_transfer_backend")
+        built = engines.call_all(RolloutWorker.weight_transfer_backend)
         if any(backend != "gloo" for backend in built):  # they would never join: the senders would wait
             raise RuntimeError(f"rollout.weight_transfer=gloo, but the engines were built for {built}")
-        rendezvous = [url for url in self.policy.workers.call_all("open_weight_transfer") if url]
+        rendezvous = [url for url in self.policy.workers.call_all(PolicyWorker.open_weight_transfer) if url]
         world_size = 1 + engines.world_size
         timeout_s = engines.call_deadline.seconds or GLOO_DEFAULT_TIMEOUT_S
         joining = [
@@ -81,7 +83,9 @@ class CollectiveSync(ObjectStoreSync):
             )
             for rank, worker in enumerate(engines.workers)
         ]
-        errors = [e for e in self.policy.workers.call_all("join_weight_transfer", world_size, timeout_s) if e]
+        errors = [
+            e for e in self.policy.workers.call_all(PolicyWorker.join_weight_transfer, world_size, timeout_s) if e
+        ]
         ranks = list(range(engines.world_size))
         failed = [
             (rank, outcome)
@@ -90,14 +94,14 @@ class CollectiveSync(ObjectStoreSync):
         ]
         self.rollout.replace_failed(failed, "joining the weight transfer", one_failure=True)
         if errors or failed:
-            self.policy.workers.call_all("close_weight_transfer")
+            self.policy.workers.call_all(PolicyWorker.close_weight_transfer)
             return False
         self._members = self._engines()
         return True
 
     def _disconnect(self) -> None:
         if self._members is not None:
-            self.policy.workers.call_all("close_weight_transfer")
+            self.policy.workers.call_all(PolicyWorker.close_weight_transfer)
             self._members = None
 
 

@@ -11,13 +11,15 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from nemo_dapo.cluster.placement import Slot, own_slots
 from nemo_dapo.errors import EngineFailure, RemoteCallError
 from nemo_dapo.network import Rendezvous, node_address
 
 log = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -131,15 +133,24 @@ class WorkerGroup:
         self.workers[rank] = self._start(rank)
         self.gather([self.workers[rank].ready.remote()], "ready", self.start_deadline)
 
-    def call_all(self, method: str, *args, **kwargs) -> list[Any]:
-        """The same call on every worker; results in rank order."""
-        return self.gather([getattr(w, method).remote(*args, **kwargs) for w in self.workers], method)
+    def call_all(self, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """The same call on every worker; results in rank order. ``method`` is the interface's
+        (``PolicyWorker.save``): the type checker holds the arguments to it, and a reader goes
+        from here to the worker's code."""
+        name = method.__name__
+        return self.gather([getattr(w, name).remote(*args, **kwargs) for w in self.workers], name)
 
-    def call_each(self, method: str, per_rank_args: Sequence[tuple]) -> list[Any]:
+    def call_each(self, method: Callable[..., R], per_rank_args: Sequence[tuple]) -> list[R]:
         """Rank r gets ``per_rank_args[r]``; results in rank order."""
         if len(per_rank_args) != self.world_size:
             raise ValueError(f"{self.name}: {len(per_rank_args)} argument sets for {self.world_size} workers")
-        return self.gather([getattr(w, method).remote(*args) for w, args in zip(self.workers, per_rank_args)], method)
+        name = method.__name__
+        return self.gather([getattr(w, name).remote(*args) for w, args in zip(self.workers, per_rank_args)], name)
+
+    def submit(self, rank: int, method: Callable[Concatenate[Any, P], Any], *args: P.args, **kwargs: P.kwargs) -> Any:
+        """Rank ``rank``'s call to the interface's ``method``, not waited on: its Ray object ref
+        (:meth:`gather` it)."""
+        return getattr(self.workers[rank], method.__name__).remote(*args, **kwargs)
 
     def run_each(self, function: Callable, per_rank_args: Sequence[tuple]) -> list[Any]:
         """``function(*per_rank_args[r])`` in rank r's process (beside its worker, on its node);
