@@ -122,6 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     from nemo_dapo.cluster.weight_sync import CollectiveSync, ObjectStoreSync
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
+    from nemo_dapo.rollout.base import EngineSettings
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
     folder = Path(tempfile.mkdtemp(prefix="weight_sync_"))
@@ -140,10 +141,8 @@ def main() -> None:
                 },
             )
         )
-        engine = {"model_path": str(folder), "max_model_len": 256, "tensor_parallel_size": args.engine_tp}
-        rollout = RolloutGroup(
-            WorkerGroup(VLLMRolloutWorker, 1, name="rollout", worker_kwargs=engine | {"weight_transfer": "gloo"})
-        )
+        engine = EngineSettings(str(folder), 256, tensor_parallel_size=args.engine_tp, weight_transfer="gloo")
+        rollout = RolloutGroup(WorkerGroup(VLLMRolloutWorker, 1, name="rollout", worker_kwargs={"settings": engine}))
         paths = {
             "object_store": ObjectStoreSync(policy, rollout, bucket_bytes),
             "gloo": CollectiveSync(policy, rollout, bucket_bytes),

@@ -38,7 +38,7 @@ def evaluate(
     from nemo_dapo.data import RLDataset
     from nemo_dapo.model.tokenizer import load_tokenizer
     from nemo_dapo.reward.manager import RewardManager
-    from nemo_dapo.rollout.base import SamplingSettings
+    from nemo_dapo.rollout.base import EngineSettings, SamplingSettings
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
     from nemo_dapo.trainer.batching import batch_from_items
     from nemo_dapo.trainer.stages import score_batch
@@ -67,9 +67,7 @@ def evaluate(
                 kept.append(item)
         items = kept
         log.info("%d distinct problems of %d rows", len(items), len(dataset))
-    engine = VLLMRolloutWorker(
-        rank=0, world_size=1, rendezvous="", model_path=model, max_model_len=prompt_budget + response_budget
-    )
+    engine = VLLMRolloutWorker(0, 1, "", EngineSettings(model, max_model_len=prompt_budget + response_budget))
     generations = engine.generate(
         [it["prompt_ids"] for it in items],
         SamplingSettings(n=n, temperature=temperature, top_p=top_p, max_tokens=response_budget),

@@ -7,7 +7,7 @@ from nemo_dapo.cluster.weight_sync import CollectiveSync
 from nemo_dapo.config.schema_actor import OptimConfig
 from nemo_dapo.digest import digest_files
 from nemo_dapo.policy.base import LossSettings, WorkerSettings
-from nemo_dapo.rollout.base import RolloutWorker, SamplingSettings
+from nemo_dapo.rollout.base import EngineSettings, RolloutWorker, SamplingSettings
 from nemo_dapo.trainer.batching import build_rollout_batch
 from tests.listeners import is_loopback, our_listeners
 
@@ -37,8 +37,10 @@ def rollout_group(model_dir, tp=1, engines=1):
     from nemo_dapo.cluster.worker_group import WorkerGroup
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
-    kwargs = {"model_path": str(model_dir), "max_model_len": 128, "tensor_parallel_size": tp, "weight_transfer": "gloo"}
-    return RolloutGroup(WorkerGroup(VLLMRolloutWorker, engines, name=f"rollout_tp{tp}", worker_kwargs=kwargs))
+    settings = EngineSettings(str(model_dir), 128, tensor_parallel_size=tp, weight_transfer="gloo")
+    return RolloutGroup(
+        WorkerGroup(VLLMRolloutWorker, engines, name=f"rollout_tp{tp}", worker_kwargs={"settings": settings})
+    )
 
 
 def chat_prompts(tokenizer, questions):

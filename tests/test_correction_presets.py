@@ -25,6 +25,7 @@ def components(local_ray, tiny_model_dir, tiny_tokenizer):
     from nemo_dapo.data import RLDataset
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
     from nemo_dapo.reward.manager import RewardManager
+    from nemo_dapo.rollout.base import EngineSettings
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
     cfg = resolve_paths(load_config("tiny_cpu"))
@@ -38,7 +39,7 @@ def components(local_ray, tiny_model_dir, tiny_tokenizer):
     )
     rollout = RolloutGroup(
         WorkerGroup(
-            VLLMRolloutWorker, 1, name="rollout", worker_kwargs={"model_path": cfg.model.path, "max_model_len": 128}
+            VLLMRolloutWorker, 1, name="rollout", worker_kwargs={"settings": EngineSettings(cfg.model.path, 128)}
         )
     )
     data = RLDataset(cfg.data.train_files, tiny_tokenizer, max_prompt_length=64)

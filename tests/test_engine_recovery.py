@@ -17,7 +17,7 @@ import torch
 
 from nemo_dapo.config.schema_actor import OptimConfig
 from nemo_dapo.policy.base import LossSettings, WorkerSettings
-from nemo_dapo.rollout.base import SamplingSettings
+from nemo_dapo.rollout.base import EngineSettings, SamplingSettings
 from nemo_dapo.trainer.batching import build_rollout_batch
 from tests.flaky_worker import break_engine
 
@@ -48,7 +48,7 @@ def groups(local_ray, tiny_model_dir):
         VLLMRolloutWorker,
         2,
         name="rollout",
-        worker_kwargs={"model_path": str(tiny_model_dir), "max_model_len": 128, "weight_transfer": "gloo"},
+        worker_kwargs={"settings": EngineSettings(str(tiny_model_dir), 128, weight_transfer="gloo")},
         call_timeout_s=TIMEOUT_S,
         timeout_key="rollout.timeout_s",
         start_timeout_s=300,

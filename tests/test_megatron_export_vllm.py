@@ -26,7 +26,7 @@ def greedy_after_export(rank: int, world_size: int, model_dir: str, out_file: st
     from nemo_dapo.config.schema_actor import OptimConfig
     from nemo_dapo.policy.megatron.model import read_hf_weights
     from nemo_dapo.policy.megatron.worker import MegatronPolicyWorker
-    from nemo_dapo.rollout.base import SamplingSettings
+    from nemo_dapo.rollout.base import EngineSettings, SamplingSettings
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -57,7 +57,7 @@ def greedy_after_export(rank: int, world_size: int, model_dir: str, out_file: st
     names_equal = {name for bucket in exported for name, _ in bucket} == set(checkpoint)
     tensors_equal = all(torch.equal(tensor, checkpoint[name]) for bucket in exported for name, tensor in bucket)
 
-    engine = VLLMRolloutWorker(0, 1, "", model_dir, max_model_len=128)
+    engine = VLLMRolloutWorker(0, 1, "", EngineSettings(model_dir, max_model_len=128))
     greedy = SamplingSettings(n=1, temperature=0.0, max_tokens=12)
 
     def answers(weights=None, version=0):

@@ -7,7 +7,7 @@ from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.config.schema_actor import OptimConfig
 from nemo_dapo.policy.base import LossSettings, WorkerSettings
 from nemo_dapo.policy.inputs import mini_batches_per_rank, worker_inputs
-from nemo_dapo.rollout.base import SamplingSettings
+from nemo_dapo.rollout.base import EngineSettings, SamplingSettings
 from nemo_dapo.trainer.batching import build_rollout_batch
 
 TOLERANCE = 1e-4  # float32 on both sides; observed max |diff| ~ 3e-6
@@ -21,7 +21,7 @@ def engines(tiny_model_dir):
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
     compiled_before = counters["frames"]["total"]
-    engine = VLLMRolloutWorker(0, 1, "", str(tiny_model_dir), max_model_len=128)
+    engine = VLLMRolloutWorker(0, 1, "", EngineSettings(str(tiny_model_dir), max_model_len=128))
     engine.compiled_frames = counters["frames"]["total"] - compiled_before  # its start returned log-probs
     policy = TorchPolicyWorker(0, 1, "", WorkerSettings(str(tiny_model_dir), OptimConfig(lr=1e-2, warmup_steps=0)))
     return engine, policy

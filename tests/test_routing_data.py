@@ -136,12 +136,12 @@ ENGINE_SCRIPT = """
 import sys, time, torch
 from safetensors.torch import load_file
 from nemo_dapo.policy.inputs import worker_inputs
-from nemo_dapo.rollout.base import SamplingSettings
+from nemo_dapo.rollout.base import EngineSettings, SamplingSettings
 from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 from nemo_dapo.trainer.batching import build_rollout_batch
 
 model_dir, out = sys.argv[1:]
-engine = VLLMRolloutWorker(0, 1, "", model_dir, max_model_len=128, return_routing=True)
+engine = VLLMRolloutWorker(0, 1, "", EngineSettings(model_dir, max_model_len=128, return_routing=True))
 prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
 generations = engine.generate(prompts, SamplingSettings(n=2, temperature=1.0, max_tokens=8, seed=3))
 torch.save(worker_inputs(build_rollout_batch(prompts, generations, {}, "t", 0, 0)), out + "/generate.pt")

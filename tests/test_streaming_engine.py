@@ -10,7 +10,7 @@ import torch
 from nemo_dapo.config.schema_actor import OptimConfig
 from nemo_dapo.policy.base import WorkerSettings
 from nemo_dapo.policy.inputs import worker_inputs
-from nemo_dapo.rollout.base import SamplingSettings
+from nemo_dapo.rollout.base import EngineSettings, SamplingSettings
 from nemo_dapo.trainer.batching import build_rollout_batch
 
 pytestmark = pytest.mark.quiet  # an engine's starved and busy time
@@ -38,7 +38,7 @@ def policies(tiny_model_dir):
 def streaming_engine(tiny_model_dir, kv_after_update: str):
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
-    engine = VLLMRolloutWorker(0, 1, "", str(tiny_model_dir), max_model_len=256)
+    engine = VLLMRolloutWorker(0, 1, "", EngineSettings(str(tiny_model_dir), max_model_len=256))
     engine.start_stream(max_inflight=16, kv_after_update=kv_after_update)
     return engine
 
@@ -124,7 +124,7 @@ def test_the_prefix_cache_serves_no_keys_of_older_weights(tiny_model_dir, tiny_t
 def test_groups_beyond_max_inflight_wait_in_the_engine_and_enter_as_slots_free(tiny_model_dir, tiny_tokenizer):
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
-    engine = VLLMRolloutWorker(0, 1, "", str(tiny_model_dir), max_model_len=256)
+    engine = VLLMRolloutWorker(0, 1, "", EngineSettings(str(tiny_model_dir), max_model_len=256))
     engine.start_stream(max_inflight=RAMBLING.n, kv_after_update="recompute")  # one group at a time
     ids = prompt_ids(tiny_tokenizer, ["12+3", "45-7", "8+8"])
     engine.stream_add([(k, p) for k, p in zip("abc", ids)], RAMBLING)

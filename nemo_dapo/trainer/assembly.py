@@ -15,6 +15,7 @@ from nemo_dapo.config.topology import is_colocated, needs_reference, num_engines
 from nemo_dapo.config.validate import separate_groups_problems
 from nemo_dapo.model.builtin import resolve_builtin
 from nemo_dapo.policy.base import WorkerSettings
+from nemo_dapo.rollout.base import EngineSettings
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -114,21 +115,21 @@ def _rollout_workers(cfg: Config, shared: SharedGPUs | None) -> WorkerGroup:
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
     tp = cfg.rollout.tensor_parallel_size
-    kwargs = {
-        "model_path": cfg.model.path,
-        "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
-        "dtype": cfg.model.dtype,
-        "seed": cfg.trainer.seed,
-        "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
-        "tensor_parallel_size": tp,
-        "enforce_eager": cfg.rollout.enforce_eager,
-        "enable_sleep_mode": shared is not None,
-        "distributed_executor_backend": SharedGPUs.engine_executor(tp) if shared else None,
-        "num_threads": cfg.trainer.cpu_threads_per_worker,
-        "workers_per_node": workers_per_node(cfg, num_engines(cfg), gpus_per_worker=tp),
-        "return_routing": cfg.actor.backend == "megatron" and cfg.actor.megatron.router_replay == "r3",
-        "weight_transfer": cfg.rollout.weight_transfer,
-    }
+    settings = EngineSettings(
+        model_path=cfg.model.path,
+        max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+        dtype=cfg.model.dtype,
+        seed=cfg.trainer.seed,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        tensor_parallel_size=tp,
+        enforce_eager=cfg.rollout.enforce_eager,
+        enable_sleep_mode=shared is not None,
+        distributed_executor_backend=SharedGPUs.engine_executor(tp) if shared else None,
+        num_threads=cfg.trainer.cpu_threads_per_worker,
+        workers_per_node=workers_per_node(cfg, num_engines(cfg), gpus_per_worker=tp),
+        return_routing=cfg.actor.backend == "megatron" and cfg.actor.megatron.router_replay == "r3",
+        weight_transfer=cfg.rollout.weight_transfer,
+    )
     gpus = tp if cfg.trainer.n_gpus_per_node > 0 else 0
     slots = shared.engine_slots(num_engines(cfg), tp) if shared else None
     own_timeout = cfg.rollout.timeout_s is not None
@@ -137,7 +138,7 @@ def _rollout_workers(cfg: Config, shared: SharedGPUs | None) -> WorkerGroup:
         num_engines(cfg),
         name="rollout",
         num_gpus_per_worker=gpus,
-        worker_kwargs=kwargs,
+        worker_kwargs={"settings": settings},
         slots=slots,
         env=_start_env(cfg, gpus),
         call_timeout_s=cfg.rollout.timeout_s if own_timeout else cfg.trainer.remote_timeout_s,
