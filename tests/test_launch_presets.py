@@ -77,7 +77,7 @@ def test_environment_sets_model_and_data_paths(monkeypatch):
     "overrides,message",
     [
         (["actor.megatron.tensor_model_parallel_size=3"], r"TP=3 x PP=2 x CP=1 = 6 must divide the 128"),
-        (["actor.megatron.expert_model_parallel_size=3"], r"TP=8 x EP=3 x PP=2 = 48 must divide the 128"),
+        (["actor.megatron.expert_model_parallel_size=3"], r"ETP=8 x EP=3 x PP=2 = 48 must divide the 128"),
         (
             ["actor.megatron.tensor_model_parallel_size=1", "actor.megatron.pipeline_model_parallel_size=8"],
             r"actor\.megatron\.sequence_parallel=True: needs tensor_model_parallel_size > 1",

@@ -275,3 +275,57 @@ def test_dense_qwen3_matches_torch_worker(tmp_path, qwen3_dir):
     result = megatron_run(tmp_path, qwen3_dir)
     assert_matches_torch(result, torch_reference(qwen3_dir))
     assert_exports_checkpoint(result["loaded"], qwen3_dir)
+
+
+LAYOUTS = [  # (TP, ETP or None for TP, EP, PP, world)
+    (2, None, 8, 1, 128),
+    (2, 1, 8, 1, 128),
+    (1, None, 4, 2, 16),
+    (4, 2, 2, 2, 32),
+    (2, 1, 4, 1, 8),
+]
+
+
+@pytest.mark.parametrize("tp,etp,ep,pp,world", LAYOUTS)
+def test_expert_groups_are_megatron_cores(tp, etp, ep, pp, world):
+    """The arithmetic the start-up check uses gives megatron-core's own expert-parallel groups."""
+    from megatron.core.parallel_state import RankGenerator
+
+    parallel = Parallelism(tensor=tp, pipeline=pp, expert=ep, expert_tensor=etp)
+    edp = world // (parallel.etp * ep * pp)
+    theirs = RankGenerator(tp=parallel.etp, ep=ep, dp=edp, pp=pp, cp=1, order="tp-cp-ep-dp-pp", rank_offset=0)
+    assert sorted(map(tuple, parallel.expert_groups(world))) == sorted(map(tuple, theirs.get_ranks("ep")))
+
+
+def test_the_moe_preset_keeps_each_expert_group_in_a_node_and_a_crossing_is_named():
+    from nemo_dapo.config import load_config
+    from nemo_dapo.config.topology import expert_groups_across_nodes
+    from nemo_dapo.config.validate import combination_notes
+
+    preset = load_config("dapo_qwen3_30b_a3b")
+    assert preset.actor.megatron.expert_tensor_parallel_size == 1 and expert_groups_across_nodes(preset) == []
+    assert not any("expert-parallel groups span nodes" in note for note in combination_notes(preset))
+    crossing = load_config("dapo_qwen3_30b_a3b", ["actor.megatron.expert_tensor_parallel_size=null"])
+    assert len(expert_groups_across_nodes(crossing)) == 16  # ETP = TP = 2: ranks 0, 2, ..., 14 on two nodes
+    (note,) = [n for n in combination_notes(crossing) if "span nodes" in n]
+    assert "ranks [0, 2, 4, 6, 8, 10, 12, 14] with 8 GPUs per node" in note and "ETP=2 x EP=8" in note
+
+
+def run_group_sizes(rank: int, world_size: int, rendezvous: str, out_dir: str) -> None:
+    from megatron.core import parallel_state as ps
+
+    from nemo_dapo.policy.megatron import model as mm
+    from nemo_dapo.policy.megatron.cpu_compat import enable_cpu_compat
+
+    enable_cpu_compat()
+    mm.init_distributed(rank, world_size, rendezvous, Parallelism(tensor=2, expert_tensor=1), seed=1)
+    sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size())
+    torch.save(sizes, f"{out_dir}/rank{rank}.pt")
+
+
+def test_the_workers_pass_expert_tensor_parallelism_to_megatron_core(tmp_path):
+    """ETP=1 beside TP=2 reaches megatron-core's groups (without it ETP would be TP's 2)."""
+    from tests.ranks import spawn
+
+    spawn(run_group_sizes, 2, str(tmp_path / "rdv"), str(tmp_path))
+    assert [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)] == [(2, 1), (2, 1)]

@@ -54,7 +54,11 @@ def test_text_report_states_memory_and_verdict(capsys):
 
 def test_moe_preset_fits(capsys):
     code, plan, _ = run_plan(capsys, "dapo_qwen3_30b_a3b")
-    assert code == 0 and plan["expert_dp"] == 8 and plan["training"]["total"] < 80
+    assert code == 0 and plan["expert_dp"] == 16 and plan["training"]["total"] < 80 and plan["warnings"] == []
+    # ETP = TP = 2 (megatron-core's default) spreads each EP=8 group over two nodes: said, not refused
+    code, plan, err = run_plan(capsys, "dapo_qwen3_30b_a3b", "actor.megatron.expert_tensor_parallel_size=null")
+    assert code == 0 and plan["fits"] and "16 expert-parallel groups span nodes" in err
+    assert [w for w in plan["warnings"] if "span nodes" in w] and plan["expert_dp"] == 8
 
 
 def test_no_model_parallelism_for_32b_is_refused(capsys):

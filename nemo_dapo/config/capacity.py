@@ -8,7 +8,7 @@ memory go" before a 128-GPU job is queued. Conventions (bytes; ``e`` = bytes of 
   by DP with the distributed optimizer (by expert DP for expert weights).
 - Parameters per GPU: the heaviest pipeline stage, ceil(layers / PP) layers, plus the
   embedding and the LM head (both counted when PP > 1: an upper bound for either end).
-  Attention/MLP matrices and the vocabulary are split over TP, experts over EP x TP; norms
+  Attention/MLP matrices and the vocabulary are split over TP, experts over EP x ETP; norms
   and routers are replicated.
 - Activations per token per layer (flash attention, so no sequence^2 term):
   ``e * (4h / TP_sp + (2 q + 2 kv + mlp) / TP)`` with ``4h`` the inputs of the two norms and
@@ -70,7 +70,7 @@ class Layout:
     @property
     def expert_dp(self) -> int:
         p = self.parallel
-        return self.world // (p.tensor * p.expert * p.pipeline)
+        return self.world // (p.etp * p.expert * p.pipeline)
 
 
 def layout_of(cfg: Config) -> Layout:
@@ -104,7 +104,7 @@ def stage_params(arch: Architecture, layout: Layout) -> StageParams:
     ends = (arch.embedding_params() + head) / split.tensor + arch.hidden_size
     return StageParams(
         dense=layers * per_layer + ends,
-        expert=layers * arch.expert_params() / (split.expert * split.tensor),
+        expert=layers * arch.expert_params() / (split.expert * split.etp),
     )
 
 

@@ -34,7 +34,8 @@ class MegatronConfig:
     """Parallel layout and precision of the megatron policy backend (ignored by ``torch``).
 
     The world is ``actor.num_workers`` ranks (one per GPU); DP = world / (TP x PP x CP). Experts
-    are laid out as TP x EP x PP with expert DP = world / (TP x EP x PP) (expert TP = TP).
+    are laid out as ETP x EP x PP with expert DP = world / (ETP x EP x PP), ETP the expert
+    tensor parallelism (TP unless set).
     """
 
     tensor_model_parallel_size: int = setting(1, help="TP: ranks splitting every weight matrix.")
@@ -46,6 +47,13 @@ class MegatronConfig:
         1, help="CP: ranks sharing each packed row's tokens (> 1 needs sequence_packing)."
     )
     expert_model_parallel_size: int = setting(1, help="EP: ranks splitting the experts of each MoE layer.")
+    expert_tensor_parallel_size: Optional[int] = setting(
+        None,
+        bounds=">= 1",
+        help="ETP: ranks splitting each expert's matrices; null: TP (megatron-core's default). An EP "
+        "group is EP ranks ETP apart, so it stays inside a node when ETP x EP divides the node's GPUs "
+        "(1 with EP=8 on 8-GPU nodes: the all-to-all on NVLink; start-up says when a group crosses nodes).",
+    )
     sequence_parallel: bool = setting(
         False,
         help="Split norms and dropout activations along the sequence over the "

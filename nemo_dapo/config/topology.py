@@ -23,10 +23,26 @@ class Parallelism:
     expert: int = 1
     virtual: int | None = None  # model chunks per pipeline rank (interleaved 1F1B); None = one
     context: int = 1  # ranks sharing each packed row's tokens (context parallelism)
+    expert_tensor: int | None = None  # ranks splitting each expert (None: TP, megatron-core's default)
 
     @property
     def chunks_per_rank(self) -> int:
         return self.virtual or 1
+
+    @property
+    def etp(self) -> int:
+        return self.expert_tensor or self.tensor
+
+    def expert_groups(self, world: int) -> list[list[int]]:
+        """The ranks of each expert-parallel group, in megatron-core's order for the expert grid
+        (tp-cp-ep-dp-pp with ETP as its TP): EP ranks ETP apart, repeated over ETP offsets, expert
+        DP and pipeline stages."""
+        block = self.etp * self.expert
+        return [
+            [start + offset + self.etp * e for e in range(self.expert)]
+            for start in range(0, world, block)
+            for offset in range(self.etp)
+        ]
 
     @classmethod
     def of(cls, layout: MegatronConfig) -> Parallelism:
@@ -36,6 +52,7 @@ class Parallelism:
             layout.expert_model_parallel_size,
             layout.virtual_pipeline_model_parallel_size,
             layout.context_parallel_size,
+            layout.expert_tensor_parallel_size,
         )
 
     @classmethod
@@ -47,6 +64,16 @@ class Parallelism:
 def training_world_size(cfg: Config) -> int:
     """Training ranks the launcher starts: ``actor.num_workers`` (one GPU each on a GPU cluster)."""
     return cfg.actor.num_workers
+
+
+def expert_groups_across_nodes(cfg: Config) -> list[list[int]]:
+    """The expert-parallel groups of the megatron layout whose ranks sit on more than one node
+    (training rank r on node r // trainer.n_gpus_per_node): their all-to-all leaves the node's
+    NVLink. None on CPUs or without expert parallelism."""
+    gpus, parallel = cfg.trainer.n_gpus_per_node, Parallelism.of_config(cfg)
+    if gpus == 0 or parallel.expert == 1:
+        return []
+    return [g for g in parallel.expert_groups(training_world_size(cfg)) if len({r // gpus for r in g}) > 1]
 
 
 def cluster_gpus(cfg: Config) -> int:

@@ -14,6 +14,7 @@ from nemo_dapo.config.schema import Config
 from nemo_dapo.config.topology import (
     cluster_gpus,
     engine_gpus,
+    expert_groups_across_nodes,
     is_colocated,
     needs_reference,
     policy_groups,
@@ -330,5 +331,15 @@ def combination_notes(cfg: Config) -> list[str]:
             f"soft punishment acts on the finished responses longer than "
             f"{cfg.data.max_response_length - buffer.len} tokens (and on truncated ones only through their "
             f"group's advantage baseline)"
+        )
+    crossing = expert_groups_across_nodes(cfg)
+    if crossing:
+        mg, gpus = cfg.actor.megatron, cfg.trainer.n_gpus_per_node
+        etp = mg.expert_tensor_parallel_size or mg.tensor_model_parallel_size
+        notes.append(
+            f"actor.megatron: {len(crossing)} expert-parallel groups span nodes (e.g. ranks {crossing[0]} with "
+            f"{gpus} GPUs per node): ETP={etp} x EP={mg.expert_model_parallel_size} ranks per group do not fit "
+            "one node, so the experts' all-to-all leaves NVLink; actor.megatron.expert_tensor_parallel_size=1, "
+            "or an EP dividing the node's GPUs, keeps it inside"
         )
     return notes

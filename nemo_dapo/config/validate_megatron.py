@@ -52,9 +52,10 @@ def _check_megatron_sizes(cfg: Config, problems: Problems) -> bool:
             f"{key}: TP={tp} x PP={pp} x CP={cp} = {tp * pp * cp} must divide the {world} training "
             "ranks (actor.num_workers); DP is the quotient"
         )
-    if world % (tp * ep * pp):
+    etp = mg.expert_tensor_parallel_size or tp
+    if world % (etp * ep * pp):
         problems.append(
-            f"{key}: TP={tp} x EP={ep} x PP={pp} = {tp * ep * pp} must divide the {world} training "
+            f"{key}: ETP={etp} x EP={ep} x PP={pp} = {etp * ep * pp} must divide the {world} training "
             "ranks (the expert layout; expert DP is the quotient)"
         )
     if world % (tp * pp * cp) == 0:

@@ -34,7 +34,7 @@ from nemo_dapo.config.capacity import (
 from nemo_dapo.config.model_checks import shape_problems
 from nemo_dapo.config.schema import Config
 from nemo_dapo.config.topology import is_colocated
-from nemo_dapo.config.validate import placement_problems
+from nemo_dapo.config.validate import combination_notes, placement_problems
 from nemo_dapo.policy.routing import routing_bytes_per_token
 
 
@@ -168,6 +168,7 @@ def make_plan(
         engines=engines,
         sequences_per_round=cfg.data.effective_gen_batch_size * cfg.rollout.n,
         problems=problems,
+        warnings=tuple(combination_notes(cfg)),
         **routing_replay_size(cfg, arch),
     )
     if not problems and plan.headroom < min_headroom_gib:
@@ -177,7 +178,7 @@ def make_plan(
             "allocator fragmentation or longer sequences may run out of memory; lower "
             "rollout.gpu_memory_utilization or shard the training state further"
         )
-        plan = replace(plan, warnings=(warning,))
+        plan = replace(plan, warnings=(*plan.warnings, warning))
     return plan
 
 
@@ -206,7 +207,7 @@ def _describe_layout(layout: Layout) -> str:
         f"distributed optimizer={'on' if layout.distributed_optimizer else 'off'}"
     )
     return (
-        f"TP={split.tensor} PP={split.pipeline} CP={split.context} EP={split.expert} "
+        f"TP={split.tensor} PP={split.pipeline} CP={split.context} EP={split.expert} ETP={split.etp} "
         f"VPP={split.virtual or '-'} {flags} "
         f"-> DP={layout.dp}, expert DP={layout.expert_dp} over {layout.world} ranks"
     )

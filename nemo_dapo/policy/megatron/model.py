@@ -53,6 +53,7 @@ def init_distributed(rank: int, world_size: int, rendezvous: str, parallel: Para
             pipeline_model_parallel_size=parallel.pipeline,
             virtual_pipeline_model_parallel_size=parallel.virtual,
             expert_model_parallel_size=parallel.expert,
+            expert_tensor_parallel_size=parallel.expert_tensor,
             context_parallel_size=parallel.context,
         )
     model_parallel_cuda_manual_seed(seed)
