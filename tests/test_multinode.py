@@ -169,7 +169,7 @@ def check_the_fabric_carries_the_collectives(cluster: Cluster) -> None:
     network, where its object store (the batches, the weight buckets) also runs."""
     on_n2 = connections(cluster, "n2")
     fabric = [c for c in on_n2 if c[0] == FABRIC["n2"] and c[1].startswith(FABRIC["n1"] + ":")]
-    assert len(fabric) >= 2 and all("ray::" in who or "python" in who for _, _, who in fabric), on_n2
+    assert len(fabric) >= 2 and all(any(p in who for p in ("ray::", "python", "VLLM::")) for *_, who in fabric), on_n2
     to_gcs = [c for c in on_n2 if c[1].endswith(":6379")]
     assert to_gcs and all(local == NODES["n2"] for local, _, _ in to_gcs), to_gcs
 

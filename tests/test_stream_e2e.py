@@ -19,8 +19,9 @@ from tests.train_runs import (
     with_an_overlong_first_prompt,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.quiet]  # arrivals, and so what is learned, depend on timing
+pytestmark = pytest.mark.slow
 STREAM = ["trainer.mode=stream"]
+TIMED = pytest.mark.quiet  # arrivals, and so what is learned, depend on timing
 
 
 def test_max_staleness_zero_reproduces_the_sync_first_update(workdir):
@@ -38,6 +39,7 @@ def latest_state(out):
     return torch.load(folders[-1] / "trainer_state.pt", weights_only=False)
 
 
+@TIMED
 def test_stream_learns_filters_as_groups_arrive_bounds_staleness_and_loses_nothing_across_a_sigkill(
     workdir, tiny_model_dir
 ):
@@ -88,6 +90,7 @@ def test_stream_learns_filters_as_groups_arrive_bounds_staleness_and_loses_nothi
     assert set(untrained) <= after | left  # what was in flight was trained, filtered, or is still waiting
 
 
+@TIMED
 def test_dynamic_sampling_in_the_stream_stops_at_its_generation_bound(workdir):
     """Filtering on a metric almost every group shares (no tiny answer reaches the overlong
     buffer): the stream gives up after max_num_gen_batches x gen_batch_size groups (checked
