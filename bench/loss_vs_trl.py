@@ -66,7 +66,7 @@ def gradient(model) -> dict[str, torch.Tensor]:
 def our_gradient(cfg, worker, batch) -> tuple[dict, list[int]]:
     from nemo_dapo.algo.correction import correction_settings
     from nemo_dapo.policy.inputs import mini_batch_rows, mini_batches_per_rank, worker_inputs
-    from nemo_dapo.trainer.fit import loss_settings
+    from nemo_dapo.trainer.assembly import loss_settings
 
     batch.add("old_log_probs", worker.compute_log_prob(worker_inputs(batch))["log_probs"])
     first = mini_batches_per_rank(batch, cfg.actor.ppo_mini_batch_size, 1, 1)[0][0]

@@ -11,6 +11,7 @@ node is gone; every process of a job gets SIGTERM (grace-time preemption); NeMo-
 through its local tunnel. Each job's steps are checked against an uninterrupted run's prompts.
 """
 
+import datetime
 import ipaddress
 import json
 import os
@@ -212,6 +213,10 @@ def test_dapo_spans_two_nodes_and_learns_like_one(cluster, tmp_path):
         job.run("scancel", job.id)
     # the test cluster's KillWait (10 s) is shorter than the default TERM_TIMEOUT: the job says so
     assert "TERM_TIMEOUT=60 s is not shorter than Slurm's KillWait (10 s)" in job.log()
+    # the trainer's deadline: Slurm's end of the job (its 30-minute limit) less SAVE_MARGIN_S=300
+    save_by = int(re.search(r"checkpoint\.save_by=(\d+)", job.log()).group(1))
+    started = datetime.datetime.fromisoformat(job.field("StartTime")).timestamp()
+    assert abs(save_by - (started + 30 * 60 - 300)) <= 2, (job.field("StartTime"), save_by)
     out = cluster.work / "dp2" / "ckpt"
     # each node's Ray session logs, copied off its /tmp when its Ray stopped
     kept = cluster.work / "dp2" / "logs" / job.id / "nodes"

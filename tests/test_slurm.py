@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_dapo.trainer.preemption import PreemptionSignals
+from nemo_dapo.trainer.preemption import PreemptionSignals, StepClock
 from tests.slurm_jobs import ensure_packages
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,6 +95,35 @@ def test_stop_signals_set_the_flag_instead_of_killing():
         time.sleep(0.1)  # handlers run between bytecodes of the main thread
         assert preemption.requested and preemption.received == "SIGUSR1"
     assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_the_clock_refuses_a_step_that_would_not_end_and_save_before_the_deadline():
+    """checkpoint.save_by: the slowest of the last 5 steps, the validation when due and the last
+    save, from now; nothing measured counts 0 (the first step runs); no deadline, no stop."""
+    clock = StepClock(save_by=1000.0)
+    assert not clock.no_room(999.0, validating=True) and clock.no_room(1000.5, validating=False)
+    clock.steps.extend([10.0, 30.0, 20.0])
+    clock.validation_s, clock.save_s = 100.0, 50.0
+    assert not clock.no_room(920.0, validating=False)  # 920 + 30 + 50 = 1000
+    assert clock.no_room(921.0, validating=False) and clock.no_room(920.0, validating=True)
+    clock.steps.extend([1.0] * 5)  # the slow steps leave the window
+    assert not clock.no_room(949.0, validating=False)
+    assert not StepClock(save_by=None).no_room(1e12, validating=True)
+
+
+def test_a_run_past_its_deadline_stops_before_a_step_with_the_requeue_code(tmp_path):
+    """checkpoint.save_by already past: no step starts, nothing is saved, exit 3 (the batch script
+    requeues), and preemptions.jsonl names the deadline."""
+    import json
+
+    from tests.train_runs import SMALL, train
+
+    done = train(tmp_path / "run", "checkpoint.save_by=1", "trainer.total_training_steps=3", *SMALL)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "stopped by checkpoint.save_by (the job's end is near) before a first step" in done.stderr
+    (stop,) = [json.loads(line) for line in (tmp_path / "run" / "preemptions.jsonl").read_text().splitlines()]
+    assert stop["step"] == 0 and stop["checkpoint"] is None and stop["signal"].startswith("checkpoint.save_by")
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
 
 
 def test_the_requeue_policy_requeues_stops_always_crashes_twice_without_progress_and_invalid_configs_never(

@@ -199,6 +199,15 @@ class CheckpointConfig:
         "training goes on; the checkpoint becomes visible (manifest, rename, latest) once "
         "every rank finished.",
     )
+    save_by: Optional[float] = setting(
+        None,
+        bounds="> 0",
+        help="A Unix time by which the run's last checkpoint must be written (the job's end less a "
+        "margin; slurm/dapo_32b.sbatch sets it from Slurm's end time and SAVE_MARGIN_S). Before each "
+        "step the trainer adds its slowest recent step (with validation when one is due) and its last "
+        "save to the clock; past save_by it checkpoints and stops as on USR1 (exit 3, the job "
+        "requeues). null: no deadline.",
+    )
 
 
 @dataclass

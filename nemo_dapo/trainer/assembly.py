@@ -8,13 +8,14 @@ import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.cluster.allocator import allocator_env, keeps_freed_memory
 from nemo_dapo.config import Config
 from nemo_dapo.config.problems import raise_problems
 from nemo_dapo.config.topology import is_colocated, needs_reference, num_engines, policy_groups
 from nemo_dapo.config.validate import separate_groups_problems
 from nemo_dapo.model.builtin import resolve_builtin
-from nemo_dapo.policy.base import WorkerSettings
+from nemo_dapo.policy.base import LossSettings, WorkerSettings
 from nemo_dapo.rollout.base import EngineSettings
 
 if TYPE_CHECKING:
@@ -50,6 +51,26 @@ def workers_per_node(cfg: Config, num_workers: int, gpus_per_worker: int = 1) ->
         overlapping = cfg.actor.num_workers + num_engines(cfg) if cfg.trainer.mode != "sync" else 0
         return -(-max(num_workers, overlapping) // cfg.trainer.nnodes)
     return max(1, min(num_workers, cfg.trainer.n_gpus_per_node // gpus_per_worker))
+
+
+def loss_settings(cfg: Config, correction: CorrectionSettings) -> LossSettings:
+    """What every policy worker's loss reads, from the config and the effective rollout correction."""
+    actor = cfg.actor
+    return LossSettings(
+        clip_ratio_low=actor.clip_ratio_low,
+        clip_ratio_high=actor.clip_ratio_high,
+        clip_ratio_c=actor.clip_ratio_c,
+        loss_agg_mode=actor.loss_agg_mode,
+        policy_loss=actor.policy_loss,
+        norm_constant=actor.loss_scale_factor or float(cfg.data.max_response_length),
+        entropy_coeff=actor.entropy_coeff,
+        use_kl_loss=actor.use_kl_loss,
+        kl_loss_coef=actor.kl_loss_coef,
+        kl_loss_type=actor.kl_loss_type,
+        loss_type=correction.loss_type,
+        bypass_mode=correction.bypass_mode,
+        temperature=cfg.rollout.temperature,
+    )
 
 
 def policy_settings(cfg: Config, total_optimizer_steps: int, trainable: bool = True) -> WorkerSettings:

@@ -21,7 +21,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import RolloutBatch
-from nemo_dapo.algo.correction import CorrectionSettings, correction_settings
+from nemo_dapo.algo.correction import correction_settings
 from nemo_dapo.algo.kl import build_kl_controller
 from nemo_dapo.algo.metrics import throughput_metrics, timing_metrics
 from nemo_dapo.algo.sampling import GroupAccumulator
@@ -29,15 +29,15 @@ from nemo_dapo.cluster.weight_sync import weight_sync
 from nemo_dapo.config import Config, to_yaml
 from nemo_dapo.config.topology import cluster_gpus, is_colocated, prompts_per_round, total_training_steps
 from nemo_dapo.data import ResumableBatchSampler
-from nemo_dapo.policy.base import LossSettings
 from nemo_dapo.rng import restore_rng, rng_state
 from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.safe_load import load_state
+from nemo_dapo.trainer.assembly import loss_settings
 from nemo_dapo.trainer.batching import batch_from_items
 from nemo_dapo.trainer.checkpoint import TRAINER_STATE, CheckpointManager, refuse_mode_change
 from nemo_dapo.trainer.health import LearningHealth, NonFiniteSteps
 from nemo_dapo.trainer.old_policy import OldPolicyScores
-from nemo_dapo.trainer.preemption import Preempted, PreemptionSignals, record_preemption
+from nemo_dapo.trainer.preemption import Preempted, PreemptionSignals, StepClock, record_preemption
 from nemo_dapo.trainer.sinks import SinkContext
 from nemo_dapo.trainer.stages import (
     add_advantages,
@@ -61,35 +61,17 @@ log = logging.getLogger(__name__)
 WEIGHT_BUCKET_BYTES = 512 << 20
 
 
-def loss_settings(cfg: Config, correction: CorrectionSettings) -> LossSettings:
-    actor = cfg.actor
-    return LossSettings(
-        clip_ratio_low=actor.clip_ratio_low,
-        clip_ratio_high=actor.clip_ratio_high,
-        clip_ratio_c=actor.clip_ratio_c,
-        loss_agg_mode=actor.loss_agg_mode,
-        policy_loss=actor.policy_loss,
-        norm_constant=actor.loss_scale_factor or float(cfg.data.max_response_length),
-        entropy_coeff=actor.entropy_coeff,
-        use_kl_loss=actor.use_kl_loss,
-        kl_loss_coef=actor.kl_loss_coef,
-        kl_loss_type=actor.kl_loss_type,
-        loss_type=correction.loss_type,
-        bypass_mode=correction.bypass_mode,
-        temperature=cfg.rollout.temperature,
-    )
-
-
 class DAPOTrainer:
     """The synchronous DAPO loop (docs/algorithm.md §8) over a policy, a rollout and optionally a
     reference group, on the driver: :meth:`fit` runs steps until the budget is spent, with
     validation, checkpoints, preemption and the learning-health warnings around them.
 
-    What a subclass may replace (the streaming trainer does): :meth:`train_step`, one step
-    from prompts to synced weights, returning its metrics; :meth:`trainer_state` and
-    :meth:`load_checkpoint`, the state a checkpoint keeps beyond the workers'. What every trainer
-    shares and no subclass replaces: :meth:`train_on_batch` (old policy, reference, advantages,
-    update), :meth:`sync_weights`, :meth:`validate`, checkpoint writing and :meth:`fit` itself.
+    What a mode replaces (the streaming trainer does): the hooks of :meth:`train_step` (where
+    its batch comes from, what happens around the update and the sync, its own metrics and
+    prompt record), and :meth:`trainer_state` / :meth:`load_checkpoint`, the state a checkpoint
+    keeps beyond the workers'. What every mode shares: :meth:`train_step` itself,
+    :meth:`train_on_batch` (old policy, reference, advantages, update), :meth:`sync_weights`,
+    :meth:`validate`, checkpoint writing and :meth:`fit`.
     """
 
     def __init__(
@@ -121,11 +103,13 @@ class DAPOTrainer:
             self.output_dir / "checkpoints", cfg.checkpoint.keep_last, hasher=policy.digest_files
         )
         self.pending_checkpoint: Path | None = None  # staged, its sharded state still being written
+        self.saved_step: int | None = None  # the step of the newest checkpoint written or resumed
         filtering = cfg.algorithm.filter_groups
         self.sampler = ResumableBatchSampler(
             len(train_data), prompts_per_round(cfg), seed=cfg.data.seed, shuffle=cfg.data.shuffle
         )
         self._sampler_iter: Iterator[list[int]] | None = None
+        self._consumed: list[int] = []  # row ids drawn from the sampler this step (prompts.jsonl)
         self.accumulator = (
             GroupAccumulator(
                 cfg.data.train_batch_size, filtering.max_num_gen_batches, bool(filtering.carry_over), filtering.metric
@@ -193,26 +177,54 @@ class DAPOTrainer:
 
     # ----------------------------------------------------------------- one step
     def train_step(self) -> dict[str, float]:
-        """One step of docs/algorithm.md §8's synchronous order, then the weight sync.
-
-        Engines colocated with the training ranks sleep from the end of generation to the sync;
-        their weights wake first, the KV cache after the new weights are in (no-ops otherwise).
-        """
+        """One step in every mode (docs/algorithm.md §8): the mode's next batch, trained by
+        :meth:`train_on_batch`, the new weights into the engines, the step's metrics and its
+        prompts recorded. What differs between modes are the hooks: :meth:`_next_batch`,
+        :meth:`_before_update`, :meth:`_sync_engines`, :meth:`_after_sync`, :meth:`_mode_metrics`
+        and :meth:`_prompts_of_step`."""
         timer = StageTimer()
         step_start = time.perf_counter()
-        batch, metrics, consumed = self._collect_batch(timer)
-        self.rollout.sleep()
+        batch, metrics = self._next_batch(timer)
+        metrics.update(self._before_update(batch))
         metrics.update(self.train_on_batch(batch, timer))
+        self._sync_engines(timer)
+        self._after_sync()
+        self._finish_step_metrics(batch, metrics, timer, step_start)
+        metrics.update(self._mode_metrics(timer, time.perf_counter() - step_start))
+        consumed, extra = self._prompts_of_step()
+        self._record_prompts(consumed, batch, extra)
+        return metrics
+
+    # the synchronous mode's hooks
+    def _next_batch(self, timer: StageTimer) -> tuple[RolloutBatch, dict[str, float]]:
+        batch, metrics, self._consumed = self._collect_batch(timer)
+        return batch, metrics
+
+    def _before_update(self, batch: RolloutBatch) -> dict[str, float]:
+        """Engines colocated with the training ranks sleep from the end of generation to the sync
+        (a no-op otherwise)."""
+        self.rollout.sleep()
+        return {}
+
+    def _sync_engines(self, timer: StageTimer) -> None:
+        """The colocated engines' weights wake first, the KV cache once the new weights are in."""
         if is_colocated(self.cfg):  # the engines wake into what the update's allocator cached
             self.policy.release_memory()
         with timer("sync_weights"):
             self.rollout.wake_up(["weights"])
             self.sync_weights()
             self.rollout.wake_up(["kv_cache"])
-        self._finish_step_metrics(batch, metrics, timer, step_start)
-        metrics[mn.GENERATED_SAMPLES.name] = float(self.generated_samples)  # cumulative: the budget's axis
-        self._record_prompts(consumed, batch)
-        return metrics
+
+    def _after_sync(self) -> None:
+        """Nothing in the synchronous mode: the next step generates afresh."""
+
+    def _mode_metrics(self, timer: StageTimer, step_s: float) -> dict[str, float]:
+        return {mn.GENERATED_SAMPLES.name: float(self.generated_samples)}  # cumulative: the budget's axis
+
+    def _prompts_of_step(self) -> tuple[list[int], dict | None]:
+        """The dataset rows drawn this step, and what else ``prompts.jsonl`` records of it."""
+        consumed, self._consumed = self._consumed, []
+        return consumed, None
 
     def train_on_batch(self, batch: RolloutBatch, timer: StageTimer) -> dict[str, float]:
         """old_log_prob -> ref -> advantages -> update_actor: shared by the sync and stream trainers.
@@ -312,6 +324,7 @@ class DAPOTrainer:
             (folder / "config.yaml").write_text(to_yaml(self.cfg))
 
         self.pending_checkpoint = self.checkpoints.stage(self.global_step, write)
+        self.saved_step = self.global_step
         self.finish_checkpoint(blocking=not asynchronous)
 
     def finish_checkpoint(self, blocking: bool = True) -> None:
@@ -327,7 +340,7 @@ class DAPOTrainer:
         state = load_state(path / TRAINER_STATE)
         refuse_mode_change(state, self.cfg.trainer.mode, path)
         self.policy.load(str(path / "policy"))
-        self.global_step = state["global_step"]
+        self.global_step = self.saved_step = state["global_step"]
         self.sampler.load_state_dict(state["sampler"])
         self._sampler_iter = None
         if self.accumulator is not None and state["accumulator"] is not None:
@@ -356,13 +369,22 @@ class DAPOTrainer:
             self.tracker.log(self.initial_val, self.global_step)
         last_val = dict(self.initial_val)
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="DAPO", dynamic_ncols=True)
+        clock = StepClock(self.cfg.checkpoint.save_by)
         while not self._run_done():
+            next_step = self.global_step + 1
+            if clock.no_room(time.time(), self._validates(next_step, next_step >= self.total_steps)):
+                self._stop_preempted("checkpoint.save_by (the job's end is near)", bar)
             self.finish_checkpoint(blocking=False)
+            began = time.monotonic()
             metrics = self.train_step()
+            clock.steps.append(time.monotonic() - began)
             self.global_step += 1
             done = self._run_done()
-            if self._due(self.cfg.trainer.test_freq) or (done and self.val_data is not None):
+            stopping = preemption.requested and not done  # no validation on the way out
+            if self._validates(self.global_step, done) and not stopping:
+                began = time.monotonic()
                 last_val = self.validate()
+                clock.validation_s = time.monotonic() - began
                 metrics.update(last_val)
             self.tracker.log(metrics, self.global_step)
             skipped = self.nonfinite.observe(self.global_step, metrics.get(mn.SKIPPED_STEPS.name, 0.0))
@@ -370,14 +392,16 @@ class DAPOTrainer:
                 if warning:
                     log.warning(warning)
             if self._due(self.cfg.trainer.save_freq) or done:
+                began = time.monotonic()
                 self.save_checkpoint()
+                clock.save_s = time.monotonic() - began
             bar.update(1)
             bar.set_postfix(
                 score=f"{metrics.get('critic/score/mean', 0):.3f}",
                 acc=f"{metrics.get('critic/acc/mean', 0):.3f}",
                 val=f"{mean_val_accuracy(last_val) or 0:.3f}",
             )
-            if preemption.requested and not done:
+            if preemption.requested and not done:  # asked now, or during validation and the save
                 self._stop_preempted(preemption.received or "a stop signal", bar)
         bar.close()
         self.finish_checkpoint()
@@ -387,8 +411,9 @@ class DAPOTrainer:
         )
 
     def _stop_preempted(self, signal_name: str, bar: tqdm) -> None:
-        """Checkpoint (unless this step just did) and leave: the requeued job resumes from here."""
-        if not self._due(self.cfg.trainer.save_freq):
+        """Checkpoint (unless this step has one, or none was trained) and leave: the requeued job
+        resumes from here."""
+        if self.global_step > 0 and self.saved_step != self.global_step:
             self.save_checkpoint()
         self.finish_checkpoint()
         bar.close()
@@ -398,6 +423,11 @@ class DAPOTrainer:
 
     def _due(self, freq: int) -> bool:
         return freq > 0 and self.global_step % freq == 0
+
+    def _validates(self, step: int, last: bool) -> bool:
+        """Whether step ``step`` ends with validation: every ``trainer.test_freq`` steps, and the last."""
+        freq = self.cfg.trainer.test_freq
+        return (freq > 0 and step % freq == 0) or (last and self.val_data is not None)
 
     def _run_done(self) -> bool:
         """Every step taken, or the sample budget (``trainer.total_generated_samples``) spent."""

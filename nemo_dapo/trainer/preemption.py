@@ -1,10 +1,13 @@
-"""Graceful stop on SIGUSR1 / SIGTERM: finish the step, checkpoint, exit with ``PREEMPTED_EXIT_CODE``.
+"""Graceful stop on SIGUSR1 / SIGTERM, or before the job's end (``checkpoint.save_by``): finish
+the step, checkpoint, exit with ``PREEMPTED_EXIT_CODE``.
 
 Slurm warns a job before its time limit or a preemption (``#SBATCH --signal=B:USR1@600``) and
 the batch script forwards the signal to the trainer (``slurm/dapo_32b.sbatch``). Stopping in the
 middle of a step would lose it, so the handler only raises a flag; the training loop reads the
 flag between steps, saves a checkpoint and raises :class:`Preempted`, which ``nemo-dapo train``
-turns into exit code 3 so that the batch script can tell "requeue me" from a failure.
+turns into exit code 3 so that the batch script can tell "requeue me" from a failure. A signal
+comes at a fixed lead before the limit, which a long step may not fit; :class:`StepClock` instead
+stops before starting a step that, with its checkpoint, would end past ``checkpoint.save_by``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import signal
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +29,12 @@ PREEMPTIONS_LOG = "preemptions.jsonl"
 
 
 class Preempted(Exception):
-    """Training stopped on a signal after a checkpoint of ``step``: resume with ``checkpoint.resume=auto``."""
+    """Training stopped (a signal, or ``checkpoint.save_by``) after step ``step``, its checkpoint
+    written (none before a first step): resume with ``checkpoint.resume=auto``."""
 
     def __init__(self, step: int, signal_name: str) -> None:
-        super().__init__(
-            f"stopped by {signal_name} after step {step} (checkpoint saved); "
-            "rerun with checkpoint.resume=auto to continue"
-        )
+        saved = f"after step {step} (checkpoint saved)" if step else "before a first step (nothing to save)"
+        super().__init__(f"stopped by {signal_name} {saved}; rerun with checkpoint.resume=auto to continue")
         self.step = step
         self.signal_name = signal_name
 
@@ -71,11 +74,37 @@ class PreemptionSignals:
         self.received = signal.Signals(signum).name
 
 
+class StepClock:
+    """How long the loop's parts took lately (steps, validation, the last checkpoint), to tell
+    whether one more step and its checkpoint still end before ``save_by`` (a Unix time; None: no
+    deadline). A part not measured yet counts 0, so the first step always runs; with
+    ``checkpoint.async_save`` only a save's blocking part is measured (the margin before the job's
+    end covers the rest)."""
+
+    def __init__(self, save_by: float | None, recent: int = 5) -> None:
+        self.save_by = save_by
+        self.steps: deque[float] = deque(maxlen=recent)  # seconds of the last steps (train_step)
+        self.validation_s = 0.0
+        self.save_s = 0.0
+
+    def no_room(self, now: float, validating: bool) -> bool:
+        """True when the slowest recent step (plus validation, when the next step runs one) and
+        a checkpoint, started ``now``, would end past ``save_by``."""
+        if self.save_by is None:
+            return False
+        needed = max(self.steps, default=0.0) + (self.validation_s if validating else 0.0) + self.save_s
+        return now + needed > self.save_by
+
+
 def record_preemption(output_dir: Path, step: int, signal_name: str) -> None:
     """Append to ``preemptions.jsonl``: the run's history of stops, kept after it completes."""
-    entry = {"step": step, "signal": signal_name, "time": time.time(), "checkpoint": f"checkpoints/global_step_{step}"}
+    checkpoint = f"checkpoints/global_step_{step}" if step else None
+    entry = {"step": step, "signal": signal_name, "time": time.time(), "checkpoint": checkpoint}
     with open(Path(output_dir) / PREEMPTIONS_LOG, "a", encoding="utf-8") as handle:
         handle.write(json.dumps(entry) + "\n")
     log.warning(
-        "preempted by %s: checkpoint of step %d saved, exiting with code %d", signal_name, step, PREEMPTED_EXIT_CODE
+        "stopped by %s after step %d (its checkpoint written), exiting with code %d",
+        signal_name,
+        step,
+        PREEMPTED_EXIT_CODE,
     )

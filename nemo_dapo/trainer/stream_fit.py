@@ -25,7 +25,6 @@ in the files (before overlong filtering), as the other trainers do.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -77,7 +76,6 @@ class StreamDAPOTrainer(DAPOTrainer):
         self.kept: list[KeptGroup] = []
         self.to_issue: deque[int] = deque()  # dataset positions to send before drawing new ones
         self.filtered = self.dropped_stale = self.reissued = 0
-        self._consumed: list[int] = []  # row ids drawn from the sampler this step (prompts.jsonl)
         self._filtered_rows: list[int] = []  # row ids dynamic sampling dropped this step
         self.engines.load()  # the engines' busy time counts from here
 
@@ -178,32 +176,34 @@ class StreamDAPOTrainer(DAPOTrainer):
             metrics[mn.KEPT_GROUP_FRACTION.name] = (len(self.kept) + len(taken) - kept_before) / arrived
         return RolloutBatch.concat(g.batch for g in taken), metrics
 
-    # ----------------------------------------------------------------- one trainer step
-    def train_step(self) -> dict[str, float]:
-        timer = StageTimer()
-        step_start = time.perf_counter()
-        batch, metrics = self._take_batch(timer)
-        self._admit()  # the engines work on while the policy trains
-        metrics.update(staleness_metrics(batch["policy_version"].tolist(), self.weight_version))
+    # ----------------------------------------------------------------- the step's hooks
+    def _next_batch(self, timer: StageTimer) -> tuple[RolloutBatch, dict[str, float]]:
+        return self._take_batch(timer)
+
+    def _before_update(self, batch: RolloutBatch) -> dict[str, float]:
+        """The engines work on while the policy trains; the batch's lag behind the policy, and its
+        tokens older than ``trainer.max_token_staleness`` out of the loss."""
+        self._admit()
+        metrics = staleness_metrics(batch["policy_version"].tolist(), self.weight_version)
         metrics.update(token_staleness_metrics(batch["token_versions"], batch["response_mask"], self.weight_version))
         metrics.update(add_stale_token_mask(batch, self.weight_version, self.cfg.trainer.max_token_staleness))
-        metrics.update(self.train_on_batch(batch, timer))
-        with timer("sync_weights"):
-            self.sync_weights()  # into the running engines
-        self.synced += 1
-        self._admit()
-        self._finish_step_metrics(batch, metrics, timer, step_start)
-        metrics.update(self._stream_metrics(timer, time.perf_counter() - step_start))
-        self._record_stream_prompts(batch)
         return metrics
 
-    def _record_stream_prompts(self, batch: RolloutBatch) -> None:
-        """prompts.jsonl, plus the rows dynamic sampling dropped in the stream this step."""
-        consumed, self._consumed = self._consumed, []
-        self._record_prompts(consumed, batch, {"filtered": sorted(self._filtered_rows)})
-        self._filtered_rows = []
+    def _sync_engines(self, timer: StageTimer) -> None:
+        with timer("sync_weights"):
+            self.sync_weights()  # into the running engines
 
-    def _stream_metrics(self, timer: StageTimer, step_s: float) -> dict[str, float]:
+    def _after_sync(self) -> None:
+        self.synced += 1
+        self._admit()
+
+    def _prompts_of_step(self) -> tuple[list[int], dict | None]:
+        """The rows drawn this step, and those dynamic sampling dropped in the stream."""
+        consumed, self._consumed = self._consumed, []
+        filtered, self._filtered_rows = sorted(self._filtered_rows), []
+        return consumed, {"filtered": filtered}
+
+    def _mode_metrics(self, timer: StageTimer, step_s: float) -> dict[str, float]:
         load = self.engines.load()
         return {
             mn.GENERATED_SAMPLES.name: float(self.generated_samples),
