@@ -111,9 +111,8 @@ class VLLMRolloutWorker:
     HF-named buckets without a restart, and sleeps and wakes when colocated with training."""
 
     def __init__(self, rank: int, world_size: int, rendezvous: str, settings: EngineSettings) -> None:
-        """An engine on ``settings`` (:class:`~nemo_dapo.rollout.base.EngineSettings`);
-        ``self.sleep_mode`` says whether this vLLM build honours the sleep mode asked for (see
-        :meth:`sleep`)."""
+        """An engine on ``settings`` (:class:`~nemo_dapo.rollout.base.EngineSettings`); ``self.sleep_mode``
+        says whether this vLLM build honours the sleep mode asked for (see :meth:`sleep`)."""
         e = settings
         configure_logging()  # before vLLM configures its loggers at import
         threads = use_cpu_threads(e.num_threads, e.workers_per_node or world_size, f"vLLM rollout worker {rank}")
