@@ -68,8 +68,8 @@ class DAPOTrainer:
 
     What a mode replaces (the streaming trainer does): the hooks of :meth:`train_step` (where
     its batch comes from, what happens around the update and the sync, its own metrics and
-    prompt record), and :meth:`trainer_state` / :meth:`load_checkpoint`, the state a checkpoint
-    keeps beyond the workers'. What every mode shares: :meth:`train_step` itself,
+    prompt record), and :meth:`trainer_state` / :meth:`_restore`, its part of the state a
+    checkpoint keeps beyond the workers'. What every mode shares: :meth:`train_step` itself,
     :meth:`train_on_batch` (old policy, reference, advantages, update), :meth:`sync_weights`,
     :meth:`validate`, checkpoint writing and :meth:`fit`.
     """
@@ -350,8 +350,12 @@ class DAPOTrainer:
         restore_rng(state["rng"])
         self.weight_version = state["weight_version"]
         self.generated_samples = state.get("generated_samples", 0)  # checkpoints from before the budget existed
+        self._restore(state)
         self.sync_weights()  # the engines started from the base model: give them the checkpoint's weights
         log.info("resumed from %s at step %d", path, self.global_step)
+
+    def _restore(self, state: dict) -> None:
+        """A mode's own part of the trainer state just loaded (:meth:`trainer_state` wrote it)."""
 
     # ----------------------------------------------------------------- the loop
     def fit(self) -> dict:

@@ -36,9 +36,7 @@ from nemo_dapo.algo.metrics import staleness_metrics, token_staleness_metrics
 from nemo_dapo.algo.sampling import DynamicSamplingExhausted, filter_metric, group_keep_mask
 from nemo_dapo.cluster.streaming import StreamingEngines
 from nemo_dapo.config.topology import num_engines
-from nemo_dapo.safe_load import load_state
 from nemo_dapo.trainer.batching import batch_from_items
-from nemo_dapo.trainer.checkpoint import TRAINER_STATE
 from nemo_dapo.trainer.fit import DAPOTrainer
 from nemo_dapo.trainer.stages import add_stale_token_mask, score_batch
 from nemo_dapo.trainer.tracking import StageTimer
@@ -232,12 +230,11 @@ class StreamDAPOTrainer(DAPOTrainer):
     def trainer_state(self) -> dict:
         return {**super().trainer_state(), "stream_untrained": self._untrained_rows()}
 
-    def load_checkpoint(self, path) -> None:
+    def _restore(self, state: dict) -> None:
         """Every step trained ``train_batch_size`` groups: so many were admitted and count against
         the bound; the rows drawn and not trained are issued again first."""
-        super().load_checkpoint(path)
         self.synced = self.global_step
         self.admitted = self.global_step * self.batch_groups
-        self._restore_untrained(load_state(path / TRAINER_STATE)["stream_untrained"])
+        self._restore_untrained(state["stream_untrained"])
         self.reissued = len(self.to_issue)
         log.info("reissued %d prompts drawn but not trained before the checkpoint", self.reissued)
