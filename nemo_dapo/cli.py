@@ -15,7 +15,12 @@ from nemo_dapo.trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
 
 # Sub-commands that live in their own light modules, each exposing ``add_parser(subparsers)``
 # (heavy imports stay inside their handlers so `nemo-dapo --help` stays fast).
-PLUGIN_COMMANDS = ("nemo_dapo.launch.plan", "nemo_dapo.launch.plot", "nemo_dapo.launch.nemo_run_launcher")
+PLUGIN_COMMANDS = (
+    "nemo_dapo.launch.plan",
+    "nemo_dapo.launch.plot",
+    "nemo_dapo.launch.bringup",
+    "nemo_dapo.launch.nemo_run_launcher",
+)
 
 
 def _cmd_selfcheck(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 trainer's stop signals set its preemption flag. The scripts run for real on a multi-node Slurm in
 tests/test_multinode.py."""
 
+import json
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from nemo_dapo.launch.bringup import bringup_checks
 from nemo_dapo.trainer.preemption import PreemptionSignals, StepClock
 from tests.slurm_jobs import ensure_packages
 
@@ -114,8 +116,6 @@ def test_the_clock_refuses_a_step_that_would_not_end_and_save_before_the_deadlin
 def test_a_run_past_its_deadline_stops_before_a_step_with_the_requeue_code(tmp_path):
     """checkpoint.save_by already past: no step starts, nothing is saved, exit 3 (the batch script
     requeues), and preemptions.jsonl names the deadline."""
-    import json
-
     from tests.train_runs import SMALL, train
 
     done = train(tmp_path / "run", "checkpoint.save_by=1", "trainer.total_training_steps=3", *SMALL)
@@ -124,6 +124,39 @@ def test_a_run_past_its_deadline_stops_before_a_step_with_the_requeue_code(tmp_p
     (stop,) = [json.loads(line) for line in (tmp_path / "run" / "preemptions.jsonl").read_text().splitlines()]
     assert stop["step"] == 0 and stop["checkpoint"] is None and stop["signal"].startswith("checkpoint.save_by")
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+    # the bring-up check of that run: no step is a failure, the stop is recorded, nothing else shown
+    checks = {c.name: c for c in bringup_checks(tmp_path / "run")}
+    assert (
+        checks["steps"].passed is False
+        and checks["stop"].passed
+        and "step 0 by checkpoint.save_by" in checks["stop"].detail
+    )
+    assert checks["checkpoint"].passed is None and checks["fabric"].passed is None
+
+
+def test_the_bringup_check_reads_stage_times_a_checkpoint_and_nccls_transport(tmp_path, capsys):
+    """Metrics lines as the tracker writes them, a checkpoint as the trainer commits it, and job logs
+    with NCCL's transport lines (NCCL_DEBUG=INFO): IB passes, a fallback to sockets fails."""
+    from nemo_dapo.cli import main
+    from nemo_dapo.trainer.checkpoint import CheckpointManager
+
+    run = tmp_path / "run"
+    run.mkdir()
+    stages = {"timing_s/gen": 41.5, "timing_s/old_log_prob": 7.25, "timing_s/update_actor": 30.0}
+    rows = [{"step": s, **stages, "timing_s/sync_weights": 3.5, "perf/weight_sync_mb": 62464.0} for s in (1, 2)]
+    (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)) + '\n{"step": 3, "timing')  # cut short
+    CheckpointManager(run / "checkpoints").save(2, lambda folder: (folder / "w.bin").write_bytes(b"x" * 4096))
+    ib, socket = tmp_path / "ib.out", tmp_path / "socket.out"
+    ib.write_text("n1:1234:1300 [0] NCCL INFO Channel 00/0 : 0[0] -> 8[0] [send] via NET/IB/0/GDRDMA\n")
+    socket.write_text("n1:1234:1300 [0] NCCL INFO Channel 00/0 : 0[0] -> 8[0] [send] via NET/Socket/0\n")
+    assert main(["bringup", str(run), "--job-log", str(ib)]) == 0
+    out = capsys.readouterr().out
+    assert "2 step(s), the last is step 2" in out and "sync_weights 3.50; weight sync 62464.0 MiB" in out
+    assert "pass  checkpoint  step 2 complete" in out and "pass  fabric      NCCL uses NET/IB" in out
+    assert main(["bringup", str(run), "--job-log", str(socket)]) == 1
+    assert "FAIL  fabric      NCCL uses NET/Socket" in capsys.readouterr().out
+    (run / "checkpoints" / "global_step_2" / "w.bin").write_bytes(b"damaged")
+    assert main(["bringup", str(run)]) == 1 and "FAIL  checkpoint" in capsys.readouterr().out
 
 
 def test_the_requeue_policy_requeues_stops_always_crashes_twice_without_progress_and_invalid_configs_never(

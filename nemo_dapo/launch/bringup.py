@@ -1,0 +1,133 @@
+"""`nemo-dapo bringup RUN_DIR [--job-log FILE]`: what a bring-up job showed, check by check.
+
+Each rung of the ladder in docs/cluster.md ("Bring-up ladder") is a short job; this reads what
+it left (the run folder, and the Slurm job's output for the network) and prints pass, FAIL or
+"-" (not shown by this job) per check, exit 1 on a failure:
+
+- steps: at least one training step finished (``metrics.jsonl``);
+- stages: the last step's seconds per stage (generation, old log-probs, update, weight sync)
+  and the bytes of its weight sync, to compare with ``nemo-dapo plan``'s expectations;
+- checkpoint: the newest checkpoint is complete (its manifest verifies) and how big it is;
+- stop: every stop in ``preemptions.jsonl`` (USR1, ``checkpoint.save_by``) left its checkpoint;
+- fabric: with ``NCCL_DEBUG=INFO`` in the job's environment, NCCL's transport in the job log:
+  ``NET/IB`` passes, ``NET/Socket`` (TCP: no InfiniBand reached the container) fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from nemo_dapo.algo import metric_names as mn
+from nemo_dapo.trainer.checkpoint import CheckpointError, CheckpointManager, verify
+
+STAGES = ("gen", "old_log_prob", "update_actor", "sync_weights")
+NCCL_IB = re.compile(r"NCCL INFO .*NET/IB")
+NCCL_SOCKET = re.compile(r"NCCL INFO .*NET/Socket")
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    passed: bool | None  # None: this job shows nothing about it
+    detail: str
+
+    @property
+    def verdict(self) -> str:
+        return "-" if self.passed is None else "pass" if self.passed else "FAIL"
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    """The step lines of ``metrics.jsonl`` (a partial last line of a killed run is skipped)."""
+    path = run_dir / "metrics.jsonl"
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if mn.TIMING_S.of(stage="update_actor") in record:
+            records.append(record)
+    return records
+
+
+def check_steps(records: list[dict]) -> list[Check]:
+    if not records:
+        return [Check("steps", False, "no training step finished (metrics.jsonl has none)")]
+    last = records[-1]
+    seconds = ", ".join(
+        f"{stage} {last[mn.TIMING_S.of(stage=stage)]:.2f}" for stage in STAGES if mn.TIMING_S.of(stage=stage) in last
+    )
+    synced = last.get(mn.WEIGHT_SYNC_MB.name)
+    sync = f"; weight sync {synced:.1f} MiB" if synced is not None else ""
+    return [
+        Check("steps", True, f"{len(records)} step(s), the last is step {last['step']}"),
+        Check("stages", True, f"step {last['step']} s: {seconds}{sync}"),
+    ]
+
+
+def check_checkpoint(run_dir: Path) -> Check:
+    folders = CheckpointManager(run_dir / "checkpoints").step_folders()
+    if not folders:
+        return Check("checkpoint", None, "none written")
+    step, folder = folders[0]
+    try:
+        verify(folder)
+    except CheckpointError as error:
+        return Check("checkpoint", False, str(error))
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    return Check("checkpoint", True, f"step {step} complete, {size / 2**30:.2f} GiB")
+
+
+def check_stops(run_dir: Path) -> Check:
+    path = run_dir / "preemptions.jsonl"
+    if not path.exists():
+        return Check("stop", None, "no stop recorded (USR1 or checkpoint.save_by)")
+    stops = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    missing = [s for s in stops if s["checkpoint"] and not (run_dir / s["checkpoint"]).is_dir()]
+    said = "; ".join(f"step {s['step']} by {s['signal']}" for s in stops)
+    return Check("stop", not missing, said + (f"; missing checkpoints: {missing}" if missing else ""))
+
+
+def check_fabric(job_log: Path | None) -> Check:
+    if job_log is None:
+        return Check("fabric", None, "no job log given (--job-log)")
+    text = job_log.read_text(encoding="utf-8", errors="replace")
+    if NCCL_SOCKET.search(text):
+        return Check(
+            "fabric",
+            False,
+            "NCCL uses NET/Socket (TCP): set NCCL_IB_HCA, and MELLANOX_VISIBLE_DEVICES=all in the "
+            "container (docs/cluster.md, Site settings)",
+        )
+    if NCCL_IB.search(text):
+        return Check("fabric", True, "NCCL uses NET/IB")
+    return Check("fabric", None, "no NCCL transport line (run with NCCL_DEBUG=INFO on GPUs)")
+
+
+def bringup_checks(run_dir: Path, job_log: Path | None = None) -> list[Check]:
+    return [*check_steps(step_records(run_dir)), check_checkpoint(run_dir), check_stops(run_dir), check_fabric(job_log)]
+
+
+def run_bringup(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        print(f"nemo-dapo bringup: {run_dir} is not a run folder (trainer.output_dir)", file=sys.stderr)
+        return 2
+    checks = bringup_checks(run_dir, Path(args.job_log) if args.job_log else None)
+    for check in checks:
+        print(f"{check.verdict:<5} {check.name:<11} {check.detail}")
+    return 1 if any(check.passed is False for check in checks) else 0
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "bringup", help="pass / FAIL of a bring-up job: steps, stage times, checkpoint, stops, NCCL's transport"
+    )
+    parser.add_argument("run_dir", help="the job's trainer.output_dir (CKPT_DIR)")
+    parser.add_argument("--job-log", help="the Slurm job's output file (for NCCL's transport with NCCL_DEBUG=INFO)")
+    parser.set_defaults(fn=run_bringup)
