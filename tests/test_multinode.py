@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from nemo_dapo.cluster.ray_env import LOOPBACK_ENV, WORKER_ENV
+from nemo_dapo.launch.bringup import bringup_checks
 from tests.slurm_jobs import REPO, Job, ensure_packages, newest_checkpoint, resumed_step, submit
 from tests.train_runs import SMALL, expected_rounds, last_per_step, records
 
@@ -356,6 +357,10 @@ def test_a_job_survives_a_stop_signal_dead_nodes_an_outside_requeue_and_sigterm(
     consumed = [i for step in sorted(by_step) for i in by_step[step]["consumed"]]
     assert consumed == [i for r in expected_rounds(1800, 12, seed=1, count=len(consumed) // 12) for i in r]
     assert json.loads((ckpt / "summary.json").read_text())["steps"] == total
+    # the bring-up ladder's reading of this job (docs/cluster.md): its steps, checkpoint and USR1 stop
+    checks = {c.name: c for c in bringup_checks(ckpt, job.output)}
+    assert all(checks[name].passed for name in ("steps", "stages", "checkpoint", "stop")), checks
+    assert f"step {stop['step']} by SIGUSR1" in checks["stop"].detail and checks["fabric"].passed is None
 
 
 @pytest.mark.timeout(900)
