@@ -8,8 +8,8 @@ it left (the run folder, and the Slurm job's output for the network) and prints 
 - stages: the last step's seconds per stage (generation, old log-probs, update, weight sync)
   and the bytes of its weight sync, to compare with ``nemo-dapo plan``'s expectations;
 - checkpoint: the newest checkpoint is complete (its manifest verifies) and how big it is;
-- stop: the stops in ``preemptions.jsonl`` (USR1, ``checkpoint.save_by``), the last one's
-  checkpoint present (earlier ones may have gone with retention);
+- stop: the stops in ``preemptions.jsonl`` (USR1, ``checkpoint.save_by``): the last one's
+  checkpoint present, or a newer one (the run went on; retention may have removed it);
 - fabric: with ``NCCL_DEBUG=INFO`` in the job's environment, NCCL's transport in the job log:
   ``NET/IB`` passes, ``NET/Socket`` (TCP: no InfiniBand reached the container) fails.
 """
@@ -90,9 +90,10 @@ def check_stops(run_dir: Path) -> Check:
         return Check("stop", None, "no stop recorded (USR1 or checkpoint.save_by)")
     stops = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     said = "; ".join(f"step {s['step']} by {s['signal']}" for s in stops)
-    last = stops[-1]["checkpoint"]
-    if last and not (run_dir / last).is_dir():
-        return Check("stop", False, f"{said}; the last stop's {last} is missing")
+    last = stops[-1]
+    newest = max((step for step, _ in CheckpointManager(run_dir / "checkpoints").step_folders()), default=-1)
+    if last["checkpoint"] and not (run_dir / last["checkpoint"]).is_dir() and newest <= last["step"]:
+        return Check("stop", False, f"{said}; the last stop's {last['checkpoint']} is missing")
     return Check("stop", True, said)
 
 
