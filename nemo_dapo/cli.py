@@ -18,7 +18,7 @@ from nemo_dapo.trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
 PLUGIN_COMMANDS = (
     "nemo_dapo.launch.plan",
     "nemo_dapo.launch.plot",
-    "nemo_dapo.launch.bringup",
+    "nemo_dapo.bringup",
     "nemo_dapo.launch.nemo_run_launcher",
 )
 

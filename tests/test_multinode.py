@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from nemo_dapo.bringup import bringup_checks
 from nemo_dapo.cluster.ray_env import LOOPBACK_ENV, WORKER_ENV
-from nemo_dapo.launch.bringup import bringup_checks
 from tests.slurm_jobs import REPO, Job, ensure_packages, newest_checkpoint, resumed_step, submit
 from tests.train_runs import SMALL, expected_rounds, last_per_step, records
 

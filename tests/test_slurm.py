@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_dapo.launch.bringup import bringup_checks
+from nemo_dapo.bringup import bringup_checks
 from nemo_dapo.trainer.preemption import PreemptionSignals, StepClock
 from tests.slurm_jobs import ensure_packages
 
@@ -132,6 +132,34 @@ def test_a_run_past_its_deadline_stops_before_a_step_with_the_requeue_code(tmp_p
         and "step 0 by checkpoint.save_by" in checks["stop"].detail
     )
     assert checks["checkpoint"].passed is None and checks["fabric"].passed is None
+
+
+def test_usr1_while_a_step_generates_gives_the_step_up_at_once(tmp_path):
+    """One-token answers are all wrong, so every group's spread is 0, dynamic sampling (unbounded)
+    keeps nothing and the first step generates round after round: USR1 then stops the run between
+    two rounds, exit 3 without finishing the step (nothing to save before a first step)."""
+    from tests.train_runs import CLI, ENV, SMALL
+
+    run, err = tmp_path / "run", tmp_path / "stderr.txt"
+    never_full = ["data.max_response_length=1", "reward.overlong_buffer.enable=false"]
+    never_full += ["algorithm.filter_groups.max_num_gen_batches=0"]
+    command = [*CLI, "train", f"trainer.output_dir={run}", *SMALL, *never_full]
+    with open(err, "w") as stderr:
+        trainer = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=ENV)
+        try:
+            deadline = time.monotonic() + 300
+            while "DAPO:" not in err.read_text():  # the loop's progress bar: generation has begun
+                assert trainer.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+                time.sleep(0.5)
+            time.sleep(3)  # a few rounds in
+            trainer.send_signal(signal.SIGUSR1)
+            assert trainer.wait(timeout=120) == 3, err.read_text()[-3000:]
+        finally:
+            trainer.kill()
+    assert "SIGUSR1 while generating step 1: the step is given up" in err.read_text()
+    (stop,) = [json.loads(line) for line in (run / "preemptions.jsonl").read_text().splitlines()]
+    assert stop == {**stop, "step": 0, "signal": "SIGUSR1", "checkpoint": None}
+    assert not (run / "metrics.jsonl").exists() or "update_actor" not in (run / "metrics.jsonl").read_text()
 
 
 def test_the_bringup_check_reads_stage_times_a_checkpoint_and_nccls_transport(tmp_path, capsys):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,14 +30,13 @@ from nemo_dapo.config import Config, to_yaml
 from nemo_dapo.config.topology import cluster_gpus, is_colocated, prompts_per_round, total_training_steps
 from nemo_dapo.data import ResumableBatchSampler
 from nemo_dapo.rng import restore_rng, rng_state
-from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.safe_load import load_state
 from nemo_dapo.trainer.assembly import loss_settings
 from nemo_dapo.trainer.batching import batch_from_items
 from nemo_dapo.trainer.checkpoint import TRAINER_STATE, CheckpointManager, refuse_mode_change
 from nemo_dapo.trainer.health import LearningHealth, NonFiniteSteps
 from nemo_dapo.trainer.old_policy import OldPolicyScores
-from nemo_dapo.trainer.preemption import Preempted, PreemptionSignals, StepClock, record_preemption
+from nemo_dapo.trainer.preemption import Preempted, PreemptionSignals, StepAbandoned, StepClock, record_preemption
 from nemo_dapo.trainer.sinks import SinkContext
 from nemo_dapo.trainer.stages import (
     add_advantages,
@@ -48,7 +47,7 @@ from nemo_dapo.trainer.stages import (
 )
 from nemo_dapo.trainer.summary import write_summary
 from nemo_dapo.trainer.tracking import StageTimer, Tracker
-from nemo_dapo.trainer.validation import accuracy_metrics, mean_val_accuracy
+from nemo_dapo.trainer.validation import mean_val_accuracy, train_sampling, validation_metrics
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -110,6 +109,7 @@ class DAPOTrainer:
         )
         self._sampler_iter: Iterator[list[int]] | None = None
         self._consumed: list[int] = []  # row ids drawn from the sampler this step (prompts.jsonl)
+        self.stop_asked: Callable[[], bool] = lambda: False  # a stop signal arrived (set by fit)
         self.accumulator = (
             GroupAccumulator(
                 cfg.data.train_batch_size, filtering.max_num_gen_batches, bool(filtering.carry_over), filtering.metric
@@ -141,18 +141,12 @@ class DAPOTrainer:
             self._sampler_iter = iter(self.sampler)
             return next(self._sampler_iter)
 
-    def _sampling(self) -> SamplingSettings:
-        r = self.cfg.rollout
-        return SamplingSettings(
-            n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=self.cfg.data.max_response_length
-        )
-
     def _next_round(self, timer: StageTimer, round_index: int) -> RolloutBatch:
         """One generation round, scored."""
         indices = self._next_prompt_indices()
         items = [self.train_data[i] for i in indices]
         with timer("gen"):
-            generations = self.rollout.generate([it["prompt_ids"] for it in items], self._sampling())
+            generations = self.rollout.generate([it["prompt_ids"] for it in items], train_sampling(self.cfg))
         self.generated_samples += len(items) * self.cfg.rollout.n
         uid_prefix = f"s{self.global_step}r{round_index}"
         batch = batch_from_items(items, generations, uid_prefix, self.tokenizer.pad_token_id, self.weight_version)
@@ -161,10 +155,16 @@ class DAPOTrainer:
         return batch
 
     def _collect_batch(self, timer: StageTimer) -> tuple[RolloutBatch, dict[str, float], list[int]]:
-        """One round, or (dynamic sampling) rounds until train_batch_size informative groups are held."""
+        """One round, or (dynamic sampling) rounds until train_batch_size informative groups are held.
+        A stop asked for between two rounds gives the step up: the sampler and the held groups go
+        back to where the step began (:class:`StepAbandoned`), so a resumed run draws them again."""
         consumed: list[int] = []
         round_index = 0
+        began = self._draw_state()
         while True:
+            if round_index and self.stop_asked():
+                self._restore_draw_state(began)
+                raise StepAbandoned
             batch = self._next_round(timer, round_index)
             consumed += sorted(set(batch["prompt_index"]))
             round_index += 1
@@ -174,6 +174,18 @@ class DAPOTrainer:
             if self.accumulator.is_full():
                 return self.accumulator.pop_batch(), self.accumulator.last_metrics, consumed
             self.accumulator.check_limit()
+
+    def _draw_state(self) -> dict:
+        """What drawing prompts changes: the sampler, dynamic sampling's held groups, the budget."""
+        held = self.accumulator.state_dict() if self.accumulator is not None else None
+        return {"sampler": self.sampler.state_dict(), "held": held, "generated": self.generated_samples}
+
+    def _restore_draw_state(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self._sampler_iter = None
+        if self.accumulator is not None:
+            self.accumulator.load_state_dict(state["held"])
+        self.generated_samples = state["generated"]
 
     # ----------------------------------------------------------------- one step
     def train_step(self) -> dict[str, float]:
@@ -258,13 +270,11 @@ class DAPOTrainer:
         response_tokens = int(batch["response_mask"].sum())
         total_tokens = response_tokens + int(batch["prompt_mask"].sum())
         metrics.update(timing_metrics(timer.seconds, response_tokens, total_tokens))
-        metrics.update(throughput_metrics(total_tokens, time.perf_counter() - step_start, self._num_devices()))
+        devices = max(cluster_gpus(self.cfg), self.policy.world_size)
+        metrics.update(throughput_metrics(total_tokens, time.perf_counter() - step_start, devices))
         metrics[mn.ENGINE_RESTARTS.name] = float(self.rollout.restarts)
         if self.weight_sync.sent_bytes is not None:
             metrics[mn.WEIGHT_SYNC_MB.name] = self.weight_sync.sent_bytes / 2**20
-
-    def _num_devices(self) -> int:
-        return max(cluster_gpus(self.cfg), self.policy.world_size)
 
     def sync_weights(self) -> None:
         self.weight_version += 1
@@ -285,18 +295,9 @@ class DAPOTrainer:
     def validate(self) -> dict[str, float]:
         if self.val_data is None:
             return {}
-        val = self.cfg.rollout.val
-        items = [self.val_data[i] for i in range(len(self.val_data))]
-        sampling = SamplingSettings(
-            n=val.n,
-            temperature=val.temperature if val.do_sample else 0.0,
-            top_p=val.top_p if val.do_sample else 1.0,
-            max_tokens=self.cfg.data.max_response_length,
+        return validation_metrics(
+            self.rollout, self.val_data, self.cfg, self.tokenizer, self.reward, self.weight_version
         )
-        generations = self.rollout.generate([it["prompt_ids"] for it in items], sampling)
-        batch = batch_from_items(items, generations, "val", self.tokenizer.pad_token_id, self.weight_version)
-        score_batch(batch, self.reward, self.tokenizer)
-        return accuracy_metrics(batch["acc"], batch["data_source"], batch["uid"], val.n, mn.VAL_ACC)
 
     # ----------------------------------------------------------------- checkpoints
     def trainer_state(self) -> dict:
@@ -361,6 +362,7 @@ class DAPOTrainer:
     def fit(self) -> dict:
         # log lines go above the progress bar instead of through it
         with PreemptionSignals() as preemption, logging_redirect_tqdm():
+            self.stop_asked = lambda: preemption.requested
             return self._fit(preemption)
 
     def _fit(self, preemption: PreemptionSignals) -> dict:
@@ -380,7 +382,11 @@ class DAPOTrainer:
                 self._stop_preempted("checkpoint.save_by (the job's end is near)", bar)
             self.finish_checkpoint(blocking=False)
             began = time.monotonic()
-            metrics = self.train_step()
+            try:
+                metrics = self.train_step()
+            except StepAbandoned:  # the signal came while it generated: the last step is what is saved
+                log.warning("%s while generating step %d: the step is given up", preemption.received, next_step)
+                self._stop_preempted(preemption.received or "a stop signal", bar)
             clock.steps.append(time.monotonic() - began)
             self.global_step += 1
             done = self._run_done()

@@ -39,6 +39,11 @@ class Preempted(Exception):
         self.signal_name = signal_name
 
 
+class StepAbandoned(Exception):
+    """A stop asked for while a step was still generating: the step is given up (its draws
+    undone) and the last completed step is what the checkpoint keeps."""
+
+
 class PreemptionSignals:
     """While active (a context manager), SIGUSR1 / SIGTERM set :attr:`received` instead of killing.
 

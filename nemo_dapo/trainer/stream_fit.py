@@ -38,8 +38,10 @@ from nemo_dapo.cluster.streaming import StreamingEngines
 from nemo_dapo.config.topology import num_engines
 from nemo_dapo.trainer.batching import batch_from_items
 from nemo_dapo.trainer.fit import DAPOTrainer
+from nemo_dapo.trainer.preemption import StepAbandoned
 from nemo_dapo.trainer.stages import add_stale_token_mask, score_batch
 from nemo_dapo.trainer.tracking import StageTimer
+from nemo_dapo.trainer.validation import train_sampling
 
 log = logging.getLogger(__name__)
 POLL_S = 1.0  # longest one engine waits for a finished group before answering the driver
@@ -66,7 +68,7 @@ class StreamDAPOTrainer(DAPOTrainer):
         per_engine = cfg.rollout.max_inflight or max(
             cfg.rollout.n, -(-(self.max_staleness + 1) * self.batch_groups * cfg.rollout.n // num_engines(cfg))
         )
-        self.engines = StreamingEngines(self.rollout, self._sampling(), per_engine, cfg.rollout.kv_after_update)
+        self.engines = StreamingEngines(self.rollout, train_sampling(cfg), per_engine, cfg.rollout.kv_after_update)
         self.issued = 0  # sequence number of the next prompt sent (its group key is g<sequence>)
         self.admitted = 0  # groups admitted since the start, less those filtered or dropped
         self.synced = 0  # weight syncs since the start: the bound's version
@@ -153,6 +155,8 @@ class StreamDAPOTrainer(DAPOTrainer):
         """The first-issued ``train_batch_size`` kept groups not older than ``max_staleness``."""
         arrived, kept_before, poll = 0, len(self.kept), 0
         while True:
+            if poll and self.stop_asked():  # the checkpoint keeps every untrained row, in flight or kept
+                raise StepAbandoned
             fresh: list[KeptGroup] = []
             for group in self.kept:
                 if self.weight_version - group.admitted_version <= self.max_staleness:

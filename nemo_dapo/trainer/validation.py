@@ -1,4 +1,5 @@
-"""Validation / evaluation: acc/mean@n and pass@k per data source (docs/algorithm.md §12 reports acc/mean@32)."""
+"""Validation / evaluation: acc/mean@n and pass@k per data source (docs/algorithm.md §12 reports acc/mean@32),
+the trainer's validation pass over the held-out set, and how training rounds sample beside it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import numpy as np
 
 from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import group_rows
+from nemo_dapo.config import Config
+from nemo_dapo.rollout.base import SamplingSettings
+from nemo_dapo.trainer.batching import batch_from_items
+from nemo_dapo.trainer.stages import score_batch
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -40,3 +45,28 @@ def mean_val_accuracy(metrics: dict[str, float]) -> float | None:
     """The mean of the ``val-core/<source>/acc/mean@k`` entries of one validation, None without any."""
     accs = [v for k, v in metrics.items() if mn.VAL_ACC.pattern.match(k)]
     return float(np.mean(accs)) if accs else None
+
+
+def train_sampling(cfg: Config) -> SamplingSettings:
+    """How the engines sample the training rounds (``rollout.*``)."""
+    r = cfg.rollout
+    return SamplingSettings(
+        n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=cfg.data.max_response_length
+    )
+
+
+def validation_metrics(rollout, val_data, cfg: Config, tokenizer, reward, weight_version: int) -> dict[str, float]:
+    """Every held-out prompt ``rollout.val.n`` times (greedy unless ``rollout.val.do_sample``),
+    scored: the ``val-core`` / ``val-aux`` metrics of :func:`accuracy_metrics`."""
+    val = cfg.rollout.val
+    items = [val_data[i] for i in range(len(val_data))]
+    sampling = SamplingSettings(
+        n=val.n,
+        temperature=val.temperature if val.do_sample else 0.0,
+        top_p=val.top_p if val.do_sample else 1.0,
+        max_tokens=cfg.data.max_response_length,
+    )
+    generations = rollout.generate([it["prompt_ids"] for it in items], sampling)
+    batch = batch_from_items(items, generations, "val", tokenizer.pad_token_id, weight_version)
+    score_batch(batch, reward, tokenizer)
+    return accuracy_metrics(batch["acc"], batch["data_source"], batch["uid"], val.n, mn.VAL_ACC)
