@@ -256,3 +256,15 @@ def test_the_start_up_check_refuses_gpus_other_than_the_plan_assumes():
     assert "GPUs are NVIDIA A100-SXM4-80GB (81920 MiB): check the nodes" in unknown
     assert gpu_problems(load_config("dapo_qwen2.5_32b", ["trainer.gpu_model=null"]), [("NVIDIA H20", 97871)]) == []
     assert gpu_problems(load_config("tiny_cpu", ["trainer.gpu_model=H800"]), None) == []  # CPU mode
+
+
+def test_a_checkpoint_is_sized_and_a_background_save_longer_than_the_margin_is_warned(capsys):
+    """32B in bf16: 2 bytes a parameter for the Hugging Face copy, 2 + 4 + 8 for the training state."""
+    code, plan, err = run_plan(capsys, "dapo_qwen2.5_32b")
+    params = KNOWN_ARCHITECTURES["qwen2.5-32b"].total_params()
+    assert code == 0 and plan["checkpoint_gb"] == pytest.approx(params * 16 / 1e9) and "SAVE_MARGIN_S" not in err
+    assert plan["save_s"] == pytest.approx(params * 16 / 1e9 / 5.0)  # the default 5 GB/s
+    code, plan, err = run_plan(capsys, "dapo_qwen2.5_32b", "--storage-gb-per-s", "1")
+    assert code == 0 and "longer than the batch script's SAVE_MARGIN_S=300 s" in err  # async_save in the preset
+    code, plan, err = run_plan(capsys, "dapo_qwen2.5_32b", "checkpoint.async_save=false", "--storage-gb-per-s", "1")
+    assert "SAVE_MARGIN_S" not in err  # a blocking save is on the trainer's own clock (checkpoint.save_by)

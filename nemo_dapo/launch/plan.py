@@ -81,6 +81,8 @@ class Plan:
     routing_bytes_per_token: int = 0  # MoE routing replay's ids (0: off)
     routing_batch_gib: float = 0.0  # the same for a full-length training batch
     warnings: tuple[str, ...] = ()
+    checkpoint_gb: tuple[float, float] = (0.0, 0.0)  # one save: the Hugging Face copy, the training state
+    save_s: float = 0.0  # one save's write at the storage speed given
 
     @property
     def peak(self) -> float:
@@ -108,6 +110,8 @@ class Plan:
             "peak_gib": self.peak,
             "headroom_gib": self.headroom,
             "warnings": list(self.warnings),
+            "checkpoint_gb": sum(self.checkpoint_gb),
+            "save_s": self.save_s,
             "training": {
                 "weights": training.weights,
                 "gradients": training.gradients,
@@ -143,8 +147,36 @@ class Plan:
         }
 
 
+SAVE_MARGIN_S = 300  # slurm/dapo_32b.sbatch's default: the last checkpoint is due this long before the job's end
+
+
+def checkpoint_gb(cfg: Config, arch: Architecture) -> tuple[float, float]:
+    """One checkpoint in GB (an estimate from the parameter count): the Hugging Face copy in
+    ``model.dtype``, and the sharded training state (weights in that dtype, fp32 master weights,
+    Adam's two fp32 moments)."""
+    params, width = arch.total_params(), 2 if cfg.model.dtype in ("bfloat16", "float16") else 4
+    return params * width / 1e9, params * (width + 12) / 1e9
+
+
+def save_warning(cfg: Config, save_s: float, storage_gb_per_s: float) -> str | None:
+    """With ``checkpoint.async_save`` the trainer's deadline clock sees only a save's blocking part:
+    the background write must fit in the batch script's margin."""
+    if not cfg.checkpoint.async_save or save_s <= SAVE_MARGIN_S:
+        return None
+    return (
+        f"a checkpoint takes ~{save_s:.0f} s to write at {storage_gb_per_s:g} GB/s, longer than the batch script's "
+        f"SAVE_MARGIN_S={SAVE_MARGIN_S} s, which must cover a background save (checkpoint.async_save): submit with "
+        f"SAVE_MARGIN_S={int(save_s * 1.5)} or more"
+    )
+
+
 def make_plan(
-    cfg: Config, config_name: str, gpu_memory_gib: float, reserve_gib: float, min_headroom_gib: float = 0.0
+    cfg: Config,
+    config_name: str,
+    gpu_memory_gib: float,
+    reserve_gib: float,
+    min_headroom_gib: float = 0.0,
+    storage_gb_per_s: float = 5.0,
 ) -> Plan:
     try:
         arch = resolve_architecture(cfg.model.path)
@@ -169,8 +201,12 @@ def make_plan(
         sequences_per_round=cfg.data.effective_gen_batch_size * cfg.rollout.n,
         problems=problems,
         warnings=tuple(combination_notes(cfg)),
+        checkpoint_gb=checkpoint_gb(cfg, arch),
+        save_s=sum(checkpoint_gb(cfg, arch)) / storage_gb_per_s,
         **routing_replay_size(cfg, arch),
     )
+    if warning := save_warning(cfg, plan.save_s, storage_gb_per_s):
+        plan = replace(plan, warnings=(*plan.warnings, warning))
     if not problems and plan.headroom < min_headroom_gib:
         warning = (
             f"the peak ({plan.peak:.2f} GiB per GPU) leaves {plan.headroom:.2f} GiB of the GPU's "
@@ -251,6 +287,11 @@ def render(plan: Plan) -> str:
             f"routing replay {plan.routing_bytes_per_token} B per token (expert ids of every MoE layer), "
             f"{plan.routing_batch_gib:.2f} GiB per full-length training batch"
         )
+    hf, state = plan.checkpoint_gb
+    lines.append(
+        f"checkpoint  {hf + state:.1f} GB per save (Hugging Face copy {hf:.1f} + training state {state:.1f}), "
+        f"~{plan.save_s:.0f} s to write at the storage speed given (--storage-gb-per-s)"
+    )
     lines.append(
         f"headroom    {plan.headroom:.2f} GiB per GPU beyond the reserve "
         f"(peak {plan.peak:.2f} of {plan.gpu_memory_gib:.4g})"
@@ -263,7 +304,7 @@ def render(plan: Plan) -> str:
 def run_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides, placement=False)  # placement problems are listed below
     gpu_gib = args.gpu_memory_gib or gpu_memory_gib(args.gpu or cfg.trainer.gpu_model or "H800")
-    plan = make_plan(cfg, args.config, gpu_gib, args.reserve_gib, args.min_headroom_gib)
+    plan = make_plan(cfg, args.config, gpu_gib, args.reserve_gib, args.min_headroom_gib, args.storage_gb_per_s)
     print(json.dumps(plan.as_dict(), indent=1) if args.json else render(plan))
     for warning in plan.warnings:
         print(f"nemo-dapo plan: warning: {warning}", file=sys.stderr)
@@ -296,6 +337,13 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--reserve-gib", type=float, default=4.0, help="per GPU and phase: CUDA context, NCCL buffers, fragmentation"
+    )
+    parser.add_argument(
+        "--storage-gb-per-s",
+        type=float,
+        default=5.0,
+        help="the shared storage's write speed for one job's checkpoint (an assumption: measure it with the "
+        "bring-up ladder's checkpoint drill, docs/cluster.md)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(fn=run_plan)
