@@ -6,7 +6,8 @@
 #
 # STATUS is the trainer's exit code: 0 finished and 2 invalid configuration never requeue (the
 # second would fail the same way again); 3 (stopped by a signal: the time limit's warning or a
-# preemption, with a checkpoint after USR1) always does; anything else is a crash (a node lost,
+# preemption, with a checkpoint after USR1; or by the trainer before the job's end, with one:
+# checkpoint.save_by) always does; anything else is a crash (a node lost,
 # a worker killed, a bug) and requeues at most MAX_CRASH_REQUEUES times (default 2) without
 # progress: CRASH_COUNT_FILE holds the count and, on its second line, the newest checkpoint's
 # step at the last crash (read from CHECKPOINTS_DIR/latest); a crash after a newer checkpoint
@@ -18,7 +19,7 @@ requeue_wanted() {
     case $status in
         0) return 1 ;;
         2) echo "requeue: invalid configuration (exit 2): not requeued" >&2; return 1 ;;
-        3) echo "requeue: stopped by a signal (exit 3): requeueing; the next run resumes from the newest checkpoint"
+        3) echo "requeue: stopped by a signal or before the time limit (exit 3): requeueing; the next run resumes from the newest checkpoint"
            return 0 ;;
     esac
     local count_file=${CRASH_COUNT_FILE:?set CRASH_COUNT_FILE to the file that counts crash requeues}

@@ -345,7 +345,7 @@ def test_a_job_survives_a_stop_signal_dead_nodes_an_outside_requeue_and_sigterm(
     terminated = run_section(log, 3)
     assert "SIGTERM received" in terminated
     # the requeue comes before Ray's teardown, which the requeue itself may cut short
-    requeued = terminated.index("requeue: stopped by a signal (exit 3): requeueing")
+    requeued = terminated.index("requeue: stopped by a signal or before the time limit (exit 3): requeueing")
     assert requeued < terminated.find("ray_cluster: stopping") or "ray_cluster: stopping" not in terminated
     # from the newest checkpoint committed before the stop (a save that SIGTERM cut short names
     # its step in its error, and is not resumed from)
