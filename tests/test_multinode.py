@@ -399,3 +399,8 @@ def test_nemo_run_submits_through_its_local_tunnel_and_the_job_completes(cluster
     assert json.loads((outputs_dir / "summary.json").read_text())["steps"] == 3
     steps = [json.loads(line) for line in (outputs_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["stream/engine_busy"] > 0 for r in steps if "actor/pg_loss" in r] == [True] * 3
+    # the trainer's deadline reached it through the job's environment (slurm/job_deadline.sh)
+    saved = (outputs_dir / "checkpoints" / "global_step_3" / "config.yaml").read_text()
+    save_by = float(re.search(r"save_by: (\S+)", saved).group(1))
+    started = datetime.datetime.fromisoformat(job.field("StartTime")).timestamp()
+    assert abs(save_by - (started + 20 * 60 - 300)) <= 2, (job.field("StartTime"), save_by)

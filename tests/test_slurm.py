@@ -21,6 +21,7 @@ SCRIPTS = [
     REPO / "slurm" / "dapo_32b.sbatch",
     REPO / "slurm" / "dapo_tiny_cpu.sbatch",
     REPO / "slurm" / "requeue_policy.sh",
+    REPO / "slurm" / "job_deadline.sh",
     REPO / "tests" / "slurm" / "setup_netns_slurm.sh",
     REPO / "tools" / "install_slurm.sh",
 ]

@@ -153,6 +153,7 @@ def trainer_overrides(args: argparse.Namespace) -> list[str]:
         fixed += [f"trainer.nnodes={args.nodes}", f"trainer.n_gpus_per_node={args.gpus_per_node}"]
         if args.gpus_per_node > 0:  # one training rank per GPU of the allocation
             fixed.append(f"actor.num_workers={args.nodes * args.gpus_per_node}")
+        fixed.append("checkpoint.save_by=${oc.env:NEMO_DAPO_SAVE_BY,null}")  # set in the job (job_deadline.sh)
     return fixed + list(args.overrides)
 
 
@@ -249,6 +250,7 @@ def ray_setup_lines(remote_task_dir: str, mounts: list[str]) -> str:
             f"cd {shlex.quote(remote_task_dir + '/code')}",
             "source slurm/requeue_policy.sh",
             "source slurm/site_env.sh",
+            "source slurm/job_deadline.sh  # NEMO_DAPO_SAVE_BY: checkpoint.save_by (the trainer's deadline)",
             "source slurm/ray_cluster.sh",
             "ray_cluster_start",
         ]
