@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,12 @@ class Cluster:
         self.prefix = ("bash", str(SETUP), "exec", "ctl")
 
     def on(self, node: str, *command: str, check: bool = True, timeout: float = 120) -> str:
-        done = subprocess.run(
+        done = self.completed_on(node, *command, timeout=timeout)
+        assert done.returncode == 0 or not check, f"{node}: {command}: {done.stderr[-2000:]}"
+        return done.stdout
+
+    def completed_on(self, node: str, *command: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run(
             ["bash", str(SETUP), "exec", node, *command],
             capture_output=True,
             text=True,
@@ -60,8 +66,6 @@ class Cluster:
             cwd=REPO,
             timeout=timeout,
         )
-        assert done.returncode == 0 or not check, f"{node}: {command}: {done.stderr[-2000:]}"
-        return done.stdout
 
     def setup(self, *command: str) -> None:
         done = subprocess.run(["bash", str(SETUP), *command], capture_output=True, text=True, env=self.env, timeout=180)
@@ -82,6 +86,19 @@ class Cluster:
 
     def node_state(self, node: str) -> str:
         return self.on("ctl", "sinfo", "--noheader", f"--nodes={node}", "--format=%t").strip()
+
+    def mark_down(self, node: str) -> None:
+        """Tell Slurm a killed node is down, as a node health check does, until Slurm shows it so.
+        A message its slurmd sent just before it died can reach slurmctld after the update and
+        return the node to service (ReturnToService=2; seen once in a clean-clone run: "node_did_resp:
+        node n3 returned to service" 8 ms after "state set to DOWN"); a health check marks it again
+        on its next pass. A dead slurmd sends nothing more, so a second mark holds."""
+        for _ in range(3):
+            self.on("ctl", "scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=killed by the test")
+            time.sleep(2)
+            if "down" in self.node_state(node):
+                return
+        pytest.fail(f"{node} not down after 3 marks: {daemon_logs()}")
 
 
 def daemon_logs() -> str:
@@ -187,7 +204,11 @@ def check_ray_refuses_a_stranger(cluster: Cluster) -> None:
         "print('admitted'); sys.exit(1)\n"
     )
     env = ["env", "RAY_AUTH_MODE=token", "RAY_AUTH_TOKEN=" + "0" * 64, sys.executable, "-c", probe]
-    assert "refused" in cluster.on("ctl", "timeout", "60", *env)
+    done = cluster.completed_on("ctl", "timeout", "60", *env)
+    # Ray's client keeps retrying a refused token (each retry logs InvalidAuthToken); on a loaded
+    # machine it may still be retrying at the deadline: refused all the same, never admitted
+    retrying = done.returncode == 124 and "InvalidAuthToken" in done.stderr
+    assert "admitted" not in done.stdout and ("refused" in done.stdout or retrying), done.stderr[-2000:]
 
 
 @pytest.mark.timeout(900)
@@ -303,8 +324,7 @@ def test_a_job_survives_a_stop_signal_dead_nodes_an_outside_requeue_and_sigterm(
         does (Slurm's own detection waits out SlurmdTimeout), and release the job: it must not be
         placed on the dead node."""
         job.wait_for(f"requeue #{restarts}", lambda: job.field("Restarts") == str(restarts))
-        job.run("scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=killed by the test")
-        assert "down" in cluster.node_state(node)
+        cluster.mark_down(node)
         release(restarts)
 
     try:

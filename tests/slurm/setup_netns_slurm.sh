@@ -226,11 +226,15 @@ start() {
     echo "export SLURM_CONF=$CONF"
 }
 
+# Until the namespace holds no process: one forked between the listing and the kill survives it.
 kill_node() {
-    local node=$1 pids
-    pids=$(ip netns pids "$PREFIX-$node" 2>/dev/null || true)
-    # shellcheck disable=SC2086  # one argument per pid
-    [ -z "$pids" ] || kill -9 $pids 2>/dev/null || true
+    local node=$1 pids deadline=$((SECONDS + 10))
+    while pids=$(ip netns pids "$PREFIX-$node" 2>/dev/null) && [ -n "$pids" ]; do
+        # shellcheck disable=SC2086  # one argument per pid
+        kill -9 $pids 2>/dev/null || true
+        [ $SECONDS -lt $deadline ] || { echo "kill-node $node: still running: $pids" >&2; break; }
+        sleep 0.2
+    done
     rm -f "$STATE/run/slurmd.$node.pid"
 }
 
