@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | sha1sum | cut -
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: venv train test selfcheck lock
+.PHONY: venv train test selfcheck lock image-cpu image-test
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml tools/bootstrap.sh $(LOCK)
@@ -30,3 +30,13 @@ lock:
 	bash tools/bootstrap.sh .venv-lock $(LOCKED_EXTRAS)
 	.venv-lock/bin/python tools/env_lock.py write
 	rm -rf .venv-lock
+
+# The CPU image (containers/README.md): the base with mmdebstrap, the image with podman (root)
+image-cpu:
+	bash tools/install_containers.sh
+	bash containers/build_cpu_image.sh
+
+# The image at work: the embedded default inside it, the two-node job in containers (not in `make test`)
+image-test: image-cpu $(STAMP)
+	bash tools/install_slurm.sh
+	$(BIN)/python -m pytest -p no:cacheprovider tests/image_runs.py $(PYTEST_ARGS)

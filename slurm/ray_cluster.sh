@@ -18,7 +18,7 @@
 #   RAY_HEAD_IP              address the nodes reach the head at (default: what its node name resolves to)
 #   RAY_TEMP_DIR             Ray's session folder (default /tmp/ray_<jobid>: never the one a local Ray uses)
 #   CONTAINER                image to run in: pyxis/enroot (docker://..., .sqsh) or an Apptainer .sif
-#   CONTAINER_RUNTIME=pyxis  pyxis | apptainer
+#   CONTAINER_RUNTIME=pyxis  pyxis | apptainer | podman (rootful, the node's network, processes and /dev/shm)
 #   CONTAINER_MOUNTS         src:dst[,src:dst...] bound into the container
 #   LOG_DIR=logs             Ray logs go to $LOG_DIR/$SLURM_JOB_ID/ (per job, suffixed by restart);
 #                            each node's session logs to $LOG_DIR/$SLURM_JOB_ID/nodes/<node>/<restart>/
@@ -55,21 +55,34 @@ ray_cluster_die() {
 }
 
 # Runs "$@" as one task on each node of NODES, in the container, beside the job's other steps.
+# Every container of a node sees the node's Ray session folder (RAY_TEMP_DIR, bound at its own
+# path): the readiness check and the trainer reach the head's sockets there, whatever /tmp each
+# runtime gives a step. Pyxis also names the container (one per node and job): later steps reuse
+# the unpacked image instead of unpacking it again.
 ray_cluster_srun() {
     local nodes=$1 count=$2
     shift 2
     local step=(srun --overlap --nodes="$count" --ntasks="$count" --ntasks-per-node=1 --nodelist="$nodes"
         --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}")
+    local mounts=${CONTAINER_MOUNTS:+$CONTAINER_MOUNTS,}$RAY_TEMP_DIR:$RAY_TEMP_DIR
     case "${CONTAINER:+$CONTAINER_RUNTIME}" in
         "") "${step[@]}" "$@" ;;
-        pyxis) "${step[@]}" --container-image="$CONTAINER" ${CONTAINER_MOUNTS:+--container-mounts="$CONTAINER_MOUNTS"} \
-            --container-workdir="$PWD" "$@" ;;
+        pyxis) "${step[@]}" --container-image="$CONTAINER" --container-name="nemo-dapo-$SLURM_JOB_ID" \
+            --container-mounts="$mounts" --container-workdir="$PWD" "$@" ;;
         apptainer)
             local gpu_flag=()
             [ "$RAY_GPUS_PER_NODE" -gt 0 ] && gpu_flag=(--nv)
-            "${step[@]}" apptainer exec "${gpu_flag[@]}" ${CONTAINER_MOUNTS:+--bind "$CONTAINER_MOUNTS"} \
-                --pwd "$PWD" "$CONTAINER" "$@" ;;
-        *) ray_cluster_die "CONTAINER_RUNTIME=$CONTAINER_RUNTIME: use pyxis or apptainer" ;;
+            "${step[@]}" apptainer exec "${gpu_flag[@]}" --bind "$mounts" --pwd "$PWD" "$CONTAINER" "$@" ;;
+        podman)
+            # the node's network, processes and shared memory (Ray's object store), as pyxis gives;
+            # the job's environment with the image's PATH (its Python first); labelled with the job
+            # (ray_cluster_stop_containers)
+            local volumes=() each mount
+            IFS=, read -r -a each <<<"$mounts"
+            for mount in "${each[@]}"; do volumes+=(--volume "$mount"); done
+            "${step[@]}" podman run --rm --label="nemo-dapo.job=$SLURM_JOB_ID" --network=host --pid=host \
+                --ipc=host --env-host --env "PATH=$CONTAINER_PATH" "${volumes[@]}" --workdir "$PWD" "$CONTAINER" "$@" ;;
+        *) ray_cluster_die "CONTAINER_RUNTIME=$CONTAINER_RUNTIME: use pyxis, apptainer or podman" ;;
     esac
 }
 
@@ -89,6 +102,11 @@ ray_cluster_settings() {
     RAY_HEAD_IP=${RAY_HEAD_IP:-$(getent ahostsv4 "$RAY_HEAD_NODE" | awk 'NR == 1 {print $1}')}
     [ -n "$RAY_HEAD_IP" ] || ray_cluster_die "cannot resolve the head node $RAY_HEAD_NODE; set RAY_HEAD_IP"
     RAY_TEMP_DIR=${RAY_TEMP_DIR:-/tmp/ray_$SLURM_JOB_ID}
+    if [ "${CONTAINER:+$CONTAINER_RUNTIME}" = podman ]; then
+        CONTAINER_PATH=$(podman image inspect --format '{{range .Config.Env}}{{println .}}{{end}}' "$CONTAINER" \
+            | sed -n 's/^PATH=//p')
+        [ -n "$CONTAINER_PATH" ] || ray_cluster_die "podman has no image $CONTAINER here (podman image inspect)"
+    fi
     RAY_LOG_DIR=$LOG_DIR/$SLURM_JOB_ID
     RAY_RUN_TAG=r${SLURM_RESTART_COUNT:-0}
     mkdir -p "$RAY_LOG_DIR"
@@ -131,6 +149,15 @@ ray_cluster_srun_ray() {
     local nodes=$1 count=$2
     shift 2
     ray_cluster_srun "$nodes" "$count" bash -c "$RAY_NODE_SH" ray "$RAY_TEMP_DIR" "$RAY_LOG_DIR/nodes" "$RAY_RUN_TAG" "$@"
+}
+
+# The node-local Ray session folder, made on every node (outside the container) before the
+# container steps bind it.
+ray_cluster_make_temp_dirs() {
+    [ -n "$CONTAINER" ] || return 0
+    local all
+    all=$(IFS=,; echo "${RAY_NODES[*]}")
+    CONTAINER='' ray_cluster_srun "$all" "$RAY_NUM_NODES" mkdir -p "$RAY_TEMP_DIR"
 }
 
 ray_cluster_start_head() {
@@ -178,6 +205,7 @@ ray_cluster_start() {
     trap ray_cluster_stop EXIT
     echo "ray_cluster: head $RAY_HEAD_NODE ($RAY_ADDRESS), $RAY_NUM_NODES node(s) x $RAY_GPUS_PER_NODE GPU," \
         "$RAY_CPUS_PER_NODE CPU; logs in $RAY_LOG_DIR"
+    ray_cluster_make_temp_dirs
     ray_cluster_start_head
     ray_cluster_start_workers
     ray_cluster_wait
@@ -189,6 +217,20 @@ ray_cluster_alive() {
     return 1
 }
 
+# A podman container lives outside its step's processes (conmon detaches from `podman run`), and
+# Slurm's signals to a step also reach podman's forwarding of them, which can then fail and leave
+# the container running after its step. So the job's containers are stopped first, by label, on
+# every node (SIGTERM, then SIGKILL after 15 s), which also ends their steps.
+ray_cluster_stop_containers() {
+    [ "${CONTAINER:+$CONTAINER_RUNTIME}" = podman ] || return 0
+    local all
+    all=$(IFS=,; echo "${RAY_NODES[*]}")
+    # shellcheck disable=SC2016  # $1 belongs to the inner shell
+    CONTAINER='' ray_cluster_srun "$all" "$RAY_NUM_NODES" bash -c \
+        'podman ps --quiet --filter "label=nemo-dapo.job=$1" | xargs --no-run-if-empty podman stop --time 15' \
+        stop "$SLURM_JOB_ID" >/dev/null || true
+}
+
 # Ends the ray steps (srun passes SIGTERM to `ray start --block`, which stops its node); idempotent.
 ray_cluster_stop() {
     local pids=()
@@ -197,6 +239,7 @@ ray_cluster_stop() {
     RAY_WORKERS_PID='' RAY_HEAD_PID=''
     ray_cluster_alive "${pids[@]}" || return 0
     echo "ray_cluster: stopping the Ray cluster"
+    ray_cluster_stop_containers
     kill -TERM "${pids[@]}" 2>/dev/null
     for _ in $(seq 30); do
         ray_cluster_alive "${pids[@]}" || return 0

@@ -24,6 +24,8 @@ SCRIPTS = [
     REPO / "slurm" / "job_deadline.sh",
     REPO / "tests" / "slurm" / "setup_netns_slurm.sh",
     REPO / "tools" / "install_slurm.sh",
+    REPO / "tools" / "install_containers.sh",
+    REPO / "containers" / "build_cpu_image.sh",
 ]
 
 
@@ -224,3 +226,64 @@ def test_the_requeue_policy_requeues_stops_always_crashes_twice_without_progress
     assert wanted(1) and not wanted(1)  # then two crashes more without progress, as before
     saved(8)
     assert wanted(1) and counter.read_text().split() == ["1", "8"]
+
+
+# ----------------------------------------------------------------------------- container steps
+def container_steps(runtime: str, command: str) -> list[list[str]]:
+    """The srun commands slurm/ray_cluster.sh runs for COMMAND on two nodes with CONTAINER set:
+    srun (and podman's image lookup) stand in as shell functions recording their arguments."""
+    script = f"""
+    set -euo pipefail
+    source slurm/ray_cluster.sh
+    srun() {{ printf '%s\\0' srun "$@"; printf '\\036'; }}  # one record per step
+    podman() {{ [ "$1 $2" = "image inspect" ] && printf 'HOME=/root\\nPATH=/opt/venv/bin:/usr/bin\\n'; }}
+    SLURM_JOB_ID=77 SLURM_JOB_NODELIST=n1,n2 SLURM_CPUS_ON_NODE=4 RAY_HEAD_IP=10.0.0.1
+    scontrol() {{ printf 'n1\\nn2\\n'; }}
+    CONTAINER=/images/nemo-dapo.sqsh CONTAINER_RUNTIME={runtime} CONTAINER_MOUNTS=/data:/data,/ckpt:/ckpt
+    RAY_GPUS_PER_NODE=8 LOG_DIR=$(mktemp -d)
+    ray_cluster_settings
+    {command}
+    """
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return [record.split("\0")[:-1] for record in done.stdout.split("\x1e")[:-1]]
+
+
+def test_every_container_step_binds_the_nodes_ray_folder_for_each_runtime():
+    """The Ray head, the workers, the readiness check and the trainer are separate steps, each in its
+    own container: each binds the node's Ray session folder (else the trainer cannot reach the head's
+    sockets, which live under /tmp), the site's mounts and the working directory; the folder is
+    made on every node first, outside any container."""
+    ray_folder, repo = "/tmp/ray_77:/tmp/ray_77", str(REPO)
+    mounts = f"/data:/data,/ckpt:/ckpt,{ray_folder}"
+    image = "/images/nemo-dapo.sqsh"
+    expected = {
+        "pyxis": [f"--container-image={image}", "--container-name=nemo-dapo-77", f"--container-mounts={mounts}",
+                  f"--container-workdir={repo}"],
+        "apptainer": ["apptainer", "exec", "--nv", "--bind", mounts, "--pwd", repo, image],
+        "podman": ["podman", "run", "--rm", "--label=nemo-dapo.job=77", "--network=host", "--pid=host", "--ipc=host",
+                   "--env-host", "--env",
+                   "PATH=/opt/venv/bin:/usr/bin", "--volume", "/data:/data", "--volume", "/ckpt:/ckpt",
+                   "--volume", ray_folder, "--workdir", repo, image],
+    }  # fmt: skip
+    for runtime, flags in expected.items():
+        made, head, trainer = container_steps(
+            runtime, "ray_cluster_make_temp_dirs; ray_cluster_srun_ray n1 1 start --head; ray_cluster_run python3 -c x"
+        )
+        assert made[:2] == ["srun", "--overlap"] and "--nodelist=n1,n2" in made, made
+        assert made[-3:] == ["mkdir", "-p", "/tmp/ray_77"] and not any("container" in w for w in made), made
+        for step, command in ((head, ["bash", "-c"]), (trainer, ["python3", "-c", "x"])):
+            assert step[0] == "srun" and "--nodelist=n1" in step, step
+            start = step.index(flags[0])
+            assert step[start : start + len(flags)] == flags, (runtime, step)
+            assert step[start + len(flags) : start + len(flags) + len(command)] == command, (runtime, step)
+
+
+def test_podman_without_the_image_on_the_node_stops_before_any_step():
+    done = subprocess.run(
+        ["bash", "-c", "source slurm/ray_cluster.sh; podman() { :; }; SLURM_JOB_ID=7 SLURM_JOB_NODELIST=n1 "
+         "RAY_HEAD_IP=10.0.0.1 CONTAINER=nemo-dapo:cpu CONTAINER_RUNTIME=podman LOG_DIR=$(mktemp -d); "
+         "scontrol() { echo n1; }; ray_cluster_settings"],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1 and "podman has no image nemo-dapo:cpu here" in done.stderr, done.stderr
