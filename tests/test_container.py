@@ -113,7 +113,7 @@ def test_constraints_file_is_copied_before_any_install_and_used_by_every_one(par
 
 def test_every_package_the_dockerfile_names_is_pinned(parsed, pins):
     named = {name for words in pip_installs(parsed) for name in named_packages(words)}
-    stack = {"torch", "vllm", "megatron-core", "megatron-bridge", "transformer-engine", "transformer-engine-cu13"}
+    stack = {"torch", "vllm", "megatron-core", "transformer-engine", "transformer-engine-cu13"}
     assert stack <= named
     assert sorted(named - set(pins)) == []
     for name in TOOL.NOT_RESOLVED:  # the special installs the dry run leaves out are pinned too
@@ -125,9 +125,9 @@ def test_special_installs_match_the_tool(parsed):
     commands = pip_installs(parsed)
     no_deps = {name for words in commands if "--no-deps" in words for name in named_packages(words)}
     source_built = [words for words in commands if "--no-build-isolation" in words]
-    assert no_deps == {"megatron-bridge"}
+    assert no_deps == set()
     assert any("transformer-engine[core_cu13,pytorch]" in words for words in source_built)
-    assert set(TOOL.NOT_RESOLVED) == no_deps | {"transformer-engine-torch"}
+    assert set(TOOL.NOT_RESOLVED) == {"transformer-engine-torch"}
     project_install = next(words for words in commands if "-e" in words)
     extras = re.search(r"\[(.*)\]", project_install[project_install.index("-e") + 1]).group(1).split(",")
     assert tuple(extras) == TOOL.CONTAINER_EXTRAS
@@ -135,8 +135,24 @@ def test_special_installs_match_the_tool(parsed):
 
 def test_pins_cover_the_stack_at_the_required_versions(pins):
     assert Version(pins["megatron-core"]) >= Version("0.19")
-    for name in ("torch", "vllm", "megatron-bridge", "transformer-engine", "ray", "nemo-run"):
+    for name in ("torch", "vllm", "transformer-engine", "ray", "nemo-run"):
         assert name in pins
+
+
+def test_the_gpu_image_ships_the_versions_the_tests_ran_or_names_why_not(pins):
+    """Every package both the GPU image and tools/cpu-lock.txt install has one version, except
+    those tools/check_constraints.py names with a reason (each of which does differ, and is in
+    containers/README.md); nothing installs megatron-bridge, which no code imports."""
+    lock = TOOL.parse_constraints(TOOL.CPU_LOCK)
+    differences = TOOL.lock_differences(pins, lock)
+    assert set(differences) == set(TOOL.DIFFERENT_ON_PURPOSE), differences
+    readme = (ROOT / "containers" / "README.md").read_text()
+    assert all(f"| {name} |" in readme for name in TOOL.DIFFERENT_ON_PURPOSE)
+    assert {"torch", "vllm", "transformers", "ray", "omegaconf"} <= {
+        name for name in pins if TOOL.CPU_NAMES.get(name, name) in lock
+    }
+    assert TOOL.lock_differences({"vllm": "0.31.0", "torch": "2.13.0"}, lock) == {"vllm": ("0.31.0", "0.32.0")}
+    assert "megatron-bridge" not in pins and "megatron-bridge" not in lock
 
 
 def incompatible(pins: dict[str, str], requirements) -> list[str]:

