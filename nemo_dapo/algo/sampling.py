@@ -151,8 +151,12 @@ class GroupAccumulator:
         return metrics
 
     def state_dict(self) -> dict:
-        """Carried-over groups survive a checkpoint (docs/algorithm.md §11)."""
-        carried = self._carried if len(self._carried) else RolloutBatch.concat(self._parts)
+        """Carried-over groups survive a checkpoint (docs/algorithm.md §11). Between steps the held
+        groups are one part at most, returned as they are (no copy: nothing changes a part in place)."""
+        if len(self._carried):
+            carried = self._carried
+        else:
+            carried = self._parts[0] if len(self._parts) == 1 else RolloutBatch.concat(self._parts)
         return {"carried": {"tensors": carried.tensors, "fields": carried.fields, "meta": carried.meta}}
 
     def load_state_dict(self, state: dict) -> None:

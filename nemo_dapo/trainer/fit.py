@@ -163,7 +163,7 @@ class DAPOTrainer:
         began = self._draw_state()
         while True:
             if round_index and self.stop_asked():
-                self._restore_draw_state(began)
+                self._load_draw_state(began)
                 raise StepAbandoned
             batch = self._next_round(timer, round_index)
             consumed += sorted(set(batch["prompt_index"]))
@@ -176,16 +176,20 @@ class DAPOTrainer:
             self.accumulator.check_limit()
 
     def _draw_state(self) -> dict:
-        """What drawing prompts changes: the sampler, dynamic sampling's held groups, the budget."""
-        held = self.accumulator.state_dict() if self.accumulator is not None else None
-        return {"sampler": self.sampler.state_dict(), "held": held, "generated": self.generated_samples}
+        """What drawing prompts changes: the sampler, dynamic sampling's held groups, the budget. Part
+        of the checkpointed trainer state, and what a step given up goes back to."""
+        return {
+            "sampler": self.sampler.state_dict(),
+            "accumulator": self.accumulator.state_dict() if self.accumulator is not None else None,
+            "generated_samples": self.generated_samples,
+        }
 
-    def _restore_draw_state(self, state: dict) -> None:
+    def _load_draw_state(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
         self._sampler_iter = None
-        if self.accumulator is not None:
-            self.accumulator.load_state_dict(state["held"])
-        self.generated_samples = state["generated"]
+        if self.accumulator is not None and state["accumulator"] is not None:
+            self.accumulator.load_state_dict(state["accumulator"])
+        self.generated_samples = state.get("generated_samples", 0)  # checkpoints from before the budget existed
 
     # ----------------------------------------------------------------- one step
     def train_step(self) -> dict[str, float]:
@@ -305,9 +309,7 @@ class DAPOTrainer:
             "global_step": self.global_step,
             "mode": self.cfg.trainer.mode,
             "weight_version": self.weight_version,
-            "generated_samples": self.generated_samples,
-            "sampler": self.sampler.state_dict(),
-            "accumulator": self.accumulator.state_dict() if self.accumulator else None,
+            **self._draw_state(),
             "kl_coef": self.kl_controller.value,
             "initial_val": self.initial_val,
             "rng": rng_state(),
@@ -342,15 +344,11 @@ class DAPOTrainer:
         refuse_mode_change(state, self.cfg.trainer.mode, path)
         self.policy.load(str(path / "policy"))
         self.global_step = self.saved_step = state["global_step"]
-        self.sampler.load_state_dict(state["sampler"])
-        self._sampler_iter = None
-        if self.accumulator is not None and state["accumulator"] is not None:
-            self.accumulator.load_state_dict(state["accumulator"])
+        self._load_draw_state(state)
         self.kl_controller.value = state["kl_coef"]
         self.initial_val = state["initial_val"]
         restore_rng(state["rng"])
         self.weight_version = state["weight_version"]
-        self.generated_samples = state.get("generated_samples", 0)  # checkpoints from before the budget existed
         self._restore(state)
         self.sync_weights()  # the engines started from the base model: give them the checkpoint's weights
         log.info("resumed from %s at step %d", path, self.global_step)
