@@ -97,6 +97,9 @@ def test_the_two_node_job_runs_every_step_in_a_container(cluster, tmp_path):  # 
     job.wait_for("the containers removed", lambda: not containers_of(job.id), timeout=30)  # --rm, by conmon
     out = cluster.work / "podman" / "ckpt"
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
+    # each node's Ray session logs, copied out of the container to LOG_DIR when its Ray stopped
+    kept = cluster.work / "podman" / "logs" / job.id / "nodes"
+    assert (kept / "n1" / "r0" / "gcs_server.out").is_file() and (kept / "n2" / "r0" / "raylet.out").is_file()
     local = tmp_path / "one_node"
     done = subprocess.run(
         [*CLI, "train", f"trainer.output_dir={local}", *TWO_NODES, "trainer.total_training_steps=1"],

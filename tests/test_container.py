@@ -212,6 +212,16 @@ def test_apptainer_and_enroot_recipes_use_the_docker_image():
         assert needle in readme, needle
 
 
+def test_image_settings_for_a_cluster(parsed):
+    """The adapters for NCCL under enroot, TransformerEngine built for Hopper, and no preset folder
+    baked in (a mounted checkout's conf/ wins) in either GPU recipe."""
+    env = " ".join(arguments for keyword, arguments in parsed if keyword == "ENV")
+    assert "MELLANOX_VISIBLE_DEVICES=all" in env and "NVTE_CUDA_ARCHS=90" in env
+    for recipe in (DOCKERFILE, ROOT / "containers" / "nemo-dapo.def", ROOT / "containers" / "Containerfile.cpu"):
+        lines = [line for line in recipe.read_text().splitlines() if not line.lstrip().startswith("#")]
+        assert not any("NEMO_DAPO_CONF_DIR" in line for line in lines), recipe
+
+
 def test_build_context_leaves_out_local_environments_and_runs():
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".venv", "outputs", ".git"} <= set(ignored)
