@@ -239,13 +239,13 @@ ray_cluster_stop() {
     RAY_WORKERS_PID='' RAY_HEAD_PID=''
     ray_cluster_alive "${pids[@]}" || return 0
     echo "ray_cluster: stopping the Ray cluster"
-    ray_cluster_stop_containers
-    kill -TERM "${pids[@]}" 2>/dev/null
+    ray_cluster_stop_containers  # which can end the steps before the signals below reach them
+    kill -TERM "${pids[@]}" 2>/dev/null || true
     for _ in $(seq 30); do
         ray_cluster_alive "${pids[@]}" || return 0
         sleep 1
     done
-    kill -KILL "${pids[@]}" 2>/dev/null
+    kill -KILL "${pids[@]}" 2>/dev/null || true
     return 0
 }
 
