@@ -10,12 +10,17 @@ import subprocess
 import pytest
 
 from tests.slurm_jobs import REPO
-from tests.test_multinode import CLI, TWO_NODES, cluster, metric, wait_for_line  # noqa: F401 (a fixture)
+from tests.test_multinode import (  # noqa: F401 (cluster: a fixture)
+    CLI,
+    TWO_NODES,
+    assert_first_step_as_on_one_node,
+    cluster,
+    wait_for_line,
+)
 from tests.train_runs import records
 
 IMAGE = os.environ.get("IMAGE", "localhost/nemo-dapo:cpu")
 PODMAN_ENV = {**os.environ, "CONTAINERS_CONF": str(REPO / "containers" / "podman.conf")}
-FIRST_STEP = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,7 +56,7 @@ def test_the_embedded_default_learns_in_the_image_as_outside(tmp_path):
     print("inside:", {k: summary[k] for k in ("initial_val_acc", "final_val_acc", "steps", "wall_s")})
     assert summary["steps"] == 30 and summary["final_val_acc"] > summary["initial_val_acc"] + 0.03, summary
     rows = [records(tmp_path / side / "metrics.jsonl") for side in ("inside", "outside")]
-    for name in FIRST_STEP:
+    for name in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm"):
         assert [r.get(name) for r in rows[0]] == [r.get(name) for r in rows[1]], name
     assert summary == {**json.loads((tmp_path / "outside" / "summary.json").read_text()), "wall_s": summary["wall_s"]}
 
@@ -100,13 +105,4 @@ def test_the_two_node_job_runs_every_step_in_a_container(cluster, tmp_path):  # 
     # each node's Ray session logs, copied out of the container to LOG_DIR when its Ray stopped
     kept = cluster.work / "podman" / "logs" / job.id / "nodes"
     assert (kept / "n1" / "r0" / "gcs_server.out").is_file() and (kept / "n2" / "r0" / "raylet.out").is_file()
-    local = tmp_path / "one_node"
-    done = subprocess.run(
-        [*CLI, "train", f"trainer.output_dir={local}", *TWO_NODES, "trainer.total_training_steps=1"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    for name in FIRST_STEP:
-        assert metric(out / "metrics.jsonl", 1, name) == metric(local / "metrics.jsonl", 1, name), name
+    assert_first_step_as_on_one_node(out, tmp_path / "one_node")

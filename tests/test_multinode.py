@@ -246,8 +246,12 @@ def test_dapo_spans_two_nodes_and_learns_like_one(cluster, tmp_path):
     assert not (kept / "n2" / "r0" / "gcs_server.out").exists()  # n2's own logs, not the head's
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == steps and summary["final_val_acc"] > summary["initial_val_acc"] + 0.03, summary
-    # the same layout on one node (a local Ray on loopback): the same first step, bit for bit
-    local = tmp_path / "one_node"
+    assert_first_step_as_on_one_node(out, tmp_path / "one_node")
+
+
+def assert_first_step_as_on_one_node(out: Path, local: Path) -> None:
+    """The two-node layout's first step equals, bit for bit, the same layout's on one node (a local
+    Ray on loopback)."""
     done = subprocess.run(
         [*CLI, "train", f"trainer.output_dir={local}", *TWO_NODES, "trainer.total_training_steps=1"],
         capture_output=True,

@@ -25,6 +25,7 @@ SCRIPTS = [
     REPO / "tests" / "slurm" / "setup_netns_slurm.sh",
     REPO / "tools" / "install_slurm.sh",
     REPO / "tools" / "install_containers.sh",
+    REPO / "tools" / "install_debian.sh",
     REPO / "containers" / "build_cpu_image.sh",
 ]
 
