@@ -185,10 +185,6 @@ def test_numbers_are_checked_against_the_bounds_their_fields_declare():
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (
-            ["trainer.mode=stream", "algorithm.filter_groups.carry_over=false"],
-            r"algorithm\.filter_groups\.carry_over=False: the streaming trainer always keeps",
-        ),
         (["trainer.mode=stream", "rollout.max_inflight=0"], r"rollout\.max_inflight=0"),
         (["trainer.max_token_staleness=1"], r"trainer\.max_token_staleness=1: only the streaming trainer"),
         (["trainer.mode=stream", "rollout.kv_after_update=drop"], r"rollout\.kv_after_update"),

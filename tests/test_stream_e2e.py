@@ -98,6 +98,31 @@ def test_dynamic_sampling_in_the_stream_stops_at_its_generation_bound(workdir):
     bound = ["algorithm.filter_groups.metric=overlong", "algorithm.filter_groups.max_num_gen_batches=2"]
     done = train(workdir / "bound", *STREAM, *bound, "trainer.total_training_steps=2", *SMALL)
     assert done.returncode != 0
-    found = re.search(r"dynamic sampling in the stream kept \d/8 informative groups of (\d+) generated", done.stderr)
+    found = re.search(r"dynamic sampling held \d/8 informative groups after (\d+) groups generated in", done.stderr)
     assert found, done.stderr[-3000:]
     assert 2 * 12 <= int(found.group(1)) <= 2 * 12 + 16  # the bound, overshot by at most one arrival poll
+
+
+@TIMED
+def test_carry_over_false_drops_what_finished_beyond_a_batch_and_accounts_for_every_row(workdir):
+    """algorithm.filter_groups.carry_over=false in the stream: the groups finished beyond a step's
+    batch are dropped (as sync drops a round's surplus), counted and recorded, and their slots go
+    to new prompts; every row drawn is trained, filtered, dropped as surplus, or untrained at the
+    end (in flight or waiting, in the last checkpoint), none twice."""
+    out = workdir / "no_carry"
+    steps = 4
+    run = [
+        "algorithm.filter_groups.carry_over=false",
+        f"trainer.total_training_steps={steps}",
+        f"trainer.save_freq={steps}",
+    ]
+    done = train(out, *STREAM, *run, *SMALL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    surplus_metric = [r["dapo/surplus_groups"] for r in records(out / "metrics.jsonl") if "dapo/surplus_groups" in r]
+    prompts = records(out / "prompts.jsonl")
+    assert len(surplus_metric) == len(prompts) == steps
+    surplus = [row for r in prompts for row in r["surplus"]]
+    assert len(surplus) == sum(surplus_metric) > 0, surplus_metric
+    fates = Counter(row for r in prompts for row in r["trained"] + r["filtered"]) + Counter(surplus)
+    untrained = Counter(latest_state(out)["stream_untrained"])
+    assert fates + untrained == Counter(row for r in prompts for row in r["consumed"])

@@ -41,6 +41,7 @@ def books(dataset, weight_version: int, max_staleness: int, batch_groups: int) -
     trainer.max_staleness, trainer.batch_groups = max_staleness, batch_groups
     trainer.kept, trainer.to_issue, trainer.in_flight = [], deque(), {}
     trainer.issued = trainer.admitted = trainer.dropped_stale = trainer.reissued = 0
+    trainer.drop_surplus, trainer._surplus_rows, trainer._filtered_rows = False, [], []
     trainer.engines = SentGroups()
     trainer.train_data = dataset
     trainer._consumed = []
@@ -80,6 +81,25 @@ def test_a_group_older_than_max_staleness_is_dropped_counted_and_its_prompt_reis
     trainer._admit()  # the dropped prompt is sent again first: row 41's prompt, not a new draw
     assert trainer.engines.sent[0][1] == dataset[40]["prompt_ids"] == dataset[dataset.position_of(41)]["prompt_ids"]
     assert trainer._consumed == list(range(1, 9))  # the new draws after rows 41 and 51
+
+
+def test_carry_over_false_drops_the_groups_finished_beyond_the_batch_and_frees_their_slots(dataset):
+    """filter_groups.carry_over=false: the batch takes the first-issued groups; the rest already
+    finished are dropped, counted and named by row id, and their slots admit new prompts. With
+    carry-over (the stream's default) they start the next batch."""
+    for drop in (True, False):
+        trainer = books(dataset, weight_version=1, max_staleness=1, batch_groups=2)
+        trainer.drop_surplus, trainer.admitted = drop, 4
+        trainer.kept = [group(dataset, s, 40 + s, admitted_version=1) for s in (3, 1, 2, 0)]
+        batch, metrics = trainer._take_batch(StageTimer())
+        assert batch["prompt_index"].tolist() == [41, 41, 42, 42]  # sequences 0 and 1 (row = position + 1)
+        if drop:
+            assert metrics["dapo/surplus_groups"] == 2 and trainer._surplus_rows == [43, 44]
+            assert trainer.kept == [] and trainer.admitted == 2
+            assert trainer._prompts_of_step()[1] == {"filtered": [], "surplus": [43, 44]}
+        else:
+            assert "dapo/surplus_groups" not in metrics and [g.sequence for g in trainer.kept] == [2, 3]
+            assert trainer.admitted == 4 and trainer._prompts_of_step()[1] == {"filtered": []}
 
 
 def test_a_checkpoint_keeps_untrained_rows_by_id_and_a_resume_issues_those_rows(dataset):

@@ -34,6 +34,24 @@ def group_keep_mask(group_ids: Sequence[Hashable], metric: torch.Tensor) -> tupl
     return torch.tensor([gid in kept_set for gid in group_ids], dtype=torch.bool), kept
 
 
+def informative_rows(batch: RolloutBatch, metric: str, uid_key: str = "uid") -> tuple[torch.Tensor, list[Hashable]]:
+    """The filter of every mode: rows of the groups whose ``metric`` varies (or of one member),
+    and those groups' ids in first-appearance order."""
+    return group_keep_mask(batch[uid_key], filter_metric(batch, metric))
+
+
+def exhausted(held: int, target: int, generated: str, limit: int) -> DynamicSamplingExhausted:
+    """The error of a step whose generation bound ran out before ``target`` informative groups:
+    the run fails rather than train on a partial batch."""
+    return DynamicSamplingExhausted(
+        f"dynamic sampling held {held}/{target} informative groups after {generated} "
+        f"(algorithm.filter_groups.max_num_gen_batches={limit} x data.gen_batch_size). Raise "
+        "algorithm.filter_groups.max_num_gen_batches (<= 0 means unbounded), raise data.gen_batch_size, or "
+        "lower data.train_batch_size; the data may also be too easy or too hard for the model (all answers "
+        "right or all wrong)."
+    )
+
+
 def filter_metric(batch: RolloutBatch, metric: str) -> torch.Tensor:
     """The per-sequence value the filter looks at.
 
@@ -98,9 +116,8 @@ class GroupAccumulator:
 
     def add_round(self, batch: RolloutBatch) -> None:
         """Filter one generation round and keep its informative groups."""
-        uids = batch[self.uid_key]
-        keep_rows, kept = group_keep_mask(uids, filter_metric(batch, self.metric))
-        total = len(group_rows(uids))
+        keep_rows, kept = informative_rows(batch, self.metric, self.uid_key)
+        total = len(group_rows(batch[self.uid_key]))
         self.num_gen_batches += 1
         self.groups_seen += total
         self.groups_kept += len(kept)
@@ -115,13 +132,7 @@ class GroupAccumulator:
         """Fail loudly rather than train on a partial batch."""
         limit = self.max_num_gen_batches
         if limit > 0 and self.num_gen_batches >= limit and not self.is_full():
-            raise DynamicSamplingExhausted(
-                f"dynamic sampling held {self.held_groups}/{self.target_groups} informative groups after "
-                f"{self.num_gen_batches} generation rounds (algorithm.filter_groups.max_num_gen_batches={limit}). "
-                "Raise algorithm.filter_groups.max_num_gen_batches (<= 0 means unbounded), raise "
-                "data.gen_batch_size, or lower data.train_batch_size; the data may also be too easy or too hard "
-                "for the model (all answers right or all wrong)."
-            )
+            raise exhausted(self.held_groups, self.target_groups, f"{self.num_gen_batches} generation rounds", limit)
 
     def pop_batch(self) -> RolloutBatch:
         """The first ``target_groups`` whole groups; surplus is carried or discarded."""

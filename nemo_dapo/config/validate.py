@@ -260,13 +260,6 @@ def _check_reward_and_trainer(cfg: Config, problems: Problems) -> None:
     budget = trainer.total_generated_samples
     problems.require(budget is None or budget >= 1, "trainer.total_generated_samples", budget, "must be >= 1 or null")
     problems.require(
-        trainer.mode != "stream" or cfg.algorithm.filter_groups.carry_over is not False,
-        "algorithm.filter_groups.carry_over",
-        cfg.algorithm.filter_groups.carry_over,
-        "the streaming trainer always keeps the informative groups beyond a batch for the next step "
-        "(each finished on its own, under the staleness bound): leave it unset (null) with trainer.mode=stream",
-    )
-    problems.require(
         trainer.max_token_staleness is None or trainer.mode == "stream",
         "trainer.max_token_staleness",
         trainer.max_token_staleness,

@@ -33,7 +33,7 @@ import torch
 from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import RolloutBatch, group_rows
 from nemo_dapo.algo.metrics import staleness_metrics, token_staleness_metrics
-from nemo_dapo.algo.sampling import DynamicSamplingExhausted, filter_metric, group_keep_mask
+from nemo_dapo.algo.sampling import exhausted, informative_rows
 from nemo_dapo.cluster.streaming import StreamingEngines
 from nemo_dapo.config.topology import num_engines
 from nemo_dapo.trainer.batching import batch_from_items
@@ -77,6 +77,9 @@ class StreamDAPOTrainer(DAPOTrainer):
         self.to_issue: deque[int] = deque()  # dataset positions to send before drawing new ones
         self.filtered = self.dropped_stale = self.reissued = 0
         self._filtered_rows: list[int] = []  # row ids dynamic sampling dropped this step
+        filtering = cfg.algorithm.filter_groups
+        self.drop_surplus = filtering.enable and filtering.carry_over is False
+        self._surplus_rows: list[int] = []  # row ids of groups finished beyond this step's batch, dropped
         self.engines.load()  # the engines' busy time counts from here
 
     # ----------------------------------------------------------------- admission
@@ -136,20 +139,15 @@ class StreamDAPOTrainer(DAPOTrainer):
     def _keep_rows(self, batch: RolloutBatch) -> torch.Tensor:
         if not self.cfg.algorithm.filter_groups.enable:
             return torch.ones(len(batch), dtype=torch.bool)
-        return group_keep_mask(batch["uid"], filter_metric(batch, self.cfg.algorithm.filter_groups.metric))[0]
+        return informative_rows(batch, self.cfg.algorithm.filter_groups.metric)[0]
 
     def _check_waste(self, arrived: int, kept_before: int) -> None:
-        """The sync trainer's bound on generation spent to fill one batch, in groups."""
+        """The sync trainer's bound on generation spent to fill one batch, counted in groups."""
         filtering = self.cfg.algorithm.filter_groups
-        limit = filtering.max_num_gen_batches * self.cfg.data.effective_gen_batch_size
-        if filtering.enable and filtering.max_num_gen_batches > 0 and arrived >= limit:
-            raise DynamicSamplingExhausted(
-                f"dynamic sampling in the stream kept {len(self.kept) - kept_before}/{self.batch_groups} "
-                f"informative groups of {arrived} generated for this step (algorithm.filter_groups."
-                f"max_num_gen_batches={filtering.max_num_gen_batches} x data.gen_batch_size). Raise "
-                "algorithm.filter_groups.max_num_gen_batches (<= 0 means unbounded) or data.gen_batch_size; "
-                "the data may also be too easy or too hard for the model (all answers right or all wrong)."
-            )
+        rounds = filtering.max_num_gen_batches
+        if filtering.enable and rounds > 0 and arrived >= rounds * self.cfg.data.effective_gen_batch_size:
+            held = len(self.kept) - kept_before
+            raise exhausted(held, self.batch_groups, f"{arrived} groups generated in the stream", rounds)
 
     def _take_batch(self, timer: StageTimer) -> tuple[RolloutBatch, dict[str, float]]:
         """The first-issued ``train_batch_size`` kept groups not older than ``max_staleness``."""
@@ -176,7 +174,17 @@ class StreamDAPOTrainer(DAPOTrainer):
         metrics = {}
         if arrived:
             metrics[mn.KEPT_GROUP_FRACTION.name] = (len(self.kept) + len(taken) - kept_before) / arrived
+        if self.drop_surplus:
+            metrics[mn.SURPLUS_GROUPS.name] = float(len(self.kept))
+            self._drop_surplus()
         return RolloutBatch.concat(g.batch for g in taken), metrics
+
+    def _drop_surplus(self) -> None:
+        """``filter_groups.carry_over=false``: the groups finished beyond the batch are not trained
+        (as the sync trainer drops a round's surplus); their slots go to new prompts."""
+        self._surplus_rows += [self.train_data.row_id(group.position) for group in self.kept]
+        self.admitted -= len(self.kept)
+        self.kept = []
 
     # ----------------------------------------------------------------- the step's hooks
     def _next_batch(self, timer: StageTimer) -> tuple[RolloutBatch, dict[str, float]]:
@@ -200,10 +208,14 @@ class StreamDAPOTrainer(DAPOTrainer):
         self._admit()
 
     def _prompts_of_step(self) -> tuple[list[int], dict | None]:
-        """The rows drawn this step, and those dynamic sampling dropped in the stream."""
+        """The rows drawn this step, those dynamic sampling dropped in the stream, and (with
+        ``carry_over=false``) those finished beyond the batch and dropped."""
         consumed, self._consumed = self._consumed, []
         filtered, self._filtered_rows = sorted(self._filtered_rows), []
-        return consumed, {"filtered": filtered}
+        if not self.drop_surplus:
+            return consumed, {"filtered": filtered}
+        surplus, self._surplus_rows = sorted(self._surplus_rows), []
+        return consumed, {"filtered": filtered, "surplus": surplus}
 
     def _mode_metrics(self, timer: StageTimer, step_s: float) -> dict[str, float]:
         load = self.engines.load()
