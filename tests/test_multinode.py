@@ -71,7 +71,7 @@ class Cluster:
         done = subprocess.run(["bash", str(SETUP), *command], capture_output=True, text=True, env=self.env, timeout=180)
         assert done.returncode == 0, f"{command}: {done.stderr[-2000:]}{daemon_logs()}"
 
-    def submit(self, name: str, overrides: list[str], nodes: int = 2, **env: str) -> Job:
+    def submit(self, name: str, overrides: list[str], nodes: int = 2, sbatch_args=(), **env: str) -> Job:
         folder = self.work / name
         folder.mkdir(parents=True, exist_ok=True)
         job_env = {**self.env, "CKPT_DIR": str(folder / "ckpt"), "LOG_DIR": str(folder / "logs"), **env}
@@ -80,7 +80,7 @@ class Cluster:
             folder / "job.out",
             "slurm/dapo_tiny_cpu.sbatch",
             overrides,
-            sbatch_args=[f"--nodes={nodes}"],
+            sbatch_args=[f"--nodes={nodes}", *sbatch_args],
             prefix=self.prefix,
         )
 
@@ -212,12 +212,19 @@ def check_ray_refuses_a_stranger(cluster: Cluster) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_dapo_spans_two_nodes_and_learns_like_one(cluster, tmp_path):
+def test_dapo_spans_two_nodes_learns_like_one_and_stops_before_its_time_limit(cluster, tmp_path):
     """Megatron DP=2 with one rank per node and a TP=2 engine: the first step's loss equals the same
-    run's on one node, held-out accuracy rises, and the network rule holds on every node."""
-    steps = 20
+    run's on one node, held-out accuracy rises, and the network rule holds on every node. Its first
+    run has 3 minutes (checkpoint.save_by 85 s after its start): it stops by the clock before a step
+    it could not finish and save in time, checkpoints and requeues; given 30 minutes, the next run
+    resumes from that step and redoes nothing."""
+    steps, margin_s = 30, 95
     job = cluster.submit(
-        "dp2", [*TWO_NODES, f"trainer.total_training_steps={steps}", "trainer.save_freq=0"], FABRIC_IFNAME="ib0"
+        "dp2",
+        [*TWO_NODES, f"trainer.total_training_steps={steps}", "trainer.save_freq=0"],
+        sbatch_args=["--time=3"],
+        FABRIC_IFNAME="ib0",
+        SAVE_MARGIN_S=str(margin_s),
     )
     try:
         placed = wait_for_line(job, r"actor: 2 worker\(s\) on 2 node\(s\)")
@@ -230,16 +237,24 @@ def test_dapo_spans_two_nodes_and_learns_like_one(cluster, tmp_path):
             check_the_network_rule(cluster, node)
         check_the_fabric_carries_the_collectives(cluster)
         check_ray_refuses_a_stranger(cluster)
+        job.wait_for("the stop by the clock", lambda: job.field("Restarts") == "1", timeout=240)
+        job.run("scontrol", "update", f"JobId={job.id}", "TimeLimit=30")
+        job.release_requeued(1, gone=lambda: not ray_leftovers(job, ["n1", "n2"]))
         job.wait_for("completion", lambda: job.field("JobState") == "COMPLETED", timeout=600)
     finally:
         job.run("scancel", job.id)
+    log, out = job.log(), cluster.work / "dp2" / "ckpt"
     # the test cluster's KillWait (10 s) is shorter than the default TERM_TIMEOUT: the job says so
-    assert "TERM_TIMEOUT=60 s is not shorter than Slurm's KillWait (10 s)" in job.log()
-    # the trainer's deadline: Slurm's end of the job (its 30-minute limit) less SAVE_MARGIN_S=300
-    save_by = int(re.search(r"checkpoint\.save_by=(\d+)", job.log()).group(1))
-    started = datetime.datetime.fromisoformat(job.field("StartTime")).timestamp()
-    assert abs(save_by - (started + 30 * 60 - 300)) <= 2, (job.field("StartTime"), save_by)
-    out = cluster.work / "dp2" / "ckpt"
+    assert "TERM_TIMEOUT=60 s is not shorter than Slurm's KillWait (10 s)" in log
+    stop = json.loads((out / "preemptions.jsonl").read_text().splitlines()[0])
+    assert stop["signal"].startswith("checkpoint.save_by") and 1 <= stop["step"] < steps, stop
+    assert "dapo: the trainer stopped before the job's end (checkpoint.save_by)" in run_section(log, 0)
+    assert resumed_step(log, 1) == stop["step"]  # nothing redone
+    # each run's deadline: Slurm's end of the job (3, then 30 minutes after its start) less SAVE_MARGIN_S
+    first_by, last_by = (int(by) for by in re.findall(r"checkpoint\.save_by=(\d+)", log))  # two runs
+    assert stop["time"] < first_by + margin_s, (stop, first_by)  # checkpointed before the time limit
+    started = datetime.datetime.fromisoformat(job.field("StartTime")).timestamp()  # the last run's start
+    assert abs(last_by - (started + 30 * 60 - margin_s)) <= 2, (job.field("StartTime"), last_by)
     # each node's Ray session logs, copied off its /tmp when its Ray stopped
     kept = cluster.work / "dp2" / "logs" / job.id / "nodes"
     assert (kept / "n1" / "r0" / "gcs_server.out").is_file() and (kept / "n2" / "r0" / "raylet.out").is_file()
