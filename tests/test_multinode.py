@@ -16,6 +16,7 @@ import ipaddress
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -215,10 +216,11 @@ def check_ray_refuses_a_stranger(cluster: Cluster) -> None:
 def test_dapo_spans_two_nodes_learns_like_one_and_stops_before_its_time_limit(cluster, tmp_path):
     """Megatron DP=2 with one rank per node and a TP=2 engine: the first step's loss equals the same
     run's on one node, held-out accuracy rises, and the network rule holds on every node. Its first
-    run has 3 minutes (checkpoint.save_by 85 s after its start): it stops by the clock before a step
-    it could not finish and save in time, checkpoints and requeues; given 30 minutes, the next run
-    resumes from that step and redoes nothing."""
-    steps, margin_s = 30, 95
+    run has 3 minutes (checkpoint.save_by 80 s after its start) and is held (its driver SIGSTOPped
+    after step 2) until that time passed: it stops by the clock before its next step, checkpoints
+    before the limit and requeues; given 30 minutes, the next run resumes from that step and
+    redoes nothing."""
+    steps, margin_s = 20, 100
     job = cluster.submit(
         "dp2",
         [*TWO_NODES, f"trainer.total_training_steps={steps}", "trainer.save_freq=0"],
@@ -233,10 +235,15 @@ def test_dapo_spans_two_nodes_learns_like_one_and_stops_before_its_time_limit(cl
             NODES["n2"],
         }
         wait_for_line(job, r"nemo_dapo: step 2: ")
+        driver = int((cluster.work / "dp2" / "logs" / job.id / "trainer.r0.pid").read_text())
+        os.kill(driver, signal.SIGSTOP)  # held, whatever the machine's speed, until its deadline passed
         for node in ("n1", "n2"):
             check_the_network_rule(cluster, node)
         check_the_fabric_carries_the_collectives(cluster)
         check_ray_refuses_a_stranger(cluster)
+        save_by = int(re.search(r"checkpoint\.save_by=(\d+)", job.log()).group(1))
+        time.sleep(max(0.0, save_by + 1 - time.time()))
+        os.kill(driver, signal.SIGCONT)
         job.wait_for("the stop by the clock", lambda: job.field("Restarts") == "1", timeout=240)
         job.run("scontrol", "update", f"JobId={job.id}", "TimeLimit=30")
         job.release_requeued(1, gone=lambda: not ray_leftovers(job, ["n1", "n2"]))
