@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nemo_dapo.algo import metric_names as mn
+from nemo_dapo.launch.plot import read_records
 from nemo_dapo.trainer.checkpoint import CheckpointError, CheckpointManager, verify
 
 STAGES = ("gen", "old_log_prob", "update_actor", "sync_weights")
@@ -45,15 +46,8 @@ class Check:
 def step_records(run_dir: Path) -> list[dict]:
     """The step lines of ``metrics.jsonl`` (a partial last line of a killed run is skipped)."""
     path = run_dir / "metrics.jsonl"
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else []:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if mn.TIMING_S.of(stage="update_actor") in record:
-            records.append(record)
-    return records
+    records = read_records(path)[0] if path.exists() else []
+    return [record for record in records if mn.TIMING_S.of(stage="update_actor") in record]
 
 
 def check_steps(records: list[dict]) -> list[Check]:

@@ -49,23 +49,32 @@ CURVES = (
 TIMING_PREFIX = mn.TIMING_S.name.split("{")[0]
 
 
-def read_metrics(path: Path) -> tuple[Series, int]:
-    """Every numeric metric as (step, value) pairs; also the number of unreadable lines
-    (a run killed mid-write leaves a partial last line)."""
-    series: Series = {}
+def read_records(path: Path) -> tuple[list[dict], int]:
+    """The records of a ``metrics.jsonl`` that name their step, in order; also the number of
+    unreadable lines (a run killed mid-write leaves a partial last line)."""
+    records: list[dict] = []
     skipped = 0
     for line in path.read_text(encoding="utf-8").splitlines():
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-            step = int(record["step"])
+            record["step"] = int(record["step"])
         except (ValueError, KeyError, TypeError):
             skipped += 1
             continue
+        records.append(record)
+    return records, skipped
+
+
+def read_metrics(path: Path) -> tuple[Series, int]:
+    """Every numeric metric as (step, value) pairs; also the number of unreadable lines."""
+    records, skipped = read_records(path)
+    series: Series = {}
+    for record in records:
         for name, value in record.items():
             if name not in ("step", "time") and isinstance(value, (int, float)):
-                series.setdefault(name, []).append((step, float(value)))
+                series.setdefault(name, []).append((record["step"], float(value)))
     return series, skipped
 
 
