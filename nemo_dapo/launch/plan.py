@@ -189,6 +189,7 @@ def make_plan(
     problems = shape_problems(cfg, arch) + placement_problems(cfg)
     problems += memory_problems(training, generation, colocated, gpu_memory_gib)
     engines = cfg.rollout.num_workers
+    saved = checkpoint_gb(cfg, arch)
     plan = Plan(
         config=config_name,
         arch=arch,
@@ -201,8 +202,8 @@ def make_plan(
         sequences_per_round=cfg.data.effective_gen_batch_size * cfg.rollout.n,
         problems=problems,
         warnings=tuple(combination_notes(cfg)),
-        checkpoint_gb=checkpoint_gb(cfg, arch),
-        save_s=sum(checkpoint_gb(cfg, arch)) / storage_gb_per_s,
+        checkpoint_gb=saved,
+        save_s=sum(saved) / storage_gb_per_s,
         **routing_replay_size(cfg, arch),
     )
     if warning := save_warning(cfg, plan.save_s, storage_gb_per_s):
