@@ -73,7 +73,7 @@ def test_a_group_older_than_max_staleness_is_dropped_counted_and_its_prompt_reis
     trainer.admitted = 3
     trainer.to_issue.append(50)
     trainer.kept = [group(dataset, 7, 40, admitted_version=1), group(dataset, 9, 41, 2), group(dataset, 8, 42, 3)]
-    batch, _ = trainer._take_batch(StageTimer())
+    batch, _ = trainer._next_batch(StageTimer())
     assert batch["prompt_index"].tolist() == [43, 43, 42, 42]  # issue order among the fresh ones (row ids)
     assert (trainer.dropped_stale, trainer.reissued, trainer.admitted) == (1, 1, 2)
     assert list(trainer.to_issue) == [40, 50] and trainer.kept == []  # positions: row 41 goes again
@@ -91,7 +91,7 @@ def test_carry_over_false_drops_the_groups_finished_beyond_the_batch_and_frees_t
         trainer = books(dataset, weight_version=1, max_staleness=1, batch_groups=2)
         trainer.drop_surplus, trainer.admitted = drop, 4
         trainer.kept = [group(dataset, s, 40 + s, admitted_version=1) for s in (3, 1, 2, 0)]
-        batch, metrics = trainer._take_batch(StageTimer())
+        batch, metrics = trainer._next_batch(StageTimer())
         assert batch["prompt_index"].tolist() == [41, 41, 42, 42]  # sequences 0 and 1 (row = position + 1)
         if drop:
             assert metrics["dapo/surplus_groups"] == 2 and trainer._surplus_rows == [43, 44]

@@ -399,7 +399,7 @@ class DAPOTrainer:
             for warning in [*self.health.observe(self.global_step, metrics), skipped]:
                 if warning:
                     log.warning(warning)
-            if self._due(self.cfg.trainer.save_freq) or done:
+            if self._due(self.cfg.trainer.save_freq, self.global_step) or done:
                 began = time.monotonic()
                 self.save_checkpoint()
                 clock.save_s = time.monotonic() - began
@@ -429,13 +429,14 @@ class DAPOTrainer:
         record_preemption(self.output_dir, self.global_step, signal_name)
         raise Preempted(self.global_step, signal_name)
 
-    def _due(self, freq: int) -> bool:
-        return freq > 0 and self.global_step % freq == 0
+    @staticmethod
+    def _due(freq: int, step: int) -> bool:
+        """Whether ``step`` is one of every ``freq`` steps (``freq`` <= 0: none)."""
+        return freq > 0 and step % freq == 0
 
     def _validates(self, step: int, last: bool) -> bool:
         """Whether step ``step`` ends with validation: every ``trainer.test_freq`` steps, and the last."""
-        freq = self.cfg.trainer.test_freq
-        return (freq > 0 and step % freq == 0) or (last and self.val_data is not None)
+        return self._due(self.cfg.trainer.test_freq, step) or (last and self.val_data is not None)
 
     def _run_done(self) -> bool:
         """Every step taken, or the sample budget (``trainer.total_generated_samples``) spent."""

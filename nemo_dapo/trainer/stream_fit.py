@@ -149,8 +149,9 @@ class StreamDAPOTrainer(DAPOTrainer):
             held = len(self.kept) - kept_before
             raise exhausted(held, self.batch_groups, f"{arrived} groups generated in the stream", rounds)
 
-    def _take_batch(self, timer: StageTimer) -> tuple[RolloutBatch, dict[str, float]]:
-        """The first-issued ``train_batch_size`` kept groups not older than ``max_staleness``."""
+    def _next_batch(self, timer: StageTimer) -> tuple[RolloutBatch, dict[str, float]]:
+        """The step's batch: the first-issued ``train_batch_size`` kept groups not older than
+        ``max_staleness``, taken as they arrive."""
         arrived, kept_before, poll = 0, len(self.kept), 0
         while True:
             if poll and self.stop_asked():  # the checkpoint keeps every untrained row, in flight or kept
@@ -187,9 +188,6 @@ class StreamDAPOTrainer(DAPOTrainer):
         self.kept = []
 
     # ----------------------------------------------------------------- the step's hooks
-    def _next_batch(self, timer: StageTimer) -> tuple[RolloutBatch, dict[str, float]]:
-        return self._take_batch(timer)
-
     def _before_update(self, batch: RolloutBatch) -> dict[str, float]:
         """The engines work on while the policy trains; the batch's lag behind the policy, and its
         tokens older than ``trainer.max_token_staleness`` out of the loss."""
