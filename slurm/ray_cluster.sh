@@ -151,13 +151,16 @@ ray_cluster_srun_ray() {
     ray_cluster_srun "$nodes" "$count" bash -c "$RAY_NODE_SH" ray "$RAY_TEMP_DIR" "$RAY_LOG_DIR/nodes" "$RAY_RUN_TAG" "$@"
 }
 
-# The node-local Ray session folder, made on every node (outside the container) before the
-# container steps bind it.
-ray_cluster_make_temp_dirs() {
-    [ -n "$CONTAINER" ] || return 0
+# Runs "$@" once on every node of the job, outside any container.
+ray_cluster_on_every_node() {
     local all
     all=$(IFS=,; echo "${RAY_NODES[*]}")
-    CONTAINER='' ray_cluster_srun "$all" "$RAY_NUM_NODES" mkdir -p "$RAY_TEMP_DIR"
+    CONTAINER='' ray_cluster_srun "$all" "$RAY_NUM_NODES" "$@"
+}
+
+# The node-local Ray session folder, made on every node before the container steps bind it.
+ray_cluster_make_temp_dirs() {
+    [ -z "$CONTAINER" ] || ray_cluster_on_every_node mkdir -p "$RAY_TEMP_DIR"
 }
 
 ray_cluster_start_head() {
@@ -223,10 +226,8 @@ ray_cluster_alive() {
 # every node (SIGTERM, then SIGKILL after 15 s), which also ends their steps.
 ray_cluster_stop_containers() {
     [ "${CONTAINER:+$CONTAINER_RUNTIME}" = podman ] || return 0
-    local all
-    all=$(IFS=,; echo "${RAY_NODES[*]}")
     # shellcheck disable=SC2016  # $1 belongs to the inner shell
-    CONTAINER='' ray_cluster_srun "$all" "$RAY_NUM_NODES" bash -c \
+    ray_cluster_on_every_node bash -c \
         'podman ps --quiet --filter "label=nemo-dapo.job=$1" | xargs --no-run-if-empty podman stop --time 15' \
         stop "$SLURM_JOB_ID" >/dev/null || true
 }
