@@ -27,6 +27,12 @@ class EngineFailure(RuntimeError):
     stepping thread stopped): the driver replaces the worker as if it had died."""
 
 
+class GenerationStopped(Exception):
+    """A stop (SIGUSR1 / SIGTERM) came while the driver waited for a generation: the wait ends at
+    once and the caller gives up what was being generated; the engines' calls are left to finish
+    or to die with the run (a stopping run uses its engines no more)."""
+
+
 class TrainingDiverged(RuntimeError):
     """Optimizer steps with a non-finite gradient, ``trainer.max_nonfinite_steps`` training steps in
     a row: the run stops before checkpointing them. The message says which steps and what to look at."""

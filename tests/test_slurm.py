@@ -2,6 +2,7 @@
 trainer's stop signals set its preemption flag. The scripts run for real on a multi-node Slurm in
 tests/test_multinode.py."""
 
+import contextlib
 import json
 import os
 import signal
@@ -138,29 +139,50 @@ def test_a_run_past_its_deadline_stops_before_a_step_with_the_requeue_code(tmp_p
     assert checks["checkpoint"].passed is None and checks["fabric"].passed is None
 
 
-def test_usr1_while_a_step_generates_gives_the_step_up_at_once(tmp_path):
+def test_usr1_inside_a_generation_call_gives_the_step_up_at_once(tmp_path):
     """One-token answers are all wrong, so every group's spread is 0, dynamic sampling (unbounded)
-    keeps nothing and the first step generates round after round: USR1 then stops the run between
-    two rounds, exit 3 without finishing the step (nothing to save before a first step)."""
+    keeps nothing and the first step generates round after round. The engine is then frozen
+    (SIGSTOP), so the driver waits inside one generate call that cannot end; USR1 must still stop
+    the run at once: the step given up, exit 3, nothing to save before a first step."""
     from tests.train_runs import CLI, ENV, SMALL
 
     run, err = tmp_path / "run", tmp_path / "stderr.txt"
     never_full = ["data.max_response_length=1", "reward.overlong_buffer.enable=false"]
     never_full += ["algorithm.filter_groups.max_num_gen_batches=0"]
     command = [*CLI, "train", f"trainer.output_dir={run}", *SMALL, *never_full]
+
+    def wait_for(text: str, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while text not in err.read_text():
+            assert trainer.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+            time.sleep(0.5)
+
     with open(err, "w") as stderr:
         trainer = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=ENV)
+        engine = None
         try:
-            deadline = time.monotonic() + 300
-            while "DAPO:" not in err.read_text():  # the loop's progress bar: generation has begun
-                assert trainer.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
-                time.sleep(0.5)
-            time.sleep(3)  # a few rounds in
+            wait_for("DAPO:", 300)  # the loop's progress bar: generation has begun
+            (engine,) = [
+                int(p)
+                for p in subprocess.run(
+                    ["pgrep", "-f", "VLLMRolloutWorker"], capture_output=True, text=True
+                ).stdout.split()
+            ]
+            os.kill(engine, signal.SIGSTOP)
+            time.sleep(2)  # the driver now waits for a generation the frozen engine cannot finish
             trainer.send_signal(signal.SIGUSR1)
+            wait_for("the step is given up", 60)
+            os.kill(engine, signal.SIGCONT)
             assert trainer.wait(timeout=120) == 3, err.read_text()[-3000:]
         finally:
+            if engine is not None:
+                with contextlib.suppress(ProcessLookupError):  # gone with the run
+                    os.kill(engine, signal.SIGCONT)
             trainer.kill()
-    assert "SIGUSR1 while generating step 1: the step is given up" in err.read_text()
+    assert (
+        "SIGUSR1 while generating step 1 (a stop came while 1 call(s) still ran): the step is given up"
+        in err.read_text()
+    )
     (stop,) = [json.loads(line) for line in (run / "preemptions.jsonl").read_text().splitlines()]
     assert stop == {**stop, "step": 0, "signal": "SIGUSR1", "checkpoint": None}
     assert not (run / "metrics.jsonl").exists() or "update_actor" not in (run / "metrics.jsonl").read_text()

@@ -185,8 +185,12 @@ class RolloutGroup:
         """How to get the policy's current weights (bucket refs, version) for a replaced engine."""
         self._current_weights = current_weights
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Generation]:
-        return cast(list[Generation], self.collect(self.submit(prompts, sampling)))
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingSettings, stop: Callable[[], bool] | None = None
+    ) -> list[Generation]:
+        """``stop``: asked while the engines generate; once it says yes, :class:`GenerationStopped`
+        (a stop signal gives up a long generation at once instead of waiting for its end)."""
+        return cast(list[Generation], self.collect(self.submit(prompts, sampling), stop=stop))
 
     def submit(self, prompts: list[list[int]], sampling: SamplingSettings) -> GenerationRequest:
         """Start generating without waiting (the async trainer overlaps it with training)."""
@@ -202,14 +206,17 @@ class RolloutGroup:
         ref = self.workers.submit(rank, RolloutWorker.generate, request.prompts[start:stop], request.sampling)
         return EngineShare(rank, start, stop, ref)
 
-    def collect(self, request: GenerationRequest, regenerate: bool = True) -> list[Generation | None]:
+    def collect(
+        self, request: GenerationRequest, regenerate: bool = True, stop: Callable[[], bool] | None = None
+    ) -> list[Generation | None]:
         """The generations in prompt order. A failed engine is replaced; its prompts are generated
         again on the new one (``regenerate``), or come back as None for the caller to reissue
-        (the async trainer's data plane)."""
+        (the async trainer's data plane). ``stop`` as in :meth:`generate`."""
         results: list[Generation | None] = [None] * len(request.prompts)
         pending = request.shares
         while pending:
-            outcomes = self.workers.settle([s.ref for s in pending], "generate", [s.rank for s in pending])
+            refs, ranks = [s.ref for s in pending], [s.rank for s in pending]
+            outcomes = self.workers.settle(refs, "generate", ranks, stop=stop)
             failed = []
             for share, outcome in zip(pending, outcomes):
                 if isinstance(outcome, RemoteCallError):

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from nemo_dapo.cluster.placement import Slot, own_slots
-from nemo_dapo.errors import EngineFailure, RemoteCallError
+from nemo_dapo.errors import EngineFailure, GenerationStopped, RemoteCallError
 from nemo_dapo.network import Rendezvous, node_address
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,27 @@ def placement_summary(node_addresses: Sequence[str]) -> str:
         ranks.setdefault(address, []).append(rank)
     nodes = ", ".join(f"{address} {members}" for address, members in ranks.items())
     return f"{len(node_addresses)} worker(s) on {len(ranks)} node(s): {nodes}"
+
+
+STOP_POLL_S = 0.5  # how often a wait that a stop may end asks whether one came
+
+
+def _wait_all(refs: list, seconds: float | None, stop: Callable[[], bool] | None) -> None:
+    """Until every call returned or ``seconds`` passed (None: no limit); :class:`GenerationStopped`
+    as soon as ``stop()`` says so."""
+    import ray
+
+    if stop is None:
+        ray.wait(refs, num_returns=len(refs), timeout=seconds)
+        return
+    end = None if seconds is None else time.monotonic() + seconds
+    while True:
+        left = STOP_POLL_S if end is None else min(STOP_POLL_S, end - time.monotonic())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(left, 0.0))
+        if len(ready) == len(refs) or (end is not None and time.monotonic() >= end):
+            return
+        if stop():
+            raise GenerationStopped(f"a stop came while {len(refs) - len(ready)} call(s) still ran")
 
 
 def _without_worker(_worker: Any, function: Callable, *args: Any) -> Any:
@@ -177,18 +199,26 @@ class WorkerGroup:
         except (RayActorError, EngineFailure) as err:
             raise self._died(method, err) from err
 
-    def settle(self, refs: list, method: str, ranks: Sequence[int], deadline: Deadline | None = None) -> list[Any]:
+    def settle(
+        self,
+        refs: list,
+        method: str,
+        ranks: Sequence[int],
+        deadline: Deadline | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> list[Any]:
         """Each call's result, or the :class:`RemoteCallError` of a rank (``ranks[i]`` made
         ``refs[i]``) that died or gave no answer within ``deadline`` (the call deadline unless
         given; one for all of them):
         the caller decides what to do about each failed rank; a worker whose engine failed
         (:class:`EngineFailure`) counts as dead. Any other error the worker raised itself (a bug,
-        bad input) is raised as is."""
+        bad input) is raised as is. ``stop`` is asked every :data:`STOP_POLL_S` while the calls
+        run; once it says yes the wait ends with :class:`GenerationStopped`, the calls left running."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
         deadline = deadline or self.call_deadline
-        ray.wait(refs, num_returns=len(refs), timeout=deadline.seconds)
+        _wait_all(refs, deadline.seconds, stop)
         outcomes: list[Any] = []
         for rank, ref in zip(ranks, refs):
             try:

@@ -29,6 +29,7 @@ from nemo_dapo.cluster.weight_sync import weight_sync
 from nemo_dapo.config import Config, to_yaml
 from nemo_dapo.config.topology import cluster_gpus, is_colocated, prompts_per_round, total_training_steps
 from nemo_dapo.data import ResumableBatchSampler
+from nemo_dapo.errors import GenerationStopped
 from nemo_dapo.rng import restore_rng, rng_state
 from nemo_dapo.safe_load import load_state
 from nemo_dapo.trainer.assembly import loss_settings
@@ -146,7 +147,8 @@ class DAPOTrainer:
         indices = self._next_prompt_indices()
         items = [self.train_data[i] for i in indices]
         with timer("gen"):
-            generations = self.rollout.generate([it["prompt_ids"] for it in items], train_sampling(self.cfg))
+            prompts = [it["prompt_ids"] for it in items]
+            generations = self.rollout.generate(prompts, train_sampling(self.cfg), stop=self.stop_asked)
         self.generated_samples += len(items) * self.cfg.rollout.n
         uid_prefix = f"s{self.global_step}r{round_index}"
         batch = batch_from_items(items, generations, uid_prefix, self.tokenizer.pad_token_id, self.weight_version)
@@ -156,16 +158,20 @@ class DAPOTrainer:
 
     def _collect_batch(self, timer: StageTimer) -> tuple[RolloutBatch, dict[str, float], list[int]]:
         """One round, or (dynamic sampling) rounds until train_batch_size informative groups are held.
-        A stop asked for between two rounds gives the step up: the sampler and the held groups go
-        back to where the step began (:class:`StepAbandoned`), so a resumed run draws them again."""
+        A stop asked for while a round generates, or between two rounds, gives the step up: the
+        sampler and the held groups go back to where the step began (:class:`StepAbandoned`), so a
+        resumed run draws them again."""
         consumed: list[int] = []
         round_index = 0
         began = self._draw_state()
         while True:
-            if round_index and self.stop_asked():
+            try:
+                if round_index and self.stop_asked():
+                    raise GenerationStopped("a stop came between two rounds")
+                batch = self._next_round(timer, round_index)
+            except GenerationStopped as stopped:
                 self._load_draw_state(began)
-                raise StepAbandoned
-            batch = self._next_round(timer, round_index)
+                raise StepAbandoned(str(stopped)) from None
             consumed += sorted(set(batch["prompt_index"]))
             round_index += 1
             if self.accumulator is None:
@@ -297,11 +303,17 @@ class DAPOTrainer:
 
     # ----------------------------------------------------------------- validation
     def validate(self) -> dict[str, float]:
+        """The validation metrics; none when a stop came while the held-out set generated (the
+        stopping run saves without them rather than wait for a long validation's end)."""
         if self.val_data is None:
             return {}
-        return validation_metrics(
-            self.rollout, self.val_data, self.cfg, self.tokenizer, self.reward, self.weight_version
-        )
+        try:
+            return validation_metrics(
+                self.rollout, self.val_data, self.cfg, self.tokenizer, self.reward, self.weight_version, self.stop_asked
+            )
+        except GenerationStopped:
+            log.warning("a stop came while validating after step %d: validation given up", self.global_step)
+            return {}
 
     # ----------------------------------------------------------------- checkpoints
     def trainer_state(self) -> dict:
@@ -371,6 +383,8 @@ class DAPOTrainer:
         elif self.cfg.trainer.val_before_train:
             self.initial_val = self.validate()
             self.tracker.log(self.initial_val, self.global_step)
+            if preemption.requested:
+                self._stop_preempted(preemption.received or "a stop signal", bar=None)
         last_val = dict(self.initial_val)
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="DAPO", dynamic_ncols=True)
         clock = StepClock(self.cfg.checkpoint.save_by)
@@ -382,8 +396,10 @@ class DAPOTrainer:
             began = time.monotonic()
             try:
                 metrics = self.train_step()
-            except StepAbandoned:  # the signal came while it generated: the last step is what is saved
-                log.warning("%s while generating step %d: the step is given up", preemption.received, next_step)
+            except StepAbandoned as why:  # the signal came while it generated: the last step is what is saved
+                log.warning(
+                    "%s while generating step %d (%s): the step is given up", preemption.received, next_step, why
+                )
                 self._stop_preempted(preemption.received or "a stop signal", bar)
             clock.steps.append(time.monotonic() - began)
             self.global_step += 1
@@ -418,13 +434,14 @@ class DAPOTrainer:
             self.output_dir, self.initial_val, last_val, self.global_step, self.generated_samples, time.time() - start
         )
 
-    def _stop_preempted(self, signal_name: str, bar: tqdm) -> None:
+    def _stop_preempted(self, signal_name: str, bar: tqdm | None) -> None:
         """Checkpoint (unless this step has one, or none was trained) and leave: the requeued job
         resumes from here."""
         if self.global_step > 0 and self.saved_step != self.global_step:
             self.save_checkpoint()
         self.finish_checkpoint()
-        bar.close()
+        if bar is not None:
+            bar.close()
         self.tracker.close()
         record_preemption(self.output_dir, self.global_step, signal_name)
         raise Preempted(self.global_step, signal_name)

@@ -4,7 +4,8 @@ the step, checkpoint, exit with ``PREEMPTED_EXIT_CODE``.
 Slurm warns a job before its time limit or a preemption (``#SBATCH --signal=B:USR1@600``) and
 the batch script forwards the signal to the trainer (``slurm/dapo_32b.sbatch``). Stopping in the
 middle of a step would lose it, so the handler only raises a flag; the training loop reads the
-flag between steps, saves a checkpoint and raises :class:`Preempted`, which ``nemo-dapo train``
+flag between steps (and while a step generates, which it then gives up: :class:`StepAbandoned`),
+saves a checkpoint and raises :class:`Preempted`, which ``nemo-dapo train``
 turns into exit code 3 so that the batch script can tell "requeue me" from a failure. A signal
 comes at a fixed lead before the limit, which a long step may not fit; :class:`StepClock` instead
 stops before starting a step that, with its checkpoint, would end past ``checkpoint.save_by``.

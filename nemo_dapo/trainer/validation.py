@@ -3,7 +3,7 @@ the trainer's validation pass over the held-out set, and how training rounds sam
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from math import comb
 
 import numpy as np
@@ -55,9 +55,12 @@ def train_sampling(cfg: Config) -> SamplingSettings:
     )
 
 
-def validation_metrics(rollout, val_data, cfg: Config, tokenizer, reward, weight_version: int) -> dict[str, float]:
+def validation_metrics(
+    rollout, val_data, cfg: Config, tokenizer, reward, weight_version: int, stop: Callable[[], bool] | None = None
+) -> dict[str, float]:
     """Every held-out prompt ``rollout.val.n`` times (greedy unless ``rollout.val.do_sample``),
-    scored: the ``val-core`` / ``val-aux`` metrics of :func:`accuracy_metrics`."""
+    scored: the ``val-core`` / ``val-aux`` metrics of :func:`accuracy_metrics`. ``stop``: see
+    :meth:`~nemo_dapo.cluster.groups.RolloutGroup.generate`."""
     val = cfg.rollout.val
     items = [val_data[i] for i in range(len(val_data))]
     sampling = SamplingSettings(
@@ -66,7 +69,7 @@ def validation_metrics(rollout, val_data, cfg: Config, tokenizer, reward, weight
         top_p=val.top_p if val.do_sample else 1.0,
         max_tokens=cfg.data.max_response_length,
     )
-    generations = rollout.generate([it["prompt_ids"] for it in items], sampling)
+    generations = rollout.generate([it["prompt_ids"] for it in items], sampling, stop=stop)
     batch = batch_from_items(items, generations, "val", tokenizer.pad_token_id, weight_version)
     score_batch(batch, reward, tokenizer)
     return accuracy_metrics(batch["acc"], batch["data_source"], batch["uid"], val.n, mn.VAL_ACC)
