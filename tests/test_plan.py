@@ -120,6 +120,11 @@ def test_layers_experts_and_rollout_shapes_are_checked(capsys):
     assert "actor.megatron.expert_model_parallel_size=3 does not divide the model's 128 experts" in plan["problems"]
     _, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "actor.megatron.expert_model_parallel_size=2")
     assert any("is dense (no experts)" in p for p in plan["problems"])
+    _, plan, _ = run_plan(capsys, "dapo_qwen3_30b_a3b", "data.max_response_length=40000")
+    longer = "data.max_prompt_length + data.max_response_length = 42048 exceeds the model's 40960 positions"
+    assert any(p.startswith(longer) and p.endswith("at most 38912") for p in plan["problems"]), plan["problems"]
+    _, plan, _ = run_plan(capsys, "dapo_qwen3_30b_a3b", "data.max_response_length=38912")
+    assert not any("positions" in p for p in plan["problems"])
     _, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", "rollout.num_workers=64")
     assert "rollout.num_workers x rollout.tensor_parallel_size = 256 GPUs, the job has 128" in plan["problems"]
 

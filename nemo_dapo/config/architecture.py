@@ -34,6 +34,7 @@ class Architecture:
     num_experts: int = 0  # 0 = dense
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
+    max_positions: int | None = None  # config.json's max_position_embeddings: the longest sequence it takes
 
     @property
     def is_moe(self) -> bool:
@@ -104,6 +105,7 @@ KNOWN_ARCHITECTURES = {
         intermediate_size=27648,
         vocab_size=152064,
         qkv_bias=True,
+        max_positions=131072,
     ),
     # config.json of Qwen/Qwen3-30B-A3B(-Base): 30.5 B parameters, 3.3 B active
     "qwen3-30b-a3b": Architecture(
@@ -119,6 +121,7 @@ KNOWN_ARCHITECTURES = {
         num_experts=128,
         experts_per_token=8,
         moe_intermediate_size=768,
+        max_positions=40960,
     ),
 }
 
@@ -143,6 +146,7 @@ def from_hf_config(raw: dict, name: str) -> Architecture:
         num_experts=raw.get("num_experts") or raw.get("num_local_experts") or 0,
         experts_per_token=raw.get("num_experts_per_tok", 0),
         moe_intermediate_size=raw.get("moe_intermediate_size") or raw.get("intermediate_size", 0),
+        max_positions=raw.get("max_position_embeddings"),
     )
 
 

@@ -77,7 +77,20 @@ def shape_problems(cfg: Config, arch: Architecture) -> list[str]:
         problems.append(
             f"actor.megatron.router_replay={replay}: {arch.name} is dense (no experts, nothing routed); set it to none"
         )
-    return problems + rollout_layout_problems(cfg, arch)
+    return problems + rollout_layout_problems(cfg, arch) + context_problems(cfg, arch)
+
+
+def context_problems(cfg: Config, arch: Architecture) -> list[str]:
+    """A prompt and its response longer than the model's positions: vLLM refuses such an engine
+    (and Megatron's rotary table stops there), so the run would fail late, in a worker."""
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if arch.max_positions is None or longest <= arch.max_positions:
+        return []
+    return [
+        f"data.max_prompt_length + data.max_response_length = {longest} exceeds the model's "
+        f"{arch.max_positions} positions (max_position_embeddings in {arch.name}'s config.json): "
+        f"lower data.max_response_length to at most {arch.max_positions - cfg.data.max_prompt_length}"
+    ]
 
 
 def startup_shape_problems(cfg: Config) -> list[str]:

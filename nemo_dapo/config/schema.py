@@ -86,7 +86,7 @@ class ModelConfig:
 @dataclass
 class ValSamplingConfig:
     n: int = setting(1, bounds=">= 1", help="Samples per validation prompt (acc/mean@n, pass@n).")
-    temperature: float = setting(1.0, help="Validation sampling temperature.")
+    temperature: float = setting(1.0, bounds="[0, 2]", help="Validation sampling temperature (with do_sample).")
     top_p: float = setting(0.7, bounds="(0, 1]", help="Validation nucleus sampling (DAPO evaluates at 0.7).")
     do_sample: bool = setting(True, help="false: greedy decoding for validation.")
 
@@ -112,7 +112,7 @@ class RolloutConfig:
     )
     n: int = setting(16, bounds=">= 1", help="Samples per prompt (the group size of GRPO).")
     temperature: float = setting(
-        1.0, bounds="> 0", help="Training sampling temperature; the trainer's log-probs use the same one."
+        1.0, bounds="(0, 2]", help="Training sampling temperature; the trainer's log-probs use the same one."
     )
     top_p: float = setting(1.0, bounds="(0, 1]", help="Training nucleus sampling (1.0: off, as DAPO).")
     top_k: int = setting(-1, help="Training top-k sampling (-1: off).")
