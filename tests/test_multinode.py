@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 
-from nemo_dapo.bringup import bringup_checks
 from nemo_dapo.cluster.ray_env import LOOPBACK_ENV, WORKER_ENV
 from tests.slurm_jobs import REPO, Job, ensure_packages, newest_checkpoint, resumed_step, submit
 from tests.train_runs import SMALL, expected_rounds, last_per_step, records
@@ -84,6 +83,21 @@ class Cluster:
             sbatch_args=[f"--nodes={nodes}", *sbatch_args],
             prefix=self.prefix,
         )
+
+    def ladder(self, rung: int, name: str, overrides: list[str]) -> tuple[subprocess.Popen, Job]:
+        """``slurm/bringup_ladder.sh RUNG`` with the tiny job, run on the controller node in the
+        background; returns it and its job once submitted (the rung's folder is ``name/rung<N>``)."""
+        folder = self.work / name
+        env = {**self.env, "BRINGUP_DIR": str(folder), "LOG_DIR": str(folder / "logs"), "POLL_S": "1"}
+        env |= {"BATCH_SCRIPT": "slurm/dapo_tiny_cpu.sbatch", "PYTHON": sys.executable}
+        command = [*self.prefix, "bash", "slurm/bringup_ladder.sh", str(rung), *overrides]
+        ladder = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO
+        )
+        first = ladder.stdout.readline()
+        submitted = re.search(r"^bringup: rung \d: job (\d+) on \d node\(s\), output (\S+)", first)
+        assert submitted, first + ladder.stdout.read()
+        return ladder, Job(self.env, Path(submitted.group(2)), submitted.group(1), self.prefix)
 
     def node_state(self, node: str) -> str:
         return self.on("ctl", "sinfo", "--noheader", f"--nodes={node}", "--format=%t").strip()
@@ -331,8 +345,9 @@ def test_a_job_survives_a_stop_signal_dead_nodes_an_outside_requeue_and_sigterm(
         "checkpoint.keep_last=3",
         *SMALL,
     ]
-    job = cluster.submit("survivor", overrides)
-    ckpt = cluster.work / "survivor" / "ckpt"
+    # submitted by the bring-up ladder's stop drill, which sends the first incident's USR1
+    ladder, job = cluster.ladder(4, "survivor", overrides)
+    ckpt = cluster.work / "survivor" / "rung4"
 
     def after_new_checkpoint(restart: int) -> int:
         """Wait until this run resumed and saved a checkpoint of its own; return its step."""
@@ -354,10 +369,10 @@ def test_a_job_survives_a_stop_signal_dead_nodes_an_outside_requeue_and_sigterm(
         release(restarts)
 
     try:
-        # 1. USR1 to the batch shell (the time-limit warning): checkpoint, exit 3, requeue
+        # 1. USR1 to the batch shell (the time-limit warning), sent by the ladder after the first
+        # checkpoint: checkpoint, exit 3, requeue
         job.wait_for("first checkpoint", lambda: newest_checkpoint(ckpt) >= 2, timeout=300)
         assert placed_on(job.log(), 0) == {"n1", "n2"}
-        job.run("scancel", "--batch", "--signal=USR1", job.id)
         release(restarts=1)
         stop = json.loads((ckpt / "preemptions.jsonl").read_text().splitlines()[0])
         assert stop["signal"] == "SIGUSR1"
@@ -380,8 +395,10 @@ def test_a_job_survives_a_stop_signal_dead_nodes_an_outside_requeue_and_sigterm(
         job.run("scancel", "--full", "--signal=TERM", job.id)
         release(restarts=4)
         job.wait_for("completion", lambda: job.field("JobState") == "COMPLETED", timeout=400)
+        said = ladder.communicate(timeout=120)[0]
     finally:
         job.run("scancel", job.id)
+        ladder.kill()
         cluster.setup("start-node", "n3")
     log = job.log()
     assert job.field("ExitCode") == "0:0" and job.field("Restarts") == "4"
@@ -403,10 +420,14 @@ def test_a_job_survives_a_stop_signal_dead_nodes_an_outside_requeue_and_sigterm(
     consumed = [i for step in sorted(by_step) for i in by_step[step]["consumed"]]
     assert consumed == [i for r in expected_rounds(1800, 12, seed=1, count=len(consumed) // 12) for i in r]
     assert json.loads((ckpt / "summary.json").read_text())["steps"] == total
-    # the bring-up ladder's reading of this job (docs/cluster.md): its steps, checkpoint and USR1 stop
-    checks = {c.name: c for c in bringup_checks(ckpt, job.output)}
-    assert all(checks[name].passed for name in ("steps", "stages", "checkpoint", "stop")), checks
-    assert f"step {stop['step']} by SIGUSR1" in checks["stop"].detail and checks["fabric"].passed is None
+    # the ladder's verdict on its drill (docs/cluster.md): steps, checkpoint, and the USR1 stop in time
+    assert ladder.returncode == 0 and f"USR1 sent to job {job.id} after its first checkpoint" in said, said
+    for check in ("steps", "stages", "checkpoint"):
+        assert re.search(rf"^pass  {check} ", said, re.M), said
+    took = re.search(
+        rf"^pass  stop +step {stop['step']} by SIGUSR1.*saved and stopped ([\d.]+) s after the signal$", said, re.M
+    )
+    assert took and 0 < float(took.group(1)) < 600 and re.search(r"^-  +fabric", said, re.M), said
 
 
 @pytest.mark.timeout(900)

@@ -209,6 +209,22 @@ def test_the_bringup_check_reads_stage_times_a_checkpoint_and_nccls_transport(tm
     assert "pass  checkpoint  step 2 complete" in out and "pass  fabric      NCCL uses NET/IB" in out
     assert main(["bringup", str(run), "--job-log", str(socket)]) == 1
     assert "FAIL  fabric      NCCL uses NET/Socket" in capsys.readouterr().out
+    # a rung's requirements: a check the job does not show fails; an unknown one is a usage error
+    assert main(["bringup", str(run), "--require", "steps,fabric"]) == 1
+    assert "FAIL  fabric      no job log given" in capsys.readouterr().out
+    assert main(["bringup", str(run), "--require", "fabrik"]) == 2
+    # the stop drill: the stop after the signal, timed against the signal's lead
+    stopped_at = 1_000_000.0
+    stop = {"step": 2, "signal": "SIGUSR1", "time": stopped_at, "checkpoint": "checkpoints/global_step_2"}
+    (run / "preemptions.jsonl").write_text(json.dumps(stop) + "\n")
+    drill = ["bringup", str(run), "--require", "stop", "--signal-sent", str(stopped_at - 42.5)]
+    assert main([*drill, "--stop-within", "600"]) == 0
+    assert "pass  stop        step 2 by SIGUSR1; saved and stopped 42.5 s after the signal" in capsys.readouterr().out
+    assert (
+        main([*drill, "--stop-within", "40"]) == 1 and "more than the signal's lead of 40 s" in capsys.readouterr().out
+    )
+    drill[-1] = str(stopped_at + 1)  # a signal after the last stop: unanswered
+    assert main(drill) == 1 and "none after the signal" in capsys.readouterr().out
     (run / "checkpoints" / "global_step_2" / "w.bin").write_bytes(b"damaged")
     assert main(["bringup", str(run)]) == 1 and "FAIL  checkpoint" in capsys.readouterr().out
 
