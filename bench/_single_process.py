@@ -75,7 +75,8 @@ class HFGenerate:
         self.generator = model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, stop=None) -> list[Generation]:
+        """``stop`` is not asked: the reference generates in the trainer's own process, to the end."""
         self.generator.eval()
         width = max(map(len, prompts))
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts])

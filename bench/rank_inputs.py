@@ -1,18 +1,18 @@
-"""How many bytes does each training rank receive per call, before and after RankRows?
+"""How many bytes does each training rank receive per call: as views, as compact rows, as RankRows?
 
     .venv/bin/python bench/rank_inputs.py [--rows 256] [--prompt 2048] [--response 20480] [--dp 4]
 
 Builds a scored batch of ``--rows`` samples with prompts and responses of uniformly random
 lengths up to the given widths (the 32B preset's: 2048 + 20480), cuts it for ``--dp``
 data-parallel replicas as the driver does for the log-prob pass (``worker_inputs`` + ``shard``)
-and for an update (``mini_batches_per_rank``), and pickles one rank's part each way:
+and for an update (``mini_batches_per_rank``), and pickles one rank's part three ways:
 
-- before: the row slices as they were sent (views: pickling a view writes its whole storage);
-- after: ``RankRows`` (own rows only, masks as bool, ids and positions as int32).
+- views: the row slices as plain dicts (pickling a view writes its whole storage);
+- compact: each tensor its own rows, masks as bool, ids and positions as int32, padding included;
+- rank_rows: ``RankRows`` as sent (compact, and no padding: real elements and row lengths).
 
-Prints one JSON line per call with bytes per rank, bytes per batch token, and the driver's
-seconds to serialize every rank's part (before: one copy per rank of a replica; after: one per
-replica). Pickle is what Ray's serializer runs for these objects.
+Prints one JSON line per call with bytes per rank, bytes per batch token place, and the driver's
+seconds to serialize every rank's part. Pickle is what Ray's serializer runs for these objects.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 
 from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.policy.inputs import mini_batches_per_rank, shard, worker_inputs
+from nemo_dapo.policy.rank_rows import _compact
 
 
 def scored_batch(rows: int, prompt: int, response: int, group: int = 16) -> RolloutBatch:
@@ -55,11 +56,18 @@ def timed_bytes(parts: list) -> tuple[list[int], float]:
     return sizes, time.perf_counter() - start
 
 
-def as_sent_before(part):
-    """A rank's part as the driver sent it before: plain dicts of row slices."""
+def as_views(part):
+    """A rank's part as plain dicts of the row slices (views)."""
     if isinstance(part, dict):
         return dict(part)
     return [type(mb)(dict(mb.data), mb.global_token_count, mb.global_seq_count) for mb in part]
+
+
+def as_compact(part):
+    """A rank's part with each tensor compact but padded (own storage, narrow integers)."""
+    if isinstance(part, dict):
+        return {name: _compact(tensor) for name, tensor in part.items()}
+    return [type(mb)(as_compact(mb.data), mb.global_token_count, mb.global_seq_count) for mb in part]
 
 
 def main() -> None:
@@ -77,20 +85,11 @@ def main() -> None:
         "update": mini_batches_per_rank(batch, args.prompts_per_mini_batch, args.dp, ppo_epochs=1),
     }
     for call, parts in calls.items():
-        before, before_s = timed_bytes([as_sent_before(part) for part in parts])
-        after, after_s = timed_bytes(parts)
-        line = {
-            "call": call,
-            "rows": args.rows,
-            "tokens": tokens,
-            "dp": args.dp,
-            "before_bytes_per_rank": max(before),
-            "after_bytes_per_rank": max(after),
-            "before_bytes_per_token": round(sum(before) / tokens, 2),
-            "after_bytes_per_token": round(sum(after) / tokens, 2),
-            "before_serialize_s": round(before_s, 3),
-            "after_serialize_s": round(after_s, 3),
-        }
+        line = {"call": call, "rows": args.rows, "tokens": tokens, "dp": args.dp}
+        for way, sent in (("views", as_views), ("compact", as_compact), ("rank_rows", lambda part: part)):
+            sizes, seconds = timed_bytes([sent(part) for part in parts])
+            line |= {f"{way}_bytes_per_rank": max(sizes), f"{way}_bytes_per_token": round(sum(sizes) / tokens, 2)}
+            line[f"{way}_serialize_s"] = round(seconds, 3)
         print(json.dumps(line), flush=True)
 
 

@@ -53,6 +53,30 @@ def test_each_rank_is_sent_its_share_only_and_gets_the_tensors_cut_for_it(dp):
             assert arrived[name].dtype == tensor.dtype and torch.equal(arrived[name], tensor), name
 
 
+@pytest.mark.parametrize("dp", [2, 4])
+def test_no_padding_crosses_the_wire(dp):
+    """One long response among short ones pads every row of the batch to its width; a rank is sent
+    its rows' real elements only (two lengths per row stand for the attention mask), and they
+    arrive padded again, exactly as cut. A field whose padding is not zeros travels whole."""
+    batch = rollout_batch(prompts=8)
+    batch.add("is_weights", torch.ones_like(batch["old_log_probs"]))  # ones in the padding too
+    data = worker_inputs(batch)
+    prompt = data["input_ids"].shape[1] - data["responses"].shape[1]
+    for part in shard(data, dp):
+        real = part["attention_mask"].bool()
+        tokens, generated = int(real.sum()), int(real[:, prompt:].sum())
+        rows = real.shape[0]
+        real_bytes = tokens * (4 + 4) + generated * (4 + 1 + 4 + 4 + 4)  # ids, positions; responses, masks, floats
+        whole = part["is_weights"].numel() * 4
+        sent = pickle.dumps(part)
+        assert len(sent) <= real_bytes + rows * 2 * 4 + whole + OVERHEAD, (len(sent), real_bytes)
+        assert len(sent) < wire_bytes(part) - whole  # the padded tensors alone would be more
+        arrived = pickle.loads(sent)
+        assert list(arrived) == list(part)
+        for name, tensor in part.items():
+            assert arrived[name].dtype == tensor.dtype and torch.equal(arrived[name], tensor), name
+
+
 def test_an_update_sends_each_rank_its_mini_batch_rows_only():
     batch = rollout_batch()
     mini_batches = mini_batches_per_rank(batch, prompts_per_mini_batch=4, world_size=4, ppo_epochs=1)

@@ -14,8 +14,8 @@ import torch
 from nemo_dapo.algo.batch import RolloutBatch, group_rows
 from nemo_dapo.policy.base import MiniBatch
 from nemo_dapo.policy.microbatch import ROUTED_EXPERTS
+from nemo_dapo.policy.rank_rows import RankRows
 from nemo_dapo.policy.routing import PROMPT_ROUTING, RESPONSE_ROUTING, join_routing
-from nemo_dapo.policy.weights import own_storage
 
 # Response-aligned [B, R] fields a policy worker may need for its loss.
 WORKER_FIELDS = ("responses", "advantages", "old_log_probs", "ref_log_probs", "rollout_log_probs", "is_weights")
@@ -28,50 +28,20 @@ def worker_inputs(batch: RolloutBatch) -> dict[str, torch.Tensor]:
     every generated token so the forward pass sees the real context.
     """
     attention = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1)
-    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    padding, response_padding = attention == 0, batch["response_mask"] == 0
+    # padding is 0 in every field (whatever pad id each round used), so none of it travels (RankRows)
     data = {
-        "input_ids": torch.cat([batch["prompts"], batch["responses"]], dim=1),
+        "input_ids": torch.cat([batch["prompts"], batch["responses"]], dim=1).masked_fill(padding, 0),
         "attention_mask": attention,
-        "position_ids": position_ids,
+        "position_ids": (attention.cumsum(dim=1) - 1).masked_fill(padding, 0),
         "loss_mask": batch["loss_mask"],
     }
-    data.update({name: batch[name] for name in WORKER_FIELDS if name in batch})
+    for name in WORKER_FIELDS:
+        if name in batch:
+            data[name] = batch[name].masked_fill(response_padding, 0) if name == "responses" else batch[name]
     if PROMPT_ROUTING in batch:  # MoE routing replay: the experts to replay, aligned with input_ids
         data[ROUTED_EXPERTS] = join_routing(batch[PROMPT_ROUTING], batch[RESPONSE_ROUTING])
     return data
-
-
-class RankRows(dict):
-    """One rank's rows (field name -> tensor), which travel compact and arrive as they were sent.
-
-    Pickled (by Ray, to the rank), each tensor is its own bytes only: a row slice is a view whose
-    storage is the whole batch, and pickling a view writes that whole storage. Integer fields
-    travel as ``bool`` when every value is 0 or 1 (masks) and as ``int32`` when they fit (token
-    ids, positions); unpickling restores each field's dtype, so the workers read exactly the
-    tensors the driver cut (docs/architecture.md, "What a rank receives").
-    """
-
-    def __reduce__(self):
-        packed = {name: _compact(tensor) for name, tensor in self.items()}
-        return _restore, (packed, {name: tensor.dtype for name, tensor in self.items()})
-
-
-INT32 = torch.iinfo(torch.int32)
-
-
-def _compact(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor with no storage beyond its own elements, in the narrowest lossless integer type."""
-    if tensor.dtype in (torch.int64, torch.int32, torch.int16) and tensor.numel():
-        low, high = int(tensor.min()), int(tensor.max())
-        if low >= 0 and high <= 1:
-            return tensor.to(torch.bool)
-        if tensor.dtype == torch.int64 and INT32.min <= low and high <= INT32.max:
-            return tensor.to(torch.int32)
-    return own_storage(tensor)
-
-
-def _restore(packed: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]) -> RankRows:
-    return RankRows({name: tensor.to(dtypes[name]) for name, tensor in packed.items()})
 
 
 def shard(data: dict[str, torch.Tensor], world_size: int) -> list[RankRows]:
