@@ -20,7 +20,10 @@ What it does, on ONE GPU (an H200 is what it is sized for; <= 8 minutes, never i
    row by row) give the padded ones' log-probs on rows of different lengths; ``--packing`` also
    trains packed, ``--varied-lengths`` on responses of random lengths (as real rollouts are);
 7. times where an asynchronous save's blocking call goes (a second call, the HF copy, a
-   synchronous save).
+   synchronous save);
+8. does what a colocated step does before its engines wake (``release_memory`` with
+   ``release_grad_buffers``): the gradient buffers must leave the allocated memory, and one more
+   update (which brings them back) must give a finite loss and gradient norm. Not run on a GPU yet.
 
 MFU = 6 * N * tokens_per_s / peak, where N counts every parameter (embeddings included, tied
 once) and attention-score FLOPs are left out, so it is the usual "6N" model-FLOPs estimate. The
@@ -251,6 +254,11 @@ def check_cpu_shims_inactive() -> None:
         die("device='cuda' is redirected to the CPU (CudaToCpuMode leaked into a GPU process)")
 
 
+def grad_buffer_bytes(worker) -> int:
+    """Bytes the worker's gradient buffers hold (0 once released)."""
+    return sum(b.grad_data.untyped_storage().nbytes() for c in worker.chunks for b in c.buffers)
+
+
 def timed_updates(worker, args, n_params: int, vocab: int, settings) -> list[dict]:
     """``--steps`` DAPO updates, each after its old-log-prob pass; per-step timings and health.
 
@@ -356,6 +364,7 @@ def main() -> None:
             overlap_grad_reduce=True,
             overlap_param_gather=True,
             sequence_packing=args.packing,
+            release_grad_buffers=True,
         ),
     )
     print(
@@ -380,12 +389,22 @@ def main() -> None:
     exported = sum(t.numel() * t.element_size() for bucket in worker.export_weights(512 << 20) for _, t in bucket)
     export_s = time.perf_counter() - t0
     print(f"streamed export of {exported / 2**30:.2f} GiB of HF weights in {export_s:.2f}s", flush=True)
-    # what a colocated trainer does before its engines wake: the allocator's cache goes back
+    # what a colocated trainer does before its engines wake: the gradient buffers are freed
+    # (actor.megatron.release_grad_buffers) and the allocator's cache goes back
+    grads, allocated = grad_buffer_bytes(worker), torch.cuda.memory_allocated()
     reserved = torch.cuda.memory_reserved()
     released = worker.release_memory()
     if released != reserved - torch.cuda.memory_reserved() or torch.cuda.memory_reserved() > reserved:
         die(f"release_memory said {released} bytes; reserved went {reserved} -> {torch.cuda.memory_reserved()}")
-    print(f"release_memory gave back {released / 2**30:.2f} of {reserved / 2**30:.2f} GiB reserved", flush=True)
+    grads_freed = allocated - torch.cuda.memory_allocated()
+    if grad_buffer_bytes(worker) or grads_freed < grads:
+        die(f"the gradient buffers ({grads} bytes) were not freed: allocated memory fell by {grads_freed}")
+    print(
+        f"release_memory freed {grads_freed / 2**30:.2f} GiB of gradient buffers and gave back "
+        f"{released / 2**30:.2f} of {reserved / 2**30:.2f} GiB reserved",
+        flush=True,
+    )
+    after_release = timed_updates(worker, argparse.Namespace(**{**vars(args), "steps": 1}), n_params, vocab, settings)
 
     timed = results[1:] or results
     tokens_s = sum(r["tokens"] for r in timed) / sum(r["update_s"] for r in timed)
@@ -407,6 +426,8 @@ def main() -> None:
         **replay,
         "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
         "released_gib": released / 2**30,
+        "grad_buffers_freed_gib": grads_freed / 2**30,
+        "grad_norm_after_release": after_release[0]["grad_norm"],
         "reserved_before_release_gib": reserved / 2**30,
     }
     print("SUMMARY " + json.dumps(summary), flush=True)

@@ -130,6 +130,10 @@ def test_environment_sets_model_and_data_paths(monkeypatch):
         ),
         (["actor.megatron.ddp_bucket_size=0"], r"ddp_bucket_size=0: must be a positive number"),
         (["actor.megatron.moe_aux_loss_coeff=-0.1"], r"moe_aux_loss_coeff=-0.1: must be >= 0"),
+        (
+            ["actor.megatron.release_grad_buffers=true", "trainer.colocate=false"],
+            r"release_grad_buffers=True: frees the gradients' memory for engines that share the GPUs",
+        ),
     ],
 )
 def test_impossible_megatron_layouts_fail_with_the_key(overrides, message):

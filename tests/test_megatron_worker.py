@@ -783,3 +783,39 @@ def test_a_non_finite_gradient_skips_the_step_on_both_backends(backend, tmp_path
     assert all(torch.equal(result["after_skip"][k], v) for k, v in result["start"].items())  # nothing moved
     assert any(not torch.equal(result["end"][k], v) for k, v in result["start"].items())  # the next step did
     assert torch.isfinite(torch.cat([t.flatten().float() for t in result["end"].values()])).all()
+
+
+def run_two_steps(rank: int, world_size: int, rendezvous: str, model_dir: str, out_dir: str, release: bool) -> None:
+    """Two steps of one rank, each an update then what a colocated step does before the engines
+    wake (``release_memory``); a checkpoint written after the first, while the buffers are freed."""
+    from nemo_dapo.policy.base import LossSettings, MiniBatch
+
+    torch.set_num_threads(1)
+    worker = megatron_worker(rank, world_size, rendezvous, model_dir, max_token_len=40, release_grad_buffers=release)
+    batch = make_batch()
+    whole = add_training_fields(batch, torch.zeros_like(batch["responses"], dtype=torch.float))
+    counts = float(batch["loss_mask"].sum()), float(len(batch["input_ids"]))
+    metrics, held = [], []
+    for step in range(2):
+        old = worker.compute_log_prob(whole)["log_probs"]
+        metrics.append(worker.update([MiniBatch({**whole, "old_log_probs": old}, *counts)], LossSettings()).metrics)
+        worker.release_memory()
+        held.append(sum(b.grad_data.untyped_storage().nbytes() for c in worker.chunks for b in c.buffers))
+        if step == 0:
+            worker.save(os.path.join(out_dir, f"checkpoint_{release}"))
+    torch.save({"metrics": metrics, "held": held, "weights": exported(worker)}, os.path.join(out_dir, f"{release}.pt"))
+
+
+def test_released_gradient_buffers_free_their_memory_and_change_no_update(tmp_path, tiny_model_dir):
+    """actor.megatron.release_grad_buffers: between two updates the gradient buffers hold no memory
+    (a checkpoint is written meanwhile), and both updates equal those of a run that keeps them."""
+    runs = {}
+    for release in (False, True):
+        spawn(run_two_steps, 1, str(tmp_path / f"rendezvous_{release}"), str(tiny_model_dir), str(tmp_path), release)
+        runs[release] = torch.load(tmp_path / f"{release}.pt", weights_only=False)
+    kept, freed = runs[False], runs[True]
+    assert freed["held"] == [0, 0] and min(kept["held"]) > 0
+    losses = [{k: v for k, v in step.items() if k.startswith("actor/")} for step in kept["metrics"]]
+    assert "actor/grad_norm" in losses[1] and losses[1] != losses[0]
+    assert [{k: step[k] for k in loss} for step, loss in zip(freed["metrics"], losses)] == losses
+    assert all(torch.equal(freed["weights"][name], tensor) for name, tensor in kept["weights"].items())

@@ -144,6 +144,10 @@ def test_colocated_peak_is_the_larger_phase(capsys):
         p.startswith("colocated generation needs") and "rollout.gpu_memory_utilization to <= 0.76" in p
         for p in plan["problems"]
     )
+    # the gradient buffers freed while the engines generate (actor.megatron.release_grad_buffers)
+    _, released, _ = run_plan(capsys, "dapo_qwen2.5_32b", "actor.megatron.release_grad_buffers=true")
+    freed = colocated["generation_phase"] - released["colocated"]["generation_phase"]
+    assert freed == pytest.approx(training["gradients"]) and released["colocated"]["peak"] < colocated["peak"] - 7
     code, plan, _ = run_plan(
         capsys,
         "dapo_qwen2.5_32b",

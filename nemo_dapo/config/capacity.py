@@ -267,9 +267,11 @@ class ColocatedMemory:
         return max(self.training_phase, self.generation_phase)
 
 
-def colocated_memory(training: TrainingMemory, generation: GenerationMemory) -> ColocatedMemory:
+def colocated_memory(
+    training: TrainingMemory, generation: GenerationMemory, grads_released: bool = False
+) -> ColocatedMemory:
     """While the engines generate, the training process keeps its state and its own reserve (CUDA
-    context, NCCL buffers) beside vLLM's ``gpu_memory_utilization`` share."""
-    return ColocatedMemory(
-        training_phase=training.total, training_kept=training.resident + training.reserve, vllm=generation.budget
-    )
+    context, NCCL buffers) beside vLLM's ``gpu_memory_utilization`` share; without its gradient
+    buffers when ``actor.megatron.release_grad_buffers`` frees them."""
+    kept = training.resident + training.reserve - (training.gradients if grads_released else 0.0)
+    return ColocatedMemory(training_phase=training.total, training_kept=kept, vllm=generation.budget)

@@ -83,6 +83,12 @@ class MegatronConfig:
     ddp_bucket_size: Optional[int] = setting(
         None, help="Parameters per gradient communication bucket; null: Megatron's default."
     )
+    release_grad_buffers: bool = setting(
+        False,
+        help="Free the gradient buffers' memory from the end of an update to the next (megatron-core's "
+        "offload_grad_buffers; they are zeroed before every step anyway): colocated engines wake into "
+        "that much more, the gradients' line of nemo-dapo plan (7.99 GiB per GPU at the 32B preset).",
+    )
     fp8: Optional[str] = setting(
         None, choices=(None, "hybrid", "e4m3"), help="FP8 training format (TransformerEngine, GPU only); null: off."
     )

@@ -6,9 +6,7 @@ from __future__ import annotations
 from nemo_dapo.algo.correction import correction_settings
 from nemo_dapo.config.problems import Problems
 from nemo_dapo.config.schema import Config
-from nemo_dapo.config.topology import (
-    training_world_size,
-)
+from nemo_dapo.config.topology import is_colocated, training_world_size
 
 
 def check_megatron(cfg: Config, problems: Problems) -> None:
@@ -112,6 +110,13 @@ def _check_megatron_features(cfg: Config, problems: Problems) -> None:
         f"{key}.moe_aux_loss_coeff",
         mg.moe_aux_loss_coeff,
         "must be >= 0 (0 turns the router's load-balancing loss off)",
+    )
+    problems.require(
+        not mg.release_grad_buffers or is_colocated(cfg),
+        f"{key}.release_grad_buffers",
+        mg.release_grad_buffers,
+        "frees the gradients' memory for engines that share the GPUs (trainer.colocate=true on GPU nodes); "
+        "this run's engines have memory of their own: set it to false",
     )
     problems.require(
         mg.ddp_bucket_size is None or mg.ddp_bucket_size > 0,

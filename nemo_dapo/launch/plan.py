@@ -185,7 +185,8 @@ def make_plan(
     layout = layout_of(cfg)
     training = training_memory(cfg, arch, reserve_gib)
     generation = generation_memory(cfg, arch, gpu_memory_gib, reserve_gib)
-    colocated = colocated_memory(training, generation) if is_colocated(cfg) else None
+    released = cfg.actor.backend == "megatron" and cfg.actor.megatron.release_grad_buffers
+    colocated = colocated_memory(training, generation, released) if is_colocated(cfg) else None
     problems = shape_problems(cfg, arch) + placement_problems(cfg)
     problems += memory_problems(training, generation, colocated, gpu_memory_gib)
     engines = cfg.rollout.num_workers
