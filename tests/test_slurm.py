@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from nemo_dapo.bringup import bringup_checks
@@ -139,6 +140,19 @@ def test_a_run_past_its_deadline_stops_before_a_step_with_the_requeue_code(tmp_p
     assert checks["checkpoint"].passed is None and checks["fabric"].passed is None
 
 
+def runs_engine(process: psutil.Process) -> bool:
+    """Whether the process is a vLLM rollout worker (Ray titles it by its actor class)."""
+    with contextlib.suppress(psutil.Error):
+        return "VLLMRolloutWorker" in " ".join(process.cmdline())
+    return False
+
+
+def resume(pid: int) -> None:
+    """SIGCONT, unless the stopping run already ended the process."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
 def test_usr1_inside_a_generation_call_gives_the_step_up_at_once(tmp_path):
     """One-token answers are all wrong, so every group's spread is 0, dynamic sampling (unbounded)
     keeps nothing and the first step generates round after round. The engine is then frozen
@@ -162,22 +176,17 @@ def test_usr1_inside_a_generation_call_gives_the_step_up_at_once(tmp_path):
         engine = None
         try:
             wait_for("DAPO:", 300)  # the loop's progress bar: generation has begun
-            (engine,) = [
-                int(p)
-                for p in subprocess.run(
-                    ["pgrep", "-f", "VLLMRolloutWorker"], capture_output=True, text=True
-                ).stdout.split()
-            ]
+            # this run's engine: Ray's processes descend from the trainer (another test's may run beside it)
+            (engine,) = [p.pid for p in psutil.Process(trainer.pid).children(recursive=True) if runs_engine(p)]
             os.kill(engine, signal.SIGSTOP)
             time.sleep(2)  # the driver now waits for a generation the frozen engine cannot finish
             trainer.send_signal(signal.SIGUSR1)
             wait_for("the step is given up", 60)
-            os.kill(engine, signal.SIGCONT)
+            resume(engine)
             assert trainer.wait(timeout=120) == 3, err.read_text()[-3000:]
         finally:
             if engine is not None:
-                with contextlib.suppress(ProcessLookupError):  # gone with the run
-                    os.kill(engine, signal.SIGCONT)
+                resume(engine)
             trainer.kill()
     assert (
         "SIGUSR1 while generating step 1 (a stop came while 1 call(s) still ran): the step is given up"
