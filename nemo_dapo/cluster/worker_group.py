@@ -45,20 +45,20 @@ STOP_POLL_S = 0.5  # how often a wait that a stop may end asks whether one came
 
 def _wait_all(refs: list, seconds: float | None, stop: Callable[[], bool] | None) -> None:
     """Until every call returned or ``seconds`` passed (None: no limit); :class:`GenerationStopped`
-    as soon as ``stop()`` says so."""
+    as soon as ``stop()`` says so, before the wait too (a stop that came before the calls)."""
     import ray
 
     if stop is None:
         ray.wait(refs, num_returns=len(refs), timeout=seconds)
         return
     end = None if seconds is None else time.monotonic() + seconds
-    while True:
+    ready: list = []
+    while not stop():
         left = STOP_POLL_S if end is None else min(STOP_POLL_S, end - time.monotonic())
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(left, 0.0))
         if len(ready) == len(refs) or (end is not None and time.monotonic() >= end):
             return
-        if stop():
-            raise GenerationStopped(f"a stop came while {len(refs) - len(ready)} call(s) still ran")
+    raise GenerationStopped(f"a stop came while {len(refs) - len(ready)} call(s) still ran")
 
 
 def _without_worker(_worker: Any, function: Callable, *args: Any) -> Any:

@@ -28,17 +28,16 @@ def worker_inputs(batch: RolloutBatch) -> dict[str, torch.Tensor]:
     every generated token so the forward pass sees the real context.
     """
     attention = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1)
-    padding, response_padding = attention == 0, batch["response_mask"] == 0
+    padding = attention == 0
     # padding is 0 in every field (whatever pad id each round used), so none of it travels (RankRows)
     data = {
         "input_ids": torch.cat([batch["prompts"], batch["responses"]], dim=1).masked_fill(padding, 0),
         "attention_mask": attention,
         "position_ids": (attention.cumsum(dim=1) - 1).masked_fill(padding, 0),
         "loss_mask": batch["loss_mask"],
+        **{name: batch[name] for name in WORKER_FIELDS if name in batch},
     }
-    for name in WORKER_FIELDS:
-        if name in batch:
-            data[name] = batch[name].masked_fill(response_padding, 0) if name == "responses" else batch[name]
+    data["responses"] = data["responses"].masked_fill(batch["response_mask"] == 0, 0)
     if PROMPT_ROUTING in batch:  # MoE routing replay: the experts to replay, aligned with input_ids
         data[ROUTED_EXPERTS] = join_routing(batch[PROMPT_ROUTING], batch[RESPONSE_ROUTING])
     return data

@@ -30,10 +30,10 @@ class RankRows(dict):
     """One rank's rows (field name -> tensor), which travel without padding and arrive as sent."""
 
     def __reduce__(self):
-        return _restore, _pack(self)
+        return _restore, (_pack(self),)
 
 
-def _pack(rows: dict[str, torch.Tensor]) -> tuple[dict[str, tuple]]:
+def _pack(rows: dict[str, torch.Tensor]) -> dict[str, tuple]:
     lengths, real = _lengths(rows)
     fields = {}
     for name, tensor in rows.items():
@@ -41,7 +41,7 @@ def _pack(rows: dict[str, torch.Tensor]) -> tuple[dict[str, tuple]]:
             fields[name] = LENGTHS, _compact(lengths), tensor.shape, tensor.dtype
         else:
             fields[name] = _packed_field(tensor, real)
-    return (fields,)
+    return fields
 
 
 def _lengths(rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:

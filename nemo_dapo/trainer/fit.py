@@ -158,16 +158,14 @@ class DAPOTrainer:
 
     def _collect_batch(self, timer: StageTimer) -> tuple[RolloutBatch, dict[str, float], list[int]]:
         """One round, or (dynamic sampling) rounds until train_batch_size informative groups are held.
-        A stop asked for while a round generates, or between two rounds, gives the step up: the
-        sampler and the held groups go back to where the step began (:class:`StepAbandoned`), so a
-        resumed run draws them again."""
+        A stop asked for while a round generates (or before it) gives the step up: the sampler and
+        the held groups go back to where the step began (:class:`StepAbandoned`), so a resumed run
+        draws them again."""
         consumed: list[int] = []
         round_index = 0
         began = self._draw_state()
         while True:
             try:
-                if round_index and self.stop_asked():
-                    raise GenerationStopped("a stop came between two rounds")
                 batch = self._next_round(timer, round_index)
             except GenerationStopped as stopped:
                 self._load_draw_state(began)

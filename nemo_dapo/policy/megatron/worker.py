@@ -108,7 +108,6 @@ class MegatronPolicyWorker(WeightSender):
         self.models, self.output = built.models, built.output
         self.replay = self._routing_replay()
         self.optimizer = None
-        self._grads_released = False  # release_memory freed the gradient buffers (release_grad_buffers)
         if self.trainable:
             self.chunks = build.wrap_for_training(self.models, self.config, layout)
             self.optimizer = build.build_optimizer(self.chunks, self.optim_cfg, layout, self.config)
@@ -282,7 +281,7 @@ class MegatronPolicyWorker(WeightSender):
         self, mini_batches: list[MiniBatch], settings: LossSettings, correction: CorrectionSettings | None = None
     ) -> UpdateResult:
         require_trainable(self.trainable, "update")
-        self._restore_grad_buffers()
+        self._hold_grad_buffers(True)
         self._set_mode(train=True)
         return run_update(
             mini_batches,
@@ -383,17 +382,21 @@ class MegatronPolicyWorker(WeightSender):
     def release_memory(self) -> int:
         """The allocator's cached blocks, and with ``actor.megatron.release_grad_buffers`` the
         gradient buffers (back, zeroed, when the next update starts)."""
-        if self.layout.release_grad_buffers and self.trainable and not self._grads_released:
-            for chunk in self.chunks:
-                chunk.offload_grad_buffers(synchronize=self.device.type == "cuda", empty_cache=False)
-            self._grads_released = True
+        if self.trainable:
+            self._hold_grad_buffers(False)
         return release_cached_gpu_memory()
 
-    def _restore_grad_buffers(self) -> None:
-        if self._grads_released:
-            for chunk in self.chunks:
-                chunk.restore_grad_buffers(synchronize=self.device.type == "cuda")
-            self._grads_released = False
+    def _hold_grad_buffers(self, held: bool) -> None:
+        """With ``actor.megatron.release_grad_buffers``: bring the gradient buffers back (zeroed) or
+        free them; megatron-core keeps their sizes, and each call is a no-op when already done."""
+        if not self.layout.release_grad_buffers:
+            return
+        synchronize = self.device.type == "cuda"
+        for chunk in self.chunks:
+            if held:
+                chunk.restore_grad_buffers(synchronize=synchronize)
+            else:
+                chunk.offload_grad_buffers(synchronize=synchronize, empty_cache=False)
 
     def load(self, path: str) -> None:
         from nemo_dapo.policy.megatron.checkpoint import load_checkpoint
