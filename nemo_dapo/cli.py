@@ -52,7 +52,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         max_tokens=args.max_tokens,
         max_prompt_length=args.max_prompt_length,
-        unique=args.unique,
     )
     for key, value in metrics.items():
         print(f"{key}: {value:.4f}")
@@ -117,14 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("eval", help="acc/mean@n and pass@k of a model on a verl-format dataset")
     evaluate.add_argument("--model", required=True, help="Hugging Face model folder")
     evaluate.add_argument("--data", required=True, nargs="+", help="parquet/jsonl files")
-    evaluate.add_argument("--n", type=int, default=32)
+    evaluate.add_argument("--n", type=int, default=32, help="samples per distinct problem (repeated rows fold)")
     evaluate.add_argument("--temperature", type=float, default=1.0)
     evaluate.add_argument("--top-p", type=float, default=0.7)
     evaluate.add_argument("--max-tokens", type=int, default=20480, help="response budget (capped by the model)")
     evaluate.add_argument("--max-prompt-length", type=int, default=2048)
-    evaluate.add_argument(
-        "--unique", action="store_true", help="score repeated rows once (verl's AIME files hold each problem 32 times)"
-    )
     evaluate.set_defaults(fn=_cmd_eval)
     export = sub.add_parser("export", help="checkpoint -> Hugging Face folder (weights + tokenizer)")
     export.add_argument("checkpoint", help="a checkpoints/global_step_N folder")

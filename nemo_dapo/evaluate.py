@@ -29,13 +29,13 @@ def evaluate(
     top_p: float = 0.7,
     max_tokens: int = 20480,
     max_prompt_length: int = 2048,
-    unique: bool = False,
 ) -> dict[str, float]:
-    """``unique``: score each distinct (prompt, answer) once with ``n`` samples. verl's AIME files
-    repeat every problem 32 times for avg@32 at n=1; ``--unique --n 32`` is the same estimate
-    without generating the repeats' prompts 32 times over."""
+    """Each distinct problem of ``data`` sampled ``n`` times, as validation during training does
+    (:func:`~nemo_dapo.trainer.assembly.load_data`): verl's AIME files repeat every problem 32
+    times for avg@32 at one sample per row, and ``n=32`` on the 30 problems is that estimate."""
     apply_loopback_env()
     from nemo_dapo.data import RLDataset
+    from nemo_dapo.data.duplicates import warn_if_copies_outnumber_samples
     from nemo_dapo.model.tokenizer import load_tokenizer
     from nemo_dapo.reward.manager import RewardManager
     from nemo_dapo.rollout.base import EngineSettings, SamplingSettings
@@ -55,18 +55,9 @@ def evaluate(
             response_budget,
         )
     tokenizer = load_tokenizer(model)
-    dataset = RLDataset(data, tokenizer, max_prompt_length=prompt_budget, truncation="left")
+    dataset = RLDataset(data, tokenizer, max_prompt_length=prompt_budget, truncation="left", drop_duplicates=True)
+    warn_if_copies_outnumber_samples(dataset.duplicates, n, "--n")
     items = [dataset[i] for i in range(len(dataset))]
-    if unique:
-        seen: set[tuple] = set()
-        kept = []
-        for item in items:
-            key = (tuple(item["prompt_ids"]), str(item["ground_truth"]))
-            if key not in seen:
-                seen.add(key)
-                kept.append(item)
-        items = kept
-        log.info("%d distinct problems of %d rows", len(items), len(dataset))
     engine = VLLMRolloutWorker(0, 1, "", EngineSettings(model, max_model_len=prompt_budget + response_budget))
     generations = engine.generate(
         [it["prompt_ids"] for it in items],

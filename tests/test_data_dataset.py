@@ -278,3 +278,92 @@ def test_dataloader_with_resumable_sampler(tmp_path, tokenizer):
     assert batch["ground_truth"] == ["0", "1", "2", "3"]
     assert batch["input_ids"].shape[0] == 4
     assert sampler.state_dict() == {"epoch": 1, "position": 0, "seed": 0}
+
+
+# ----------------------------------------------------------------- repeated problems
+def test_repeated_rows_are_counted_and_logged(tmp_path, tokenizer, caplog):
+    rows = [good_row("a?", "1"), good_row("b?", "2"), good_row("a?", "1"), good_row("c?", "3"), good_row("a?", "1")]
+    rows[2]["extra_info"] = {"index": 9}  # verl's copies differ in extra_info: still the same problem
+    path = write_parquet(tmp_path / "repeats.parquet", rows)
+    with caplog.at_level(logging.INFO, logger="nemo_dapo.data"):
+        dataset = RLDataset(path, tokenizer)
+    assert len(dataset) == 5 and [dataset[i]["index"] for i in range(5)] == [0, 1, 2, 3, 4]
+    assert (dataset.duplicates.distinct, dataset.duplicates.most_copies, dataset.duplicates.first_rows) == (
+        3,
+        3,
+        [0, 1, 3],
+    )
+    assert f"{path}: 5 rows hold 3 distinct problems (data_source, prompt and ground truth), one of them 3 times" in (
+        caplog.text
+    )
+    assert "every row kept" in caplog.text
+
+
+def test_files_without_repeats_log_nothing(tmp_path, tokenizer, caplog):
+    with caplog.at_level(logging.INFO, logger="nemo_dapo.data"):
+        RLDataset(write_jsonl(tmp_path / "distinct.jsonl", [good_row("a?"), good_row("b?")]), tokenizer)
+    assert "distinct problems" not in caplog.text
+
+
+def test_drop_duplicates_keeps_first_rows_and_their_indices(tmp_path, tokenizer):
+    questions = ["a?", "b?", "a?", "c?", "b?", "a?"]
+    path = write_jsonl(tmp_path / "six.jsonl", [good_row(q, q[0]) for q in questions])
+    every_row = RLDataset(path, tokenizer)
+    dataset = RLDataset(path, tokenizer, drop_duplicates=True)
+    assert [dataset[i]["index"] for i in range(len(dataset))] == [0, 1, 3]
+    assert [dataset[i]["prompt_ids"] for i in range(3)] == [every_row[row]["prompt_ids"] for row in (0, 1, 3)]
+    assert dataset.position_of(3) == 2 and dataset.row_id(2) == 3
+    with pytest.raises(DatasetError, match=r"row 2 of the data files is not in .* data\.drop_duplicate_prompts"):
+        dataset.position_of(2)
+    assert len(every_row) == 6  # the mutation: without dropping, every copy is a prompt
+
+
+def test_each_problem_is_tokenized_once_kept_or_dropped(tmp_path, tokenizer, monkeypatch):
+    rendered = []
+    real_template = tokenizer.apply_chat_template
+
+    def counting_template(messages, **kwargs):
+        rendered.append(messages[-1]["content"])
+        return real_template(messages, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", counting_template)
+    path = write_jsonl(tmp_path / "copies.jsonl", [good_row("a?"), good_row("b?")] * 50)
+    RLDataset(path, tokenizer, drop_duplicates=True)
+    assert rendered == ["a?", "b?"]
+    rendered.clear()
+    every_row = RLDataset(path, tokenizer)
+    assert rendered == ["a?", "b?"] and len(every_row) == 100
+    assert every_row[98]["prompt_ids"] == every_row[0]["prompt_ids"] != every_row[1]["prompt_ids"]
+
+
+def test_copies_of_an_overlong_prompt_are_all_filtered(tmp_path, tokenizer):
+    rows = [good_row("short?"), good_row("a much longer question " * 20)] * 2
+    dataset = RLDataset(write_jsonl(tmp_path / "long.jsonl", rows), tokenizer, 40, filter_overlong_prompts=True)
+    assert [dataset[i]["index"] for i in range(len(dataset))] == [0, 2]
+
+
+def test_same_prompt_with_another_answer_is_its_own_problem_and_warned(tmp_path, tokenizer, caplog):
+    rows = [good_row("q?", "2"), good_row("q?", "3"), good_row("q?", "2"), {**good_row("q?", "2"), "data_source": "x"}]
+    path = write_jsonl(tmp_path / "conflict.jsonl", rows)
+    with caplog.at_level(logging.INFO, logger="nemo_dapo.data"):
+        dataset = RLDataset(path, tokenizer, drop_duplicates=True)
+    assert [(dataset[i]["index"], dataset[i]["ground_truth"]) for i in range(len(dataset))] == [
+        (0, "2"),
+        (1, "3"),
+        (3, "2"),  # another data source: its own problem
+    ]
+    warning = next(r for r in caplog.records if r.levelno == logging.WARNING).getMessage()
+    assert f"1 prompts appear with more than one ground truth (the first: {path} row 0 (line 1) and {path} row 1" in (
+        warning
+    )
+
+
+def test_aime_files_fold_into_their_distinct_problems(tokenizer):
+    records = read_records([AIME_2024, AIME_2025])
+    first_rows: dict[tuple, int] = {}
+    for row, record in enumerate(records):
+        key = (record.data_source, record.messages[-1]["content"], record.ground_truth)
+        first_rows.setdefault(key, row)
+    dataset = RLDataset([AIME_2024, AIME_2025], tokenizer, max_prompt_length=4096, drop_duplicates=True)
+    assert len(dataset) == 60 and dataset.duplicates.most_copies == 32
+    assert [dataset[i]["index"] for i in range(60)] == sorted(first_rows.values())

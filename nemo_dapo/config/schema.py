@@ -56,6 +56,15 @@ class DataConfig:
         help="Drop prompts longer than max_prompt_length when the data "
         "loads (counted in the log) instead of truncating them.",
     )
+    drop_duplicate_prompts: bool = setting(
+        False,
+        help="Train on the first row of each repeated problem only (same data_source, prompt and ground "
+        "truth; kept rows keep their row index); the log counts the repeats either way. false trains on "
+        "the files as shipped: DAPO-Math-17k holds ~17.9k problems ~100 times each (1.79M rows), as the "
+        "DAPO paper trained; true keeps ~1/100 of its rows, so an epoch (trainer.total_epochs) is ~100x "
+        "fewer steps. Changing it on a resume changes which prompts are drawn. Validation files are "
+        "always folded: one row per problem, sampled rollout.val.n times.",
+    )
     shuffle: bool = setting(
         True, help="Shuffle the prompts every epoch (resumable: the order is a function of seed and epoch)."
     )

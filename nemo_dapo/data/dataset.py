@@ -1,7 +1,8 @@
 """The RL prompt dataset: validated rows, chat-templated and tokenized once up front.
 
 Tokenizing everything at construction lets over-long prompts be filtered (and
-counted) before training starts, and makes ``__getitem__`` a cheap lookup.
+counted) before training starts, and makes ``__getitem__`` a cheap lookup. Repeated
+problems are found first, so that each is tokenized once, however many rows repeat it.
 """
 
 import logging
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_dapo.data.collate import collate_prompts
+from nemo_dapo.data.duplicates import find_duplicates, report_duplicates
 from nemo_dapo.data.records import DatasetError, PromptRecord, read_records
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,11 @@ class RLDataset:
     (before filtering), so it identifies the row across runs. ``extra_info.index``
     is not used for this: in the verl evaluation files it is repeated across
     the copies of a problem.
+
+    Each distinct problem (:mod:`nemo_dapo.data.duplicates`) is templated and
+    tokenized once, its copies sharing the ids: DAPO-Math-17k repeats ~17.9k
+    problems in 1.79M rows. ``drop_duplicates`` keeps the first row of each
+    problem only; ``duplicates`` tells what repeats in the files either way.
     """
 
     def __init__(
@@ -69,6 +76,7 @@ class RLDataset:
         max_prompt_length: int = 1024,
         truncation: str = "left",
         filter_overlong_prompts: bool = False,
+        drop_duplicates: bool = False,
     ):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation={truncation!r}; expected one of {TRUNCATION_MODES}")
@@ -77,21 +85,26 @@ class RLDataset:
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         records = read_records(files)
-        all_prompt_ids = encode_prompts(tokenizer, records)
-        row_ids = list(range(len(records)))
+        self.duplicates = find_duplicates(records)
+        report_duplicates(self.duplicates, files, dropped=drop_duplicates)
+        first_rows, first_row_of = self.duplicates.first_rows, self.duplicates.first_row_of
+        encoded = dict(zip(first_rows, encode_prompts(tokenizer, [records[row] for row in first_rows])))
+        row_ids = list(first_rows) if drop_duplicates else list(range(len(records)))
         if filter_overlong_prompts:
-            row_ids = self._drop_overlong(row_ids, all_prompt_ids, files)
+            row_ids = self._drop_overlong(row_ids, [len(encoded[first_row_of[row]]) for row in row_ids], files)
+        fitted = {  # kept problems in file order: truncation='error' names the first row too long
+            first: truncate_prompt(encoded[first], max_prompt_length, truncation, records[first].location)
+            for first in dict.fromkeys(first_row_of[row] for row in row_ids)
+        }
         self._records = [records[row] for row in row_ids]
         self._row_ids = row_ids
         self._positions: dict[int, int] | None = None  # row id -> position, built when first asked
-        self._prompt_ids = [
-            truncate_prompt(all_prompt_ids[row], max_prompt_length, truncation, records[row].location)
-            for row in row_ids
-        ]
+        self._prompt_ids = [fitted[first_row_of[row]] for row in row_ids]  # copies share one list
 
-    def _drop_overlong(self, row_ids: list[int], all_prompt_ids: list[list[int]], files: object) -> list[int]:
-        """Keep rows whose prompt fits; log the count so silent data loss cannot happen."""
-        kept = [row for row in row_ids if len(all_prompt_ids[row]) <= self.max_prompt_length]
+    def _drop_overlong(self, row_ids: list[int], lengths: list[int], files: object) -> list[int]:
+        """Keep rows whose prompt (``lengths``: tokens of each) fits; log the count so silent data
+        loss cannot happen."""
+        kept = [row for row, length in zip(row_ids, lengths) if length <= self.max_prompt_length]
         logger.log(
             logging.INFO if len(kept) < len(row_ids) else logging.DEBUG,
             "Dropped %d of %d prompts longer than max_prompt_length=%d tokens from %s",
@@ -118,8 +131,8 @@ class RLDataset:
             self._positions = {row: position for position, row in enumerate(self._row_ids)}
         if row_id not in self._positions:
             raise DatasetError(
-                f"row {row_id} of the data files is not in this dataset ({len(self)} prompts): the files or "
-                "data.max_prompt_length changed since it was drawn"
+                f"row {row_id} of the data files is not in this dataset ({len(self)} prompts): the files, "
+                "data.max_prompt_length or data.drop_duplicate_prompts changed since it was drawn"
             )
         return self._positions[row_id]
 

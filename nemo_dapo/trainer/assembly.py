@@ -256,23 +256,31 @@ class RunData:
 
 
 def load_data(cfg: Config) -> RunData:
-    """The tokenizer and the training / held-out prompts (rows checked, overlong prompts dropped)."""
+    """The tokenizer and the training / held-out prompts (rows checked, overlong prompts dropped).
+
+    The held-out set holds each distinct problem once, sampled ``rollout.val.n`` times: mean@n and
+    pass@k average over problems, however many copies of one the files hold. The training set
+    drops its copies only with ``data.drop_duplicate_prompts``."""
     from nemo_dapo.data import RLDataset
+    from nemo_dapo.data.duplicates import warn_if_copies_outnumber_samples
     from nemo_dapo.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model.path)
 
-    def dataset(files: list[str]) -> RLDataset:
+    def dataset(files: list[str], drop_duplicates: bool) -> RLDataset:
         return RLDataset(
             files,
             tokenizer,
             max_prompt_length=cfg.data.max_prompt_length,
             truncation=cfg.data.truncation,
             filter_overlong_prompts=cfg.data.filter_overlong_prompts,
+            drop_duplicates=drop_duplicates,
         )
 
-    val = dataset(cfg.data.val_files) if cfg.data.val_files else None
-    return RunData(tokenizer, dataset(cfg.data.train_files), val)
+    val = dataset(cfg.data.val_files, drop_duplicates=True) if cfg.data.val_files else None
+    if val is not None:
+        warn_if_copies_outnumber_samples(val.duplicates, cfg.rollout.val.n, "rollout.val.n")
+    return RunData(tokenizer, dataset(cfg.data.train_files, cfg.data.drop_duplicate_prompts), val)
 
 
 def reward_manager(cfg: Config) -> RewardManager:

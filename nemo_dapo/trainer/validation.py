@@ -27,7 +27,7 @@ def accuracy_metrics(
     accs: Sequence[bool], data_sources: Sequence[str], uids: Sequence, n: int, family: mn.Metric = mn.VAL_ACC
 ) -> dict[str, float]:
     """``val-core/<source>/acc/mean@n`` (or ``eval/...``: ``family``) and ``val-aux/<source>/pass@k``
-    for k = 1, 2, 4, ... <= n."""
+    for k = 1, 2, 4, ... <= n, each the mean over the groups ``uids`` forms (one per problem)."""
     metrics: dict[str, float] = {}
     by_source: dict[str, list[list[bool]]] = {}
     for rows in group_rows(uids).values():
@@ -58,8 +58,9 @@ def train_sampling(cfg: Config) -> SamplingSettings:
 def validation_metrics(
     rollout, val_data, cfg: Config, tokenizer, reward, weight_version: int, stop: Callable[[], bool] | None = None
 ) -> dict[str, float]:
-    """Every held-out prompt ``rollout.val.n`` times (greedy unless ``rollout.val.do_sample``),
-    scored: the ``val-core`` / ``val-aux`` metrics of :func:`accuracy_metrics`. ``stop``: see
+    """Every held-out problem ``rollout.val.n`` times (greedy unless ``rollout.val.do_sample``),
+    scored: the ``val-core`` / ``val-aux`` metrics of :func:`accuracy_metrics`, over distinct
+    problems (``val_data`` holds one row per problem: :func:`~nemo_dapo.trainer.assembly.load_data`). ``stop``: see
     :meth:`~nemo_dapo.cluster.groups.RolloutGroup.generate`."""
     val = cfg.rollout.val
     items = [val_data[i] for i in range(len(val_data))]
