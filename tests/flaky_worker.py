@@ -1,6 +1,8 @@
 """Failures for the driver's handling of them, importable by Ray's worker processes (pytest
 imports test modules under names they cannot): a worker that sleeps or dies
-(tests/test_remote_calls.py), an engine whose step fails (tests/test_engine_recovery.py)."""
+(tests/test_remote_calls.py), an engine whose step fails (tests/test_engine_recovery.py), an
+engine that fails while it receives weights (tests/test_engine_recovery.py,
+tests/test_cluster_loopback.py), and the driver-side timer of such a failure."""
 
 import os
 
@@ -39,3 +41,48 @@ def break_engine(actor) -> None:
     import ray
 
     ray.get(actor.__ray_call__.remote(lambda w: w.llm.collective_rpc(break_forward)))
+
+
+def fail_second_bucket(worker, rank: int) -> None:
+    """Worker ``rank`` of an engine raises at the second bucket it loads over the collective
+    weight path (an error while loading, its process alive: the receive fails mid-round)."""
+    if worker.rank != rank:
+        return
+    model = worker.weight_transfer_engine.model
+    load, loaded = model.load_weights, []
+
+    def fails_at_the_second(bucket):
+        loaded.append(len(bucket))
+        if len(loaded) == 2:
+            raise RuntimeError("loading a weight bucket failed (injected)")
+        return load(bucket)
+
+    model.load_weights = fails_at_the_second
+
+
+def break_receiving(actor, rank: int = 0) -> None:
+    """Make worker ``rank`` of a rollout worker's engine fail at the second bucket of its next
+    collective weight sync."""
+    import ray
+
+    ray.get(actor.__ray_call__.remote(lambda w: w.llm.collective_rpc(fail_second_bucket, args=(rank,))))
+
+
+def seconds_to_failure(rollout, sync, version: int) -> float:
+    """Run ``sync(version)``, which is to fail; the seconds until the driver had the engines'
+    failures in hand (its first call to replace them), without the replacements' start."""
+    import time
+
+    replace_failed, failed_at = rollout.replace_failed, []
+
+    def noting_when(*args, **kwargs):
+        failed_at.append(time.monotonic())
+        return replace_failed(*args, **kwargs)
+
+    rollout.replace_failed = noting_when
+    started = time.monotonic()
+    try:
+        sync(version)
+    finally:
+        del rollout.replace_failed
+    return failed_at[0] - started

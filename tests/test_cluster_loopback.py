@@ -1,14 +1,18 @@
 """Ray worker groups on loopback: calls fan out in rank order, DP ranks agree, nothing listens off loopback."""
 
+import os
+
 import pytest
 import torch
 
 from nemo_dapo.cluster.weight_sync import CollectiveSync
+from nemo_dapo.cluster.worker_group import Deadline
 from nemo_dapo.config.schema_actor import OptimConfig
 from nemo_dapo.digest import digest_files
 from nemo_dapo.policy.base import LossSettings, WorkerSettings
 from nemo_dapo.rollout.base import EngineSettings, RolloutWorker, SamplingSettings
 from nemo_dapo.trainer.batching import build_rollout_batch
+from tests.flaky_worker import break_receiving, seconds_to_failure
 from tests.listeners import is_loopback, our_listeners
 
 
@@ -122,8 +126,9 @@ def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(local_ray, tiny_mo
 
 def test_a_tp2_engine_takes_the_streamed_weights(local_ray, tiny_model_dir, tiny_tokenizer):
     """A TP=2 engine runs its ranks in processes of their own, so every bucket of a weight sync
-    crosses vLLM's executor: after the sync it samples from the updated policy, each token's
-    log-prob the policy's own."""
+    crosses vLLM's executor (object store) or reaches each rank from the sender itself (gloo):
+    after the sync it samples from the updated policy, each token's log-prob the policy's own. A
+    rank that fails mid-receive ends the round at once and the engine is replaced."""
     import ray
 
     rollout = rollout_group(tiny_model_dir, tp=2)
@@ -147,13 +152,34 @@ def test_a_tp2_engine_takes_the_streamed_weights(local_ray, tiny_model_dir, tiny
     assert gap() > 1e-3  # the engine still samples from the weights before the update
     rollout.update_weights(policy.export_weights(1 << 14), version=1)
     assert gap() < 1e-4
-    # the collective path: policy rank 0 broadcasts to both engine workers, nothing through the driver
+    # the collective path: policy rank 0 broadcasts to both engine workers, each at its own rank in
+    # the group (nothing over the engine's own group, nothing through the driver)
     policy.update(batch, LossSettings(), prompts_per_mini_batch=2, ppo_epochs=1)
     assert gap() > 1e-3
+    rollout.workers.call_deadline = Deadline(60, "rollout.timeout_s")  # the gloo groups' timeout too
     sync = CollectiveSync(policy, rollout, bucket_bytes=1 << 14)
     sync(version=2)
     assert gap() < 1e-4 and rollout.workers.call_all(RolloutWorker.weight_version) == [2]
     model_bytes = sum(t.numel() * t.element_size() for ref in policy.export_weights(1 << 30) for _, t in ray.get(ref))
     assert model_bytes <= sync.sent_bytes < model_bytes * 1.02  # each tensor once (its bytes, aligned)
+    # the engine's second worker fails loading its second bucket: the round ends within seconds
+    # (every party leaves its group), not at the groups' timeout; the engine is replaced, takes
+    # the weights through the object store, and the next sync builds groups with it
+    rollout.max_restarts = 1
+    rollout.set_weight_source(lambda: (policy.export_weights(1 << 14), 2))
+    pid = engine_pid(rollout)
+    break_receiving(rollout.workers.workers[0], rank=1)
+    assert seconds_to_failure(rollout, sync, version=2) < 15
+    assert rollout.restarts == 1 and engine_pid(rollout) != pid
+    assert gap() < 1e-4
+    policy.update(batch, LossSettings(), prompts_per_mini_batch=2, ppo_epochs=1)
+    sync(version=3)
+    assert gap() < 1e-4 and rollout.workers.call_all(RolloutWorker.weight_version) == [3]
     rollout.workers.shutdown()
     policy.workers.shutdown()
+
+
+def engine_pid(rollout) -> int:
+    import ray
+
+    return ray.get(rollout.workers.workers[0].__ray_call__.remote(lambda _: os.getpid()))

@@ -1,8 +1,8 @@
-"""A rollout engine that dies (SIGKILL) or stops answering (SIGSTOP) while generating, or stops
-taking weights during a weight sync, is replaced on its slot, given the policy's current weights,
-and its prompts are generated again (the sync trainer) or sent again to the replacement (the
-streaming trainer). An engine that fails
-inside its live actor (an error in its step) counts as dead. A stream goes on whatever replaced
+"""A rollout engine that dies (SIGKILL) or stops answering (SIGSTOP) while generating, stops
+taking weights during a weight sync, or fails while it receives them over gloo is replaced on
+its slot, given the policy's current weights, and its prompts are generated again (the sync
+trainer) or sent again to the replacement (the streaming trainer). An engine that fails inside
+its live actor (an error in its step) counts as dead. A stream goes on whatever replaced
 an engine (a weight sync, validation, a failed warm-up), and replaces a hung one within its own
 deadline (derived from the engines' step times), not the group's. One failure past
 ``rollout.max_restarts`` stops with the engine, the call and the logs named. Real Ray actors,
@@ -19,7 +19,7 @@ from nemo_dapo.config.schema_actor import OptimConfig
 from nemo_dapo.policy.base import LossSettings, WorkerSettings
 from nemo_dapo.rollout.base import EngineSettings, SamplingSettings
 from nemo_dapo.trainer.batching import build_rollout_batch
-from tests.flaky_worker import break_engine
+from tests.flaky_worker import break_engine, break_receiving, seconds_to_failure
 
 pytestmark = [pytest.mark.slow, pytest.mark.quiet]  # 6-second call deadlines
 GREEDY = SamplingSettings(n=1, temperature=0.0, max_tokens=12)
@@ -194,20 +194,29 @@ def test_a_stream_goes_on_whenever_and_however_an_engine_fails(groups, stream, t
 
 
 def test_a_broken_collective_sync_replaces_its_engines_for_one_restart(groups, tiny_tokenizer):
-    """Over gloo an engine that dies (SIGKILL) breaks the broadcast for all: every engine that was
-    receiving holds half-reloaded weights and is replaced, for one restart; the replacements warm
-    up through the object store, and the next sync builds new groups with them."""
+    """Over gloo an engine that fails mid-receive (an error loading its second bucket, its process
+    alive) breaks the broadcast for all: it leaves its groups, the sender's broadcast fails and the
+    sender leaves too, so the round ends within seconds, far inside the groups' 60-second timeout
+    (before, the senders waited it out). Every engine that was receiving holds half-reloaded
+    weights and is replaced, for one restart; the replacements warm up through the object store,
+    and the next sync builds new groups with them."""
     from nemo_dapo.cluster.weight_sync import CollectiveSync
+    from nemo_dapo.cluster.worker_group import Deadline
 
     policy, rollout = groups
     ids = prompt_ids(tiny_tokenizer)
     current = rollout.generate(ids, GREEDY)
-    sync = CollectiveSync(policy, rollout, bucket_bytes=1 << 16)
-    sync(version=1)  # builds the groups
-    assert rollout.restarts == 9 and sync.sent_bytes > 0
-    pids = [engine_pid(rollout, 0), engine_pid(rollout, 1)]
-    os.kill(pids[1], signal.SIGKILL)
-    sync(version=1)
+    group_deadline = rollout.workers.call_deadline
+    rollout.workers.call_deadline = Deadline(60, "rollout.timeout_s")  # the gloo groups' timeout too
+    try:
+        sync = CollectiveSync(policy, rollout, bucket_bytes=1 << 16)
+        sync(version=1)  # builds the groups
+        assert rollout.restarts == 9 and sync.sent_bytes > 0
+        pids = [engine_pid(rollout, 0), engine_pid(rollout, 1)]
+        break_receiving(rollout.workers.workers[1])
+        assert seconds_to_failure(rollout, sync, version=1) < 15
+    finally:
+        rollout.workers.call_deadline = group_deadline
     assert rollout.restarts == 10 and sync.sent_bytes == 0
     assert engine_pid(rollout, 0) != pids[0] and engine_pid(rollout, 1) != pids[1]
     assert_same(rollout.generate(ids, GREEDY), current)

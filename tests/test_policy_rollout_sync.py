@@ -21,7 +21,10 @@ def engines(tiny_model_dir):
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
     compiled_before = counters["frames"]["total"]
-    engine = VLLMRolloutWorker(0, 1, "", EngineSettings(str(tiny_model_dir), max_model_len=128))
+    # built for vLLM's nccl weight transfer, which nothing here calls (it needs CUDA): the weights
+    # below take the object-store path, which works whatever backend the engine was built for
+    settings = EngineSettings(str(tiny_model_dir), max_model_len=128, weight_transfer="nccl")
+    engine = VLLMRolloutWorker(0, 1, "", settings)
     engine.compiled_frames = counters["frames"]["total"] - compiled_before  # its start returned log-probs
     policy = TorchPolicyWorker(0, 1, "", WorkerSettings(str(tiny_model_dir), OptimConfig(lr=1e-2, warmup_steps=0)))
     return engine, policy
@@ -74,6 +77,16 @@ def test_engines_run_eagerly_on_cpu_and_with_cuda_graphs_on_gpus_unless_told(eng
     assert runs_eagerly(True, on_cpu=False) and not runs_eagerly(False, on_cpu=True)
     # an eager CPU engine compiles nothing, not even the sampler's rank function (1.6-3 s a start)
     assert engines[0].compiled_frames == 0
+
+
+def test_an_engine_built_for_nccl_holds_vllms_nccl_engine_in_its_worker(engines):
+    """rollout.weight_transfer=nccl gives vLLM weight_transfer_config={"backend": "nccl"}: every
+    worker builds vLLM's own NCCLWeightTransferEngine, which the driver's groups then join."""
+    engine, _ = engines
+    assert engine.weight_transfer_setup() == ("nccl", 1)
+    assert engine.llm.collective_rpc(lambda worker: type(worker.weight_transfer_engine).__name__) == [
+        "NCCLWeightTransferEngine"
+    ]
 
 
 def test_logprobs_match_before_and_after_weight_update(engines, tiny_tokenizer):

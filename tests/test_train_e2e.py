@@ -153,7 +153,7 @@ def test_dapo_run_learns_and_writes_everything(workdir):
     assert AutoTokenizer.from_pretrained(workdir / "hf20").encode("Answer: 42")
     model = AutoModelForCausalLM.from_pretrained(workdir / "hf20", dtype=torch.float32)
     assert model.num_parameters() > 0
-    # every step's weights went to the engine over gloo (the default), each tensor once: the
+    # every step's weights went to the engine over gloo (auto, on CPUs), each tensor once: the
     # model's fp32 bytes, tied embeddings under both names, each tensor aligned as on the wire
     from nemo_dapo.transfer.wire import ALIGN
 

@@ -190,7 +190,7 @@ WEIGHT_SYNC_MB = metric(
     "perf/weight_sync_mb",
     Reduce.MEAN,
     "MiB the exporting training ranks broadcast to the engines in the step's weight sync "
-    "(rollout.weight_transfer=gloo; each engine receives it once)",
+    "(rollout.weight_transfer gloo or nccl; every worker of every engine receives all of it)",
 )
 RANK_INPUT_MB = metric(
     "perf/rank_input_mb/{call}",

@@ -1,12 +1,13 @@
 """The driver's side of a weight sync: which path, and what a failure costs (docs/architecture.md, Weight sync).
 
-``gloo``: the exporting training ranks broadcast their buckets straight to each engine's first worker
-(:mod:`~nemo_dapo.transfer.gloo`, vLLM's weight-transfer API); the driver only makes the calls
-and moves no tensor. The groups are built at the first sync and again whenever the engines
-change (one was replaced). An engine that fails during a sync, or whose transfer broke because
-another did, has half its layers reloaded: all of them are replaced, for one restart of
-``rollout.max_restarts`` (one failure took them down), and warm up through the object store, as
-any replaced engine does.
+The collective paths (``gloo``; ``nccl``, not yet run): the exporting training ranks send their
+buckets straight to every worker of every engine through vLLM's weight-transfer API; the driver
+only makes the calls and moves no tensor. The groups are built at the first sync and again
+whenever the engines change (one was replaced). An engine that fails during a sync, or whose
+transfer broke because another did, has half its layers reloaded: all of them are replaced, for
+one restart of ``rollout.max_restarts`` (one failure took them down), and warm up through the
+object store, as any replaced engine does. Over gloo a failed receiver or sender leaves its
+groups at once, so the others fail within moments, not at gloo's timeout.
 
 ``object_store``: buckets through Ray's object store and a bounded queue per engine
 (:meth:`RolloutGroup.update_weights`).
@@ -20,6 +21,7 @@ from nemo_dapo.cluster.groups import PolicyGroup, RolloutGroup
 from nemo_dapo.errors import RemoteCallError
 from nemo_dapo.policy.base import PolicyWorker
 from nemo_dapo.rollout.base import RolloutWorker
+from nemo_dapo.transfer import members
 
 log = logging.getLogger(__name__)
 GLOO_DEFAULT_TIMEOUT_S = 1800.0  # gloo's own default, where the engines' calls have no deadline
@@ -35,9 +37,11 @@ class ObjectStoreSync:
 
 
 class CollectiveSync(ObjectStoreSync):
-    def __init__(self, policy: PolicyGroup, rollout: RolloutGroup, bucket_bytes: int) -> None:
+    def __init__(self, policy: PolicyGroup, rollout: RolloutGroup, bucket_bytes: int, backend: str = "gloo") -> None:
         super().__init__(policy, rollout, bucket_bytes)
+        self.backend = backend
         self._members: tuple | None = None  # the engines the groups were built with
+        self._endpoints: list[dict] = []  # the exporting ranks', in stage order
 
     def __call__(self, version: int) -> None:
         if self._members != self._engines() and not self._connect():
@@ -45,7 +49,8 @@ class CollectiveSync(ObjectStoreSync):
             return
         engines = self.rollout.workers
         ranks = list(range(engines.world_size))
-        receiving = [worker.receive_collective.remote(version) for worker in engines.workers]
+        update = members.update_info(self.backend, self._endpoints, version)
+        receiving = [worker.receive_collective.remote(version, update) for worker in engines.workers]
         reports = self.policy.workers.call_all(PolicyWorker.send_weights, self.bucket_bytes)
         self.sent_bytes = sum(report["sent_bytes"] for report in reports)
         errors = [report["error"] for report in reports if report["error"]]
@@ -61,27 +66,24 @@ class CollectiveSync(ObjectStoreSync):
         return tuple(self.rollout.workers.restarts)
 
     def _connect(self) -> bool:
-        """Build the groups: each exporting rank serves a rendezvous, each engine's first worker
-        joins every one (engine e at rank e + 1). False if an engine failed to join: it was
-        replaced (one restart for all that failed), the senders left."""
+        """Build the groups: each exporting rank opens an endpoint, every worker of every engine
+        joins each one at its own rank (:mod:`~nemo_dapo.transfer.members`). False if an engine
+        failed to join: it was replaced (one restart for all that failed), the senders left."""
         self._disconnect()
         engines = self.rollout.workers
-        built = engines.call_all(RolloutWorker.weight_transfer_backend)
-        if any(backend != "gloo" for backend in built):  # they would never join: the senders would wait
-            raise RuntimeError(f"rollout.weight_transfer=gloo, but the engines were built for {built}")
-        rendezvous = [url for url in self.policy.workers.call_all(PolicyWorker.open_weight_transfer) if url]
-        world_size = 1 + engines.world_size
+        setups = engines.call_all(RolloutWorker.weight_transfer_setup)
+        built = [backend for backend, _ in setups]
+        if any(backend != self.backend for backend in built):  # they would never join: the senders would wait
+            raise RuntimeError(f"rollout.weight_transfer={self.backend}, but the engines were built for {built}")
+        offsets, world_size = members.rank_offsets([workers for _, workers in setups])
+        opened = self.policy.workers.call_all(PolicyWorker.open_weight_transfer, self.backend, self.bucket_bytes)
+        self._endpoints = [endpoint for endpoint in opened if endpoint]
         timeout_s = engines.call_deadline.seconds or GLOO_DEFAULT_TIMEOUT_S
         joining = [
             worker.init_weight_transfer.remote(
-                {
-                    "rendezvous": rendezvous,
-                    "rank_offset": 1 + rank,
-                    "world_size": world_size,
-                    "timeout_s": timeout_s,
-                }
+                members.engine_init_info(self.backend, self._endpoints, offset, world_size, timeout_s)
             )
-            for rank, worker in enumerate(engines.workers)
+            for offset, worker in zip(offsets, engines.workers)
         ]
         errors = [
             e for e in self.policy.workers.call_all(PolicyWorker.join_weight_transfer, world_size, timeout_s) if e
@@ -106,5 +108,7 @@ class CollectiveSync(ObjectStoreSync):
 
 
 def weight_sync(path: str, policy: PolicyGroup, rollout: RolloutGroup, bucket_bytes: int) -> ObjectStoreSync:
-    """The sync ``rollout.weight_transfer`` names."""
-    return (CollectiveSync if path == "gloo" else ObjectStoreSync)(policy, rollout, bucket_bytes)
+    """The sync ``rollout.weight_transfer`` names (made concrete when the config loaded)."""
+    if path == "object_store":
+        return ObjectStoreSync(policy, rollout, bucket_bytes)
+    return CollectiveSync(policy, rollout, bucket_bytes, backend=path)

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from nemo_dapo.config.schema import Config
-from nemo_dapo.config.topology import cluster_gpus
+from nemo_dapo.config.topology import cluster_gpus, weight_transfer_path
 from nemo_dapo.config.validate import ConfigError, validate
 
 DEFAULT_PRESET = "tiny_cpu"
@@ -103,7 +103,8 @@ EAGER_MAX_SEQUENCE = 512
 
 def resolve_auto(cfg: Config) -> Config:
     """The settings whose ``auto`` depends on the machine or the run, made concrete."""
-    return resolve_auto_engines(resolve_auto_prompt_sharing(resolve_auto_attention(resolve_auto_dtype(cfg))))
+    cfg = resolve_auto_engines(resolve_auto_prompt_sharing(resolve_auto_attention(resolve_auto_dtype(cfg))))
+    return replace(cfg, rollout=replace(cfg.rollout, weight_transfer=weight_transfer_path(cfg)))
 
 
 def resolve_auto_engines(cfg: Config) -> Config:

@@ -148,13 +148,16 @@ class RolloutConfig:
         "Either way a sample keeps its tokens, log-probs and remaining budget.",
     )
     weight_transfer: str = setting(
-        "gloo",
-        choices=("gloo", "object_store"),
-        help="How the weights reach the engines after each update. gloo: the training ranks that "
-        "export them (one per pipeline stage) broadcast straight to each engine (its first worker passes "
-        "them on to the others) through "
-        "vLLM's weight-transfer API, nothing through the driver; object_store: buckets through "
-        "Ray's object store, a queue per engine (docs/architecture.md, Weight sync).",
+        "auto",
+        choices=("auto", "gloo", "nccl", "ipc", "object_store"),
+        help="How the weights reach the engines after each update (docs/architecture.md, Weight sync). "
+        "gloo: the training ranks that export them (one per pipeline stage) broadcast straight to every "
+        "worker of every engine through vLLM's weight-transfer API, through host memory, nothing through "
+        "the driver; nccl: vLLM's own nccl backend, GPU to GPU, for engines on GPUs of their own and one "
+        "exporting rank (no pipeline stages): NOT YET RUN on a GPU; ipc: vLLM's CUDA-IPC backend, refused "
+        "(it needs every training rank to hold every weight whole on its GPU, and ours hold shards); "
+        "object_store: buckets through Ray's object store, a queue per engine. auto: nccl where it "
+        "applies on GPUs, gloo otherwise (CPUs, colocated engines, pipeline stages).",
     )
     max_restarts: int = setting(
         3,

@@ -109,6 +109,23 @@ def is_colocated(cfg: Config) -> bool:
     return cfg.trainer.colocate and cfg.trainer.n_gpus_per_node > 0
 
 
+def exporting_ranks(cfg: Config) -> int:
+    """Training ranks that send the weights to the engines: one per pipeline stage."""
+    return Parallelism.of_config(cfg).pipeline
+
+
+def weight_transfer_path(cfg: Config) -> str:
+    """``rollout.weight_transfer`` made concrete: as given, or for ``auto`` vLLM's nccl backend
+    where the engines have GPUs of their own and one rank exports, gloo anywhere else (CPUs; a
+    colocated engine shares its GPU with a training rank, which one NCCL group cannot hold twice;
+    nccl's engines join one sender, pipeline stages export one each)."""
+    path = cfg.rollout.weight_transfer
+    if path != "auto":
+        return path
+    on_gpus = cfg.trainer.n_gpus_per_node > 0
+    return "nccl" if on_gpus and not is_colocated(cfg) and exporting_ranks(cfg) == 1 else "gloo"
+
+
 def prompts_per_round(cfg: Config) -> int:
     """Prompts one generation round draws: gen_batch_size under dynamic sampling, else train_batch_size."""
     return cfg.data.effective_gen_batch_size if cfg.algorithm.filter_groups.enable else cfg.data.train_batch_size

@@ -15,6 +15,7 @@ from nemo_dapo.config.topology import (
     cluster_gpus,
     engine_gpus,
     expert_groups_across_nodes,
+    exporting_ranks,
     is_colocated,
     needs_reference,
     policy_groups,
@@ -231,6 +232,36 @@ def _check_data_and_rollout(cfg: Config, problems: Problems) -> None:
     )
 
 
+def _check_weight_transfer(cfg: Config, problems: Problems) -> None:
+    """The CUDA paths where they cannot work (docs/architecture.md, Weight sync)."""
+    key, path = "rollout.weight_transfer", cfg.rollout.weight_transfer
+    problems.require(
+        path != "ipc",
+        key,
+        path,
+        "vLLM's ipc backend needs every training rank to hold every weight whole on its own GPU (an "
+        "FSDP-style source); our ranks hold tensor- and pipeline-parallel shards and one rank per stage "
+        "exports: use nccl (engines on GPUs of their own) or gloo (colocated)",
+    )
+    if path != "nccl":
+        return
+    problems.require(cfg.trainer.n_gpus_per_node > 0, key, path, "NCCL moves CUDA tensors: on CPUs use gloo (or auto)")
+    problems.require(
+        not is_colocated(cfg),
+        key,
+        path,
+        "the engines share the training ranks' GPUs (trainer.colocate=true), and one NCCL group cannot hold "
+        "two ranks of one GPU: use gloo (or auto)",
+    )
+    problems.require(
+        exporting_ranks(cfg) == 1,
+        key,
+        path,
+        f"{exporting_ranks(cfg)} pipeline stages export the weights, one sender each, and vLLM's nccl engines "
+        "join one sender (actor.megatron.pipeline_model_parallel_size=1 for nccl): use gloo (or auto)",
+    )
+
+
 def _check_reward_and_trainer(cfg: Config, problems: Problems) -> None:
     buffer = cfg.reward.overlong_buffer
     if buffer.enable:
@@ -302,6 +333,7 @@ def validate(cfg: Config, placement: bool = True) -> Config:
         _check_choices,
         _check_bounds,
         _check_data_and_rollout,
+        _check_weight_transfer,
         _check_algorithm,
         _check_actor,
         check_megatron,

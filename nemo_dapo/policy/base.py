@@ -143,8 +143,9 @@ class PolicyWorker(Protocol):
         """
         ...
 
-    def open_weight_transfer(self) -> str | None:
-        """An exporting rank's rendezvous address for the engines (None on the other ranks)."""
+    def open_weight_transfer(self, backend: str, bucket_bytes: int) -> dict | None:
+        """An exporting rank's endpoint for the engines on the collective path ``backend`` (None
+        on the other ranks); collective where the backend declares the tensors first (nccl)."""
         ...
 
     def join_weight_transfer(self, world_size: int, timeout_s: float) -> str | None:
@@ -152,7 +153,7 @@ class PolicyWorker(Protocol):
         ...
 
     def send_weights(self, bucket_bytes: int) -> dict:
-        """Broadcast this rank's export to the engines (collective); ``sent_bytes`` and ``error``."""
+        """Send this rank's export to the engines (collective); ``sent_bytes`` and ``error``."""
         ...
 
     def close_weight_transfer(self) -> None: ...

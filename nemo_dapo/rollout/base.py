@@ -17,8 +17,9 @@ class EngineSettings:
     colocated TP > 1 engine. ``num_threads`` / ``workers_per_node``: its CPU threads, or its share
     of the node's cores. ``return_routing``: every sample carries the experts its tokens were
     routed to (MoE routing replay r3, docs/moe.md). ``enforce_eager``: None picks per platform.
-    ``weight_transfer``: ``gloo`` builds vLLM's weight-transfer engine of that backend in every
-    worker (docs/architecture.md, Weight sync), ``object_store`` none (that path works either way)."""
+    ``weight_transfer``: ``gloo`` or ``nccl`` builds vLLM's weight-transfer engine of that backend
+    in every worker (docs/architecture.md, Weight sync), ``object_store`` none (that path works
+    either way)."""
 
     model_path: str
     max_model_len: int
@@ -113,14 +114,16 @@ class RolloutWorker(Protocol):
 
     def weight_version(self) -> int: ...
 
-    def weight_transfer_backend(self) -> str:
-        """The collective backend vLLM built in the engine's workers (``object_store``: none)."""
+    def weight_transfer_setup(self) -> tuple[str, int]:
+        """The collective backend vLLM built in the engine's workers (``object_store``: none) and
+        how many of them join each transfer group."""
 
     def init_weight_transfer(self, init_info: dict) -> None:
         """Join the senders' transfer groups (docs/architecture.md, Weight sync)."""
 
-    def receive_collective(self, version: int) -> int:
-        """Take one round of weights over those groups; returns the engine's weight version."""
+    def receive_collective(self, version: int, update_info: dict) -> int:
+        """Take one round of weights over those groups (``update_info``: the backend's, for vLLM's
+        ``update_weights``); returns the engine's weight version."""
 
     def start_stream(self, max_inflight: int, kv_after_update: str) -> None:
         """Generate continuously from now on (``trainer.mode=stream``): groups run as they are

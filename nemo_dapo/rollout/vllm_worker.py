@@ -79,6 +79,13 @@ def engine_executor(requested: str | None, tensor_parallel_size: int) -> str | N
     return requested
 
 
+def weight_transfer_config(path: str) -> dict | None:
+    """vLLM's ``weight_transfer_config`` for ``rollout.weight_transfer``: the backend whose engine
+    every worker builds (``gloo`` is ours, registered by the worker extension; ``nccl`` vLLM's);
+    none for the object store, which reaches the workers through our worker extension."""
+    return None if path == "object_store" else {"backend": path}
+
+
 def fail_steps_as_engine(engine) -> None:
     """An error out of the engine's ``step()`` (the model's forward, the device, a dead TP worker,
     ``EngineDeadError``) leaves this actor alive with an engine that cannot go on: it is raised as
@@ -160,7 +167,7 @@ class VLLMRolloutWorker:
             distributed_executor_backend=executor,
             use_tqdm_on_load=verbose(),
             worker_extension_cls=WEIGHT_RECEIVER,
-            weight_transfer_config=None if e.weight_transfer == "object_store" else {"backend": e.weight_transfer},
+            weight_transfer_config=weight_transfer_config(e.weight_transfer),
             **({"enable_return_routed_experts": True} if native else {}),
         )
         fail_steps_as_engine(self.llm.llm_engine)
@@ -313,8 +320,10 @@ class VLLMRolloutWorker:
 
         return self.update_weights((ray.get(item[0]) for item in iter(queue.get, None)), version)
 
-    def weight_transfer_backend(self) -> str:
-        return self.weight_transfer
+    def weight_transfer_setup(self) -> tuple[str, int]:
+        """The collective backend vLLM built in this engine's workers (``object_store``: none) and
+        how many workers join each transfer group (every tensor-parallel rank, at its own rank)."""
+        return self.weight_transfer, self.llm.llm_engine.vllm_config.parallel_config.world_size
 
     def init_weight_transfer(self, init_info: dict) -> None:
         """Every worker joins the senders' groups (vLLM's ``init_weight_transfer_engine``); blocks
@@ -322,14 +331,15 @@ class VLLMRolloutWorker:
         with transfer_failures_fail_the_engine("joining the weight-transfer groups"):
             self.llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
 
-    def receive_collective(self, version: int) -> int:
-        """Take one round of weights over the transfer groups (vLLM's start, update and finish on
-        every worker), as :meth:`update_weights` takes buckets."""
+    def receive_collective(self, version: int, update_info: dict) -> int:
+        """Take one round of weights over the transfer groups (vLLM's start, update with the
+        backend's ``update_info``, and finish on every worker), as :meth:`update_weights` takes
+        buckets."""
 
         def load() -> None:
             with transfer_failures_fail_the_engine(f"receiving weight version {version}"):
                 self.llm.collective_rpc("start_weight_update")
-                self.llm.collective_rpc("update_weights", args=({"version": version},))
+                self.llm.collective_rpc("update_weights", args=(update_info,))
                 self.llm.collective_rpc("finish_weight_update")
 
         return self._reload(load, version)

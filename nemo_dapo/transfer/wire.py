@@ -53,24 +53,20 @@ def send_end(group: dist.ProcessGroup) -> None:
     broadcast(group, torch.zeros(2, dtype=torch.int64))
 
 
-def receive_buckets(group: dist.ProcessGroup, relay: dist.ProcessGroup | None = None) -> Iterator[Bucket]:
+def receive_buckets(group: dist.ProcessGroup) -> Iterator[Bucket]:
     """The buckets rank 0 of ``group`` sends, until its end mark. Each bucket's tensors are views
-    of one received buffer (the model's ``load_weights`` copies them into its parameters).
-    ``relay``: a group this process is rank 0 of, which gets every broadcast on (an engine's first
-    worker passing the buckets to its other workers, whose source ``group`` that is)."""
-
-    def take(tensor: torch.Tensor) -> torch.Tensor:
-        broadcast(group, tensor)
-        if relay is not None:
-            broadcast(relay, tensor)
-        return tensor
+    of one received buffer (the model's ``load_weights`` copies them into its parameters)."""
 
     while True:
-        header_bytes, payload_bytes = (int(s) for s in take(torch.empty(2, dtype=torch.int64)))
+        sizes = torch.empty(2, dtype=torch.int64)
+        broadcast(group, sizes)
+        header_bytes, payload_bytes = (int(s) for s in sizes)
         if header_bytes == 0:
             return
-        encoded = take(torch.empty(header_bytes, dtype=torch.uint8))
-        payload = take(torch.empty(payload_bytes, dtype=torch.uint8))
+        encoded = torch.empty(header_bytes, dtype=torch.uint8)
+        payload = torch.empty(payload_bytes, dtype=torch.uint8)
+        broadcast(group, encoded)
+        broadcast(group, payload)
         yield list(_unpack(json.loads(bytes(encoded.numpy())), payload))
 
 
