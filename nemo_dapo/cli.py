@@ -11,12 +11,13 @@ from importlib import import_module
 from nemo_dapo.config import DEFAULT_PRESET, list_presets, load_config, to_yaml
 from nemo_dapo.errors import InputError, RemoteCallError, TrainingDiverged
 from nemo_dapo.trainer.checkpoint import CheckpointWriteError
-from nemo_dapo.trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
+from nemo_dapo.trainer.preemption import Preempted
 
 # Sub-commands that live in their own light modules, each exposing ``add_parser(subparsers)``
 # (heavy imports stay inside their handlers so `nemo-dapo --help` stays fast).
 PLUGIN_COMMANDS = (
     "nemo_dapo.launch.plan",
+    "nemo_dapo.launch.ladder",
     "nemo_dapo.launch.plot",
     "nemo_dapo.bringup",
     "nemo_dapo.launch.nemo_run_launcher",
@@ -176,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as err:  # the last checkpoint predates the non-finite steps
         print(f"nemo-dapo: {err}", file=sys.stderr)
         return 1
-    except Preempted as stop:  # a checkpoint was saved: the batch script requeues the job
+    except Preempted as stop:  # a checkpoint was saved (if a step was trained): the batch script requeues
         print(f"nemo-dapo: {stop}", file=sys.stderr)
-        return PREEMPTED_EXIT_CODE
+        return stop.exit_code
 
 
 if __name__ == "__main__":

@@ -6,22 +6,42 @@
 #     source slurm/ray_cluster.sh
 #     ray_cluster_start                 # waits until every node (and GPU) joined; exports RAY_ADDRESS
 #     ray_cluster_run CMD...            # runs CMD on the head node, in the container
-#     ray_cluster_stop                  # also runs at exit (EXIT trap set by ray_cluster_start)
+#     ray_cluster_stop                  # ends the Ray steps (the batch scripts call it on exit)
 # Executed inside an allocation: `slurm/ray_cluster.sh CMD...` does the three steps above and
 # exits with CMD's status.
+#
+# Start-up, in order (a failing step exits 1 naming what failed):
+#   1. every node's preflight, one blocking step outside any container (slurm/ray_node.sh): Ray's
+#      session folder made, free space, the fabric's interface, GPUs and driver, NODE_CHECK;
+#   2. pyxis: the job's named container created on every node in one blocking step, so no later
+#      step races another into unpacking the image;
+#   3. the head; the workers only once the head's port answers (probed from the batch shell,
+#      outside any container), each retrying its `ray start`, the step ended if one gives up
+#      (--kill-on-bad-exit);
+#   4. one readiness step on the head node (slurm/ray_ready.py with $PYTHON) until every node
+#      and GPU joined, naming the nodes that did not.
+# A node that fails a step is written to $RAY_FAILED_NODES ("node: reason"); the batch scripts
+# exclude those nodes before they requeue the job (slurm/requeue_policy.sh).
 #
 # Settings (environment):
 #   RAY_PORT=6379            GCS port of the head
 #   RAY_GPUS_PER_NODE        GPUs each node gives Ray (default: the job's GPUs per node; 0 = CPU mode)
 #   RAY_CPUS_PER_NODE        CPUs each node gives Ray (default: SLURM_CPUS_ON_NODE)
-#   RAY_START_TIMEOUT=600    seconds for all nodes (and their GPUs) to join, else exit 1 with the reason
+#   RAY_START_TIMEOUT=600    seconds for the head to answer, and then for all nodes (and GPUs) to join
+#   RAY_START_RETRIES=3      tries of a worker's `ray start` before its node is given up; a try that
+#   RAY_START_FAIL_S=60      fails by itself within this many seconds is a start failure (retried)
 #   RAY_HEAD_IP              address the nodes reach the head at (default: what its node name resolves to)
 #   RAY_TEMP_DIR             Ray's session folder (default /tmp/ray_<jobid>: never the one a local Ray uses)
+#   PYTHON=python3           the interpreter in the container (the readiness check)
 #   CONTAINER                image to run in: pyxis/enroot (docker://..., .sqsh) or an Apptainer .sif
 #   CONTAINER_RUNTIME=pyxis  pyxis | apptainer | podman (rootful, the node's network, processes and /dev/shm)
 #   CONTAINER_MOUNTS         src:dst[,src:dst...] bound into the container
 #   LOG_DIR=logs             Ray logs go to $LOG_DIR/$SLURM_JOB_ID/ (per job, suffixed by restart);
 #                            each node's session logs to $LOG_DIR/$SLURM_JOB_ID/nodes/<node>/<restart>/
+#   NODE_MIN_FREE_GIB=20     free space each node must have under RAY_TEMP_DIR (Ray's objects spill there)
+#   MIN_DRIVER=580           the NVIDIA driver the image's CUDA 13 needs, checked on GPU nodes
+#   NODE_CHECK               a site's own health check, a shell command run on every node in the preflight
+#   RAY_HEAD_START_DELAY_S   (tests) seconds the head waits before starting: the workers must wait for it
 
 RAY_PORT=${RAY_PORT:-6379}
 RAY_START_TIMEOUT=${RAY_START_TIMEOUT:-600}
@@ -29,66 +49,58 @@ CONTAINER=${CONTAINER:-}
 CONTAINER_RUNTIME=${CONTAINER_RUNTIME:-pyxis}
 CONTAINER_MOUNTS=${CONTAINER_MOUNTS:-}
 LOG_DIR=${LOG_DIR:-logs}
-
-# Connects to the cluster once and says whether it is complete: exit 0 when every node and GPU is
-# there, 1 (with what is missing) otherwise. Polled by ray_cluster_wait until RAY_START_TIMEOUT.
-# The port probe comes first because ray.init retries for minutes while the head is starting.
-RAY_CLUSTER_CHECK_PY='
-import os, socket, sys
-nodes, gpus, cpus = (float(x) for x in sys.argv[1:4])
-host, port = os.environ["RAY_ADDRESS"].rsplit(":", 1)
-try:
-    socket.create_connection((host, int(port)), timeout=5).close()
-except OSError as err:
-    sys.exit(f"no Ray head answering at {host}:{port} yet ({err})")
-import ray
-ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
-alive = sum(1 for node in ray.nodes() if node["Alive"])
-have_gpus, have_cpus = (ray.cluster_resources().get(name, 0) for name in ("GPU", "CPU"))
-print(f"nodes {alive}/{nodes:.0f}, GPU {have_gpus:.0f}/{gpus:.0f}, CPU {have_cpus:.0f}/{cpus:.0f}", flush=True)
-sys.exit(0 if alive >= nodes and have_gpus >= gpus and have_cpus >= cpus else 1)
-'
+PYTHON=${PYTHON:-python3}
+RAY_CLUSTER_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 ray_cluster_die() {
     echo "ray_cluster: $*" >&2
     exit 1
 }
 
-# Runs "$@" as one task on each node of NODES, in the container, beside the job's other steps.
-# Every container of a node sees the node's Ray session folder (RAY_TEMP_DIR, bound at its own
-# path): the readiness check and the trainer reach the head's sockets there, whatever /tmp each
-# runtime gives a step. Pyxis also names the container (one per node and job): later steps reuse
-# the unpacked image instead of unpacking it again.
-ray_cluster_srun() {
-    local nodes=$1 count=$2
-    shift 2
-    local step=(srun --overlap --nodes="$count" --ntasks="$count" --ntasks-per-node=1 --nodelist="$nodes"
-        --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}")
-    local mounts=${CONTAINER_MOUNTS:+$CONTAINER_MOUNTS,}$RAY_TEMP_DIR:$RAY_TEMP_DIR
+# RAY_STEP: the srun command (and container prefix) that runs a command as one task on each
+# node of NODES, beside the job's other steps; the caller appends the command, so that a step
+# run in the background is `srun` itself ($! signals it). Every container of a node sees the
+# node's Ray session folder (RAY_TEMP_DIR, bound at its own path): the readiness check and the
+# trainer reach the head's sockets there, whatever /tmp each runtime gives a step. Pyxis also
+# names the container (one per node and job), made once by ray_cluster_make_containers.
+ray_cluster_step() {
+    local nodes=$1 count=$2 mounts=${CONTAINER_MOUNTS:+$CONTAINER_MOUNTS,}$RAY_TEMP_DIR:$RAY_TEMP_DIR
+    RAY_STEP=(srun --overlap --nodes="$count" --ntasks="$count" --ntasks-per-node=1 --nodelist="$nodes"
+        --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" "${@:3}")
     case "${CONTAINER:+$CONTAINER_RUNTIME}" in
-        "") "${step[@]}" "$@" ;;
-        pyxis) "${step[@]}" --container-image="$CONTAINER" --container-name="nemo-dapo-$SLURM_JOB_ID" \
-            --container-mounts="$mounts" --container-workdir="$PWD" "$@" ;;
+        "") ;;
+        pyxis) RAY_STEP+=(--container-image="$CONTAINER" --container-name="nemo-dapo-$SLURM_JOB_ID"
+            --container-mounts="$mounts" --container-workdir="$PWD") ;;
         apptainer)
-            local gpu_flag=()
-            [ "$RAY_GPUS_PER_NODE" -gt 0 ] && gpu_flag=(--nv)
-            "${step[@]}" apptainer exec "${gpu_flag[@]}" --bind "$mounts" --pwd "$PWD" "$CONTAINER" "$@" ;;
+            RAY_STEP+=(apptainer exec)
+            [ "$RAY_GPUS_PER_NODE" -eq 0 ] || RAY_STEP+=(--nv)
+            RAY_STEP+=(--bind "$mounts" --pwd "$PWD" "$CONTAINER") ;;
         podman)
             # the node's network, processes and shared memory (Ray's object store), as pyxis gives;
             # the job's environment with the image's PATH (its Python first); labelled with the job
             # (ray_cluster_stop_containers)
-            local volumes=() each mount
+            RAY_STEP+=(podman run --rm --label="nemo-dapo.job=$SLURM_JOB_ID" --network=host --pid=host --ipc=host
+                --env-host --env "PATH=$CONTAINER_PATH")
+            local each mount
             IFS=, read -r -a each <<<"$mounts"
-            for mount in "${each[@]}"; do volumes+=(--volume "$mount"); done
-            "${step[@]}" podman run --rm --label="nemo-dapo.job=$SLURM_JOB_ID" --network=host --pid=host \
-                --ipc=host --env-host --env "PATH=$CONTAINER_PATH" "${volumes[@]}" --workdir "$PWD" "$CONTAINER" "$@" ;;
+            for mount in "${each[@]}"; do RAY_STEP+=(--volume "$mount"); done
+            RAY_STEP+=(--workdir "$PWD" "$CONTAINER") ;;
         *) ray_cluster_die "CONTAINER_RUNTIME=$CONTAINER_RUNTIME: use pyxis, apptainer or podman" ;;
     esac
 }
 
 # Runs "$@" on the head node (in the container) with RAY_ADDRESS set: the driver of the job.
 ray_cluster_run() {
-    ray_cluster_srun "$RAY_HEAD_NODE" 1 "$@"
+    ray_cluster_step "$RAY_HEAD_NODE" 1
+    "${RAY_STEP[@]}" "$@"
+}
+
+# Runs "$@" once on every node of the job, outside any container.
+ray_cluster_on_every_node() {
+    local all
+    all=$(IFS=,; echo "${RAY_NODES[*]}")
+    CONTAINER='' ray_cluster_step "$all" "$RAY_NUM_NODES"
+    "${RAY_STEP[@]}" "$@"
 }
 
 ray_cluster_settings() {
@@ -109,7 +121,11 @@ ray_cluster_settings() {
     fi
     RAY_LOG_DIR=$LOG_DIR/$SLURM_JOB_ID
     RAY_RUN_TAG=r${SLURM_RESTART_COUNT:-0}
+    RAY_FAILED_NODES=$RAY_LOG_DIR/failed_nodes.$RAY_RUN_TAG
     mkdir -p "$RAY_LOG_DIR"
+    rm -f "$RAY_FAILED_NODES"
+    # what slurm/ray_node.sh reads on each node
+    export RAY_TEMP_DIR RAY_LOG_DIR RAY_RUN_TAG RAY_FAILED_NODES RAY_GPUS_PER_NODE
     export RAY_ADDRESS=$RAY_HEAD_IP:$RAY_PORT
     # Token authentication with a secret of this run: every step inherits it through srun's
     # environment; nothing else on the network can submit work to the cluster.
@@ -120,55 +136,66 @@ ray_cluster_settings() {
     export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}
 }
 
-# What runs on each node: `ray start ...` with SIGUSR1 ignored (inherited by every Ray process:
-# with `--signal=USR1@T` (no B:) Slurm signals all processes of all steps, and the signal is meant
-# for the trainer, which then needs Ray alive to save its checkpoint). Once the node's Ray has
-# stopped, its session logs (node-local, in RAY_TEMP_DIR) are copied to
-# $RAY_LOG_DIR/nodes/<node>/<run tag>/, where they outlive the node's /tmp; the copy gets 15 s,
-# inside Slurm's KillWait. Arguments: RAY_TEMP_DIR, the nodes folder, the run tag, ray's arguments.
-# shellcheck disable=SC2016  # expanded by the node's shell
-RAY_NODE_SH='
-trap "" USR1
-temp=$1 keep=$2/${SLURMD_NODENAME:-$(uname -n)}/$3
-shift 3
-ray "$@" &
-ray_pid=$!
-trap "kill -TERM $ray_pid 2>/dev/null" TERM INT
-wait "$ray_pid"
-status=$?
-if [ "$status" -gt 128 ]; then  # a signal cut the wait short: wait for ray itself
-    wait "$ray_pid" 2>/dev/null
-    again=$?
-    [ "$again" -eq 127 ] || status=$again
-fi
-mkdir -p "$keep" && timeout 15 cp -r "$temp/session_latest/logs/." "$keep/" 2>/dev/null
-exit "$status"
-'
-
-ray_cluster_srun_ray() {
-    local nodes=$1 count=$2
-    shift 2
-    ray_cluster_srun "$nodes" "$count" bash -c "$RAY_NODE_SH" ray "$RAY_TEMP_DIR" "$RAY_LOG_DIR/nodes" "$RAY_RUN_TAG" "$@"
+# The nodes named in RAY_FAILED_NODES, comma-separated (empty: none).
+ray_cluster_failed_nodes() {
+    [ -s "$RAY_FAILED_NODES" ] || return 0
+    cut -d: -f1 "$RAY_FAILED_NODES" | sort -u | paste -sd, -
 }
 
-# Runs "$@" once on every node of the job, outside any container.
-ray_cluster_on_every_node() {
-    local all
+ray_cluster_die_naming_nodes() {
+    ray_cluster_die "$* on node(s) $(ray_cluster_failed_nodes): $(paste -sd';' "$RAY_FAILED_NODES")"
+}
+
+ray_cluster_preflight() {
+    ray_cluster_on_every_node bash "$RAY_CLUSTER_DIR/ray_node.sh" preflight \
+        || ray_cluster_die_naming_nodes "the preflight failed"
+}
+
+# Pyxis unpacks the image into the node's named container at the first step that names it; made
+# here for every node at once, before any other step could race it there. A node whose marker
+# is missing could not start the image.
+ray_cluster_make_containers() {
+    [ "${CONTAINER:+$CONTAINER_RUNTIME}" = pyxis ] || return 0
+    local all node
     all=$(IFS=,; echo "${RAY_NODES[*]}")
-    CONTAINER='' ray_cluster_srun "$all" "$RAY_NUM_NODES" "$@"
+    ray_cluster_step "$all" "$RAY_NUM_NODES"
+    "${RAY_STEP[@]}" bash "$RAY_CLUSTER_DIR/ray_node.sh" container || true
+    for node in "${RAY_NODES[@]}"; do
+        [ -e "$RAY_LOG_DIR/containers/$node.$RAY_RUN_TAG" ] \
+            || echo "$node: the container of $CONTAINER did not start (pyxis/enroot)" >>"$RAY_FAILED_NODES"
+    done
+    [ ! -s "$RAY_FAILED_NODES" ] || ray_cluster_die_naming_nodes "the image did not start"
 }
 
-# The node-local Ray session folder, made on every node before the container steps bind it.
-ray_cluster_make_temp_dirs() {
-    [ -z "$CONTAINER" ] || ray_cluster_on_every_node mkdir -p "$RAY_TEMP_DIR"
+# `ray_node.sh ray RAY_ARGS...` as the step of NODES in the background, with more srun options after
+# LOG; its output appended to LOG, RAY_STEP_PID srun's pid.
+ray_cluster_start_ray() {
+    local nodes=$1 count=$2 log=$3
+    ray_cluster_step "$nodes" "$count" "${@:4}"
+    "${RAY_STEP[@]}" bash "$RAY_CLUSTER_DIR/ray_node.sh" ray "${RAY_ARGS[@]}" >>"$log" 2>&1 &
+    RAY_STEP_PID=$!
 }
 
 ray_cluster_start_head() {
-    ray_cluster_srun_ray "$RAY_HEAD_NODE" 1 start --head --block --node-ip-address="$RAY_HEAD_IP" \
-        --port="$RAY_PORT" --num-cpus="$RAY_CPUS_PER_NODE" --num-gpus="$RAY_GPUS_PER_NODE" \
-        --temp-dir="$RAY_TEMP_DIR" --include-dashboard=false --disable-usage-stats \
-        >>"$RAY_LOG_DIR/ray-head.$RAY_RUN_TAG.log" 2>&1 &
-    RAY_HEAD_PID=$!
+    RAY_ARGS=(head --head --block --node-ip-address="$RAY_HEAD_IP" --port="$RAY_PORT"
+        --num-cpus="$RAY_CPUS_PER_NODE" --num-gpus="$RAY_GPUS_PER_NODE" --temp-dir="$RAY_TEMP_DIR"
+        --include-dashboard=false --disable-usage-stats)
+    ray_cluster_start_ray "$RAY_HEAD_NODE" 1 "$RAY_LOG_DIR/ray-head.$RAY_RUN_TAG.log"
+    RAY_HEAD_PID=$RAY_STEP_PID
+}
+
+# Until the head's GCS port accepts a connection, from the batch shell (outside any container).
+ray_cluster_wait_for_head() {
+    local deadline=$((SECONDS + RAY_START_TIMEOUT))
+    # shellcheck disable=SC2016  # $1 and $2 belong to the probe's shell
+    until timeout 5 bash -c 'exec 3<>"/dev/tcp/$1/$2"' probe "$RAY_HEAD_IP" "$RAY_PORT" 2>/dev/null; do
+        kill -0 "$RAY_HEAD_PID" 2>/dev/null \
+            || ray_cluster_die "the Ray head exited before it answered; see $RAY_LOG_DIR/ray-head.$RAY_RUN_TAG.log"
+        [ "$SECONDS" -lt "$deadline" ] \
+            || ray_cluster_die "after ${RAY_START_TIMEOUT}s no Ray head answers at $RAY_ADDRESS; see $RAY_LOG_DIR/"
+        sleep 0.5
+    done
+    RAY_HEAD_ANSWERED=$SECONDS
 }
 
 ray_cluster_start_workers() {
@@ -176,40 +203,50 @@ ray_cluster_start_workers() {
     [ "$RAY_NUM_NODES" -gt 1 ] || return 0
     local workers
     workers=$(IFS=,; echo "${RAY_NODES[*]:1}")
-    ray_cluster_srun_ray "$workers" $((RAY_NUM_NODES - 1)) start --block --address="$RAY_ADDRESS" \
-        --num-cpus="$RAY_CPUS_PER_NODE" --num-gpus="$RAY_GPUS_PER_NODE" --temp-dir="$RAY_TEMP_DIR" \
-        --disable-usage-stats >>"$RAY_LOG_DIR/ray-workers.$RAY_RUN_TAG.log" 2>&1 &
-    RAY_WORKERS_PID=$!
+    RAY_ARGS=(worker --block --address="$RAY_ADDRESS" --num-cpus="$RAY_CPUS_PER_NODE"
+        --num-gpus="$RAY_GPUS_PER_NODE" --temp-dir="$RAY_TEMP_DIR" --disable-usage-stats)
+    ray_cluster_start_ray "$workers" $((RAY_NUM_NODES - 1)) "$RAY_LOG_DIR/ray-workers.$RAY_RUN_TAG.log" \
+        --kill-on-bad-exit=1
+    RAY_WORKERS_PID=$RAY_STEP_PID
 }
 
-# Polls until every node joined with its GPUs (CPUs in CPU mode); fails fast if a ray step died.
+# One readiness step on the head node until every node and GPU joined (CPUs in CPU mode), while
+# the batch shell watches the Ray steps: a step that died ends the wait at once.
 ray_cluster_wait() {
-    local deadline=$((SECONDS + RAY_START_TIMEOUT)) state
     local want=("$RAY_NUM_NODES" $((RAY_NUM_NODES * RAY_GPUS_PER_NODE)) $((RAY_NUM_NODES * RAY_CPUS_PER_NODE)))
-    while true; do
+    local addresses=() node check_log=$RAY_LOG_DIR/ray-check.$RAY_RUN_TAG.log
+    for node in "${RAY_NODES[@]}"; do
+        addresses+=("$node=$(getent ahostsv4 "$node" | awk 'NR == 1 {print $1}')")
+    done
+    ray_cluster_run "$PYTHON" "$RAY_CLUSTER_DIR/ray_ready.py" $((RAY_START_TIMEOUT - SECONDS + RAY_HEAD_ANSWERED)) \
+        "${want[@]}" "${addresses[@]}" >"$check_log" 2>&1 &
+    local check=$!
+    while kill -0 "$check" 2>/dev/null; do
         kill -0 "$RAY_HEAD_PID" 2>/dev/null \
             || ray_cluster_die "the Ray head exited; see $RAY_LOG_DIR/ray-head.$RAY_RUN_TAG.log"
-        [ -z "$RAY_WORKERS_PID" ] || kill -0 "$RAY_WORKERS_PID" 2>/dev/null \
-            || ray_cluster_die "a Ray worker exited; see $RAY_LOG_DIR/ray-workers.$RAY_RUN_TAG.log"
-        if state=$(ray_cluster_run timeout 120 python3 -c "$RAY_CLUSTER_CHECK_PY" "${want[@]}" \
-            2>"$RAY_LOG_DIR/ray-check.log"); then
-            echo "ray_cluster: ready at $RAY_ADDRESS: $state"
-            return 0
+        if [ -n "$RAY_WORKERS_PID" ] && ! kill -0 "$RAY_WORKERS_PID" 2>/dev/null; then
+            [ -s "$RAY_FAILED_NODES" ] || ray_cluster_die "a Ray worker exited; see $RAY_LOG_DIR/ray-workers.$RAY_RUN_TAG.log"
+            ray_cluster_die_naming_nodes "Ray did not start"
         fi
-        [ "$SECONDS" -lt "$deadline" ] || ray_cluster_die "after ${RAY_START_TIMEOUT}s the cluster has" \
-            "${state:-no head answering at $RAY_ADDRESS}; wanted nodes ${want[0]}, GPU ${want[1]}, CPU ${want[2]};" \
-            "see $RAY_LOG_DIR/ (ray-check.log: the last check's errors)"
-        sleep 2
+        sleep 0.5
     done
+    if wait "$check"; then
+        echo "ray_cluster: ready at $RAY_ADDRESS: $(tail -n1 "$check_log")"
+        return 0
+    fi
+    sed -n 's/^missing \([^ ]*\) .*/\1: did not join the Ray cluster/p' "$check_log" >>"$RAY_FAILED_NODES"
+    ray_cluster_die "the cluster is not complete after ${RAY_START_TIMEOUT}s: $(grep -v '^missing' "$check_log" \
+        | tail -n1); missing: $(ray_cluster_failed_nodes); see $check_log"
 }
 
 ray_cluster_start() {
     ray_cluster_settings
-    trap ray_cluster_stop EXIT
     echo "ray_cluster: head $RAY_HEAD_NODE ($RAY_ADDRESS), $RAY_NUM_NODES node(s) x $RAY_GPUS_PER_NODE GPU," \
         "$RAY_CPUS_PER_NODE CPU; logs in $RAY_LOG_DIR"
-    ray_cluster_make_temp_dirs
+    ray_cluster_preflight
+    ray_cluster_make_containers
     ray_cluster_start_head
+    ray_cluster_wait_for_head
     ray_cluster_start_workers
     ray_cluster_wait
 }
@@ -232,7 +269,7 @@ ray_cluster_stop_containers() {
         stop "$SLURM_JOB_ID" >/dev/null || true
 }
 
-# Ends the ray steps (srun passes SIGTERM to `ray start --block`, which stops its node); idempotent.
+# Ends the Ray steps (SIGTERM to their srun, which passes it to `ray start --block`); idempotent.
 ray_cluster_stop() {
     local pids=()
     [ -z "${RAY_WORKERS_PID:-}" ] || pids+=("$RAY_WORKERS_PID")
@@ -242,17 +279,28 @@ ray_cluster_stop() {
     echo "ray_cluster: stopping the Ray cluster"
     ray_cluster_stop_containers  # which can end the steps before the signals below reach them
     kill -TERM "${pids[@]}" 2>/dev/null || true
-    for _ in $(seq 30); do
+    for _ in $(seq 150); do  # 30 s
         ray_cluster_alive "${pids[@]}" || return 0
-        sleep 1
+        sleep 0.2
     done
     kill -KILL "${pids[@]}" 2>/dev/null || true
     return 0
 }
 
+# The job's named pyxis containers (~the image's size on each node's disk), removed when the job
+# ends for good; a requeued job keeps them for its next run.
+ray_cluster_remove_containers() {
+    [ "${CONTAINER:+$CONTAINER_RUNTIME}" = pyxis ] || return 0
+    # shellcheck disable=SC2016  # $1 belongs to the inner shell
+    ray_cluster_on_every_node bash -c \
+        'enroot list | grep -F -- "nemo-dapo-$1" | xargs --no-run-if-empty enroot remove --force' \
+        remove "$SLURM_JOB_ID" >/dev/null 2>&1 || echo "ray_cluster: could not remove the named containers" >&2
+}
+
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then
     set -euo pipefail
     [ $# -gt 0 ] || ray_cluster_die "usage: $0 COMMAND [ARGS...] (inside a Slurm allocation)"
+    trap 'ray_cluster_stop; ray_cluster_remove_containers' EXIT
     ray_cluster_start
     ray_cluster_run "$@"
 fi

@@ -289,3 +289,22 @@ def test_a_rollback_starts_a_branch_that_retention_and_auto_resume_follow(tmp_pa
     assert [s for s, _ in manager.step_folders()] == [2] and (aside / "global_step_3").is_dir()
     assert manager.resolve_resume(str(resumed)) == resumed  # resuming the newest sets nothing aside
     assert len(list((tmp_path / "abandoned").iterdir())) == 1
+
+
+def test_a_rollback_given_to_a_job_applies_to_its_first_run_only(tmp_path, monkeypatch):
+    """A requeued job gets its submission's arguments again, checkpoint.resume=<path> included: its
+    later runs continue the branch the rollback started instead of setting it aside again. A new
+    job (another id) asking for the same rollback gets it."""
+    manager = CheckpointManager(tmp_path, keep_last=5)
+    for step in (1, 2, 3):
+        manager.save(step, writer(b"old branch %d" % step))
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert manager.resolve_resume(str(tmp_path / "global_step_1")).name == "global_step_1"  # the first run
+    manager.save(2, writer(b"new branch 2"))
+    manager.save(3, writer(b"new branch 3"))
+    resumed = manager.resolve_resume(str(tmp_path / "global_step_1"))  # the requeued run, same arguments
+    assert resumed.name == "global_step_3" and (resumed / "policy" / "weights.bin").read_bytes() == b"new branch 3"
+    assert len(list((tmp_path / "abandoned").iterdir())) == 1  # nothing set aside a second time
+    monkeypatch.setenv("SLURM_JOB_ID", "8")  # a new submission rolls back again
+    assert manager.resolve_resume(str(tmp_path / "global_step_1")).name == "global_step_1"
+    assert len(list((tmp_path / "abandoned").iterdir())) == 2 and [s for s, _ in manager.step_folders()] == [1]

@@ -77,13 +77,21 @@ def test_slurm_dryrun_prints_the_complete_batch_script(tmp_path):
     ):
         assert f"#SBATCH {flag}\n" in script, flag
     # Ray over the allocation (the sbatch script's ray_cluster.sh), then the trainer once on the head node
-    setup = script.index("source slurm/ray_cluster.sh\nray_cluster_start\n")
+    # a start-up that fails goes through the requeue policy; once Ray is up, only the cleanup
+    setup = script.index("source slurm/ray_cluster.sh\n")
+    assert script[setup:].startswith(
+        "source slurm/ray_cluster.sh\ntrap 'STOP_SIGNAL=TERM' TERM  # the batch shell lives on to decide about the "
+        "requeue\ntrap 'startup_exit $?' EXIT\nray_cluster_start\ntrap job_cleanup EXIT\n"
+    )
     srun = re.search(r"^srun .*$", script[setup:], re.MULTILINE).group(0)
+    # the trainer joins the node's named container (made by ray_cluster_start), with the Ray folder and the CPUs
+    assert ",${RAY_TEMP_DIR}:${RAY_TEMP_DIR}," in srun and "#SBATCH --dependency=singleton\n" in script
     code_dir = re.search(r"^cd (\S+/train/code)$", script, re.MULTILINE).group(1)
     assert code_dir.startswith("/lustre/alice/nemo-run/nemo-dapo-dapo_qwen2.5_32b/")
     assert "--container-image nvcr.io/acme/nemo-dapo:1.0" in srun and "--container-workdir /nemo_run/code" in srun
     assert (
-        "--nodes=1 --ntasks=1 --overlap --relative=0 python3 -m nemo_dapo.cli train --config dapo_qwen2.5_32b" in srun
+        "--nodes=1 --ntasks=1 --overlap --relative=0 --cpus-per-task=${SLURM_CPUS_ON_NODE} "
+        "--container-name=nemo-dapo-${SLURM_JOB_ID} python3 -m nemo_dapo.cli train --config dapo_qwen2.5_32b" in srun
     )
     for override in (
         "trainer.output_dir=/lustre/alice/nemo-run/nemo-dapo-dapo_qwen2.5_32b/outputs",
@@ -135,12 +143,12 @@ def test_the_batch_script_requeues_preemptions_and_a_few_crashes_never_an_invali
     )
     assert done.returncode == 0, done.stderr[-3000:]
     script = done.stdout
-    policy = re.search(r"^scontrol\(\) \{\n.*?^\}$", script, re.MULTILINE | re.DOTALL).group(0)
+    policy = re.search(r"^# nemo-dapo's requeue policy.*?^\}$", script, re.MULTILINE | re.DOTALL).group(0)
     requeue = re.search(r"^if \[ \$exitcode -ne 0 \]; then\n.*?^fi$", script, re.MULTILINE | re.DOTALL).group(0)
     assert script.index(policy) < script.index(requeue)  # defined before NeMo-Run's requeue block runs
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n')
+    (bin_dir / "scontrol").write_text('#!/bin/sh\n[ "$1" != requeue ] || echo "$@" >> "$SCONTROL_LOG"\n')
     (bin_dir / "scontrol").chmod(0o755)
     log = tmp_path / "scontrol.log"
 

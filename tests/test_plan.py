@@ -1,11 +1,12 @@
 """`nemo-dapo plan`: the production preset fits, impossible layouts are refused, formulas match a hand count."""
 
 import json
+import subprocess
 
 import pytest
 
 from nemo_dapo.cli import main
-from nemo_dapo.config import load_config
+from nemo_dapo.config import ConfigError, load_config
 from nemo_dapo.config.architecture import KNOWN_ARCHITECTURES, resolve_architecture
 from nemo_dapo.config.capacity import GIB
 from nemo_dapo.launch.plan import make_plan
@@ -277,3 +278,70 @@ def test_a_checkpoint_is_sized_and_a_background_save_longer_than_the_margin_is_w
     assert code == 0 and "longer than the batch script's SAVE_MARGIN_S=300 s" in err  # async_save in the preset
     code, plan, err = run_plan(capsys, "dapo_qwen2.5_32b", "checkpoint.async_save=false", "--storage-gb-per-s", "1")
     assert "SAVE_MARGIN_S" not in err  # a blocking save is on the trainer's own clock (checkpoint.save_by)
+
+
+def test_train_refuses_a_layout_plan_refuses_before_touching_anything(tmp_path):
+    """The 32B preset on two nodes (DP=1, the optimizer unsharded) with a 32B config.json: `nemo-dapo
+    train` exits 2 naming the engine share that fits and the gradient buffers' release, before its
+    output folder, the data or Ray exist; the same layout fitted by those settings passes the check."""
+    from nemo_dapo.config.gpu_fit import startup_memory_problems
+    from tests.train_runs import CLI, ENV
+
+    model = tmp_path / "Qwen2.5-32B"
+    model.mkdir()
+    arch = KNOWN_ARCHITECTURES["qwen2.5-32b"]
+    raw = {"model_type": "qwen2", "hidden_size": arch.hidden_size, "num_hidden_layers": arch.num_layers,
+           "num_attention_heads": arch.num_attention_heads, "num_key_value_heads": arch.num_kv_heads,
+           "intermediate_size": arch.intermediate_size, "vocab_size": arch.vocab_size,
+           "max_position_embeddings": arch.max_positions}  # fmt: skip
+    (model / "config.json").write_text(json.dumps(raw))
+    out = tmp_path / "run"
+    two_nodes = ["trainer.nnodes=2", "actor.num_workers=16", f"trainer.output_dir={out}"]
+    env = {**ENV, "HF_MODEL": str(model), "DAPO_DATA_DIR": str(tmp_path / "no-data")}
+    done = subprocess.run([*CLI, "train", "--config", "dapo_qwen2.5_32b", *two_nodes], capture_output=True,
+                          text=True, env=env, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "colocated generation needs 97.3 GiB per GPU" in done.stderr
+    assert "lower rollout.gpu_memory_utilization to <= 0.49" in done.stderr
+    assert "set actor.megatron.release_grad_buffers=true (then rollout.gpu_memory_utilization <= 0.59)" in done.stderr
+    assert "trainer.gpu_model=null skips this check" in done.stderr and not out.exists() and "ray" not in done.stderr
+    fitted = ["rollout.gpu_memory_utilization=0.47", f"model.path={model}"]
+    assert startup_memory_problems(load_config("dapo_qwen2.5_32b", [*two_nodes, *fitted])) == []
+    unchecked = ["trainer.gpu_model=null", "rollout.gpu_memory_utilization=0.9"]  # plan's model is skipped
+    assert startup_memory_problems(load_config("dapo_qwen2.5_32b", [*two_nodes, *fitted, *unchecked])) == []
+
+
+@pytest.mark.parametrize("preset", ["dapo_qwen2.5_32b", "dapo_qwen3_30b_a3b"])
+def test_every_ladder_rung_of_a_preset_fits_its_nodes(preset):
+    """Rung 1 runs the preset's one-node sibling as it stands; rungs 2-4 run the preset on two nodes
+    with the largest engine share that leaves 2 GiB of headroom; each final config loads and fits."""
+    from nemo_dapo.config.capacity import gpu_memory_gib
+    from nemo_dapo.launch.ladder import ONE_NODE_SIBLINGS, plan_rung, shape_overrides
+
+    sibling = ONE_NODE_SIBLINGS[resolve_architecture(load_config(preset, placement=False).model.path).name]
+    for rung in (1, 2, 3, 4):
+        submission, _ = plan_rung(preset, rung, 2, [])
+        assert (submission.config, submission.nodes) == ((sibling, 1) if rung == 1 else (preset, 2))
+        fitted = [o for o in submission.overrides if o.startswith("rollout.gpu_memory_utilization=")]
+        assert bool(fitted) == (rung != 1), submission.overrides
+        base = load_config(submission.config, placement=False)
+        cfg = load_config(submission.config, [*shape_overrides(base, submission.nodes), *submission.overrides])
+        plan = make_plan(cfg, submission.config, gpu_memory_gib("H800"), 4.0, 2.0)
+        assert not plan.problems and 2.0 <= plan.headroom < 2.8, (rung, plan.headroom)
+    # the user's overrides come last and win; one that cannot fit refuses the rung
+    submission, _ = plan_rung(preset, 3, 4, ["trainer.total_training_steps=7"])
+    assert submission.overrides[-1] == "trainer.total_training_steps=7" and submission.nodes == 4
+    with pytest.raises(ConfigError, match=r"rung 2 \(.* on 2 node\(s\)\) cannot run: it cannot fit"):
+        plan_rung(preset, 2, 2, ["rollout.gpu_memory_utilization=0.9"])
+
+
+def test_a_multi_node_gpu_run_without_a_fabric_says_what_it_sends_over_the_management_network():
+    from nemo_dapo.config.model_checks import fabric_warning
+
+    cfg = load_config("dapo_qwen2.5_32b", placement=False)
+    assert "FABRIC_IFNAME is unset on a 16-node GPU run: the weight sync (at least the model, 65.5 GB" in (
+        fabric_warning(cfg, {})
+    )
+    assert fabric_warning(cfg, {"FABRIC_IFNAME": "ib0"}) is None
+    assert fabric_warning(load_config("dapo_qwen2.5_7b", placement=False), {}) is None  # one node
+    assert fabric_warning(load_config("tiny_cpu", ["trainer.nnodes=2"], placement=False), {}) is None  # CPUs

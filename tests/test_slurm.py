@@ -20,6 +20,9 @@ from tests.slurm_jobs import ensure_packages
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = [
     REPO / "slurm" / "ray_cluster.sh",
+    REPO / "slurm" / "ray_node.sh",
+    REPO / "slurm" / "bringup_ladder.sh",
+    REPO / "slurm" / "site_env.sh",
     REPO / "slurm" / "dapo_32b.sbatch",
     REPO / "slurm" / "dapo_tiny_cpu.sbatch",
     REPO / "slurm" / "requeue_policy.sh",
@@ -119,16 +122,20 @@ def test_the_clock_refuses_a_step_that_would_not_end_and_save_before_the_deadlin
     assert not StepClock(save_by=None).no_room(1e12, validating=True)
 
 
-def test_a_run_past_its_deadline_stops_before_a_step_with_the_requeue_code(tmp_path):
-    """checkpoint.save_by already past: no step starts, nothing is saved, exit 3 (the batch script
-    requeues), and preemptions.jsonl names the deadline."""
+def test_a_run_past_its_deadline_stops_before_a_step_with_the_no_progress_code(tmp_path):
+    """checkpoint.save_by already past: no step starts, nothing is saved, exit 4 (no progress: the
+    batch script requeues a bounded number of times), and preemptions.jsonl names the deadline."""
     from tests.train_runs import SMALL, train
 
     done = train(tmp_path / "run", "checkpoint.save_by=1", "trainer.total_training_steps=3", *SMALL)
-    assert done.returncode == 3, done.stderr[-3000:]
-    assert "stopped by checkpoint.save_by (the job's end is near) before a first step" in done.stderr
+    assert done.returncode == 4, done.stderr[-3000:]
+    assert "stopped by checkpoint.save_by (the job's end is near) " in done.stderr
+    assert "before finishing a step in this run (nothing new to save); if every run stops so, the job's time" in (
+        done.stderr
+    )
     (stop,) = [json.loads(line) for line in (tmp_path / "run" / "preemptions.jsonl").read_text().splitlines()]
     assert stop["step"] == 0 and stop["checkpoint"] is None and stop["signal"].startswith("checkpoint.save_by")
+    assert stop["progressed"] is False
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
     # the bring-up check of that run: no step is a failure, the stop is recorded, nothing else shown
     checks = {c.name: c for c in bringup_checks(tmp_path / "run")}
@@ -157,7 +164,7 @@ def test_usr1_inside_a_generation_call_gives_the_step_up_at_once(tmp_path):
     """One-token answers are all wrong, so every group's spread is 0, dynamic sampling (unbounded)
     keeps nothing and the first step generates round after round. The engine is then frozen
     (SIGSTOP), so the driver waits inside one generate call that cannot end; USR1 must still stop
-    the run at once: the step given up, exit 3, nothing to save before a first step."""
+    the run at once: the step given up, nothing to save before a first step, exit 4 (no progress)."""
     from tests.train_runs import CLI, ENV, SMALL
 
     run, err = tmp_path / "run", tmp_path / "stderr.txt"
@@ -183,7 +190,7 @@ def test_usr1_inside_a_generation_call_gives_the_step_up_at_once(tmp_path):
             trainer.send_signal(signal.SIGUSR1)
             wait_for("the step is given up", 60)
             resume(engine)
-            assert trainer.wait(timeout=120) == 3, err.read_text()[-3000:]
+            assert trainer.wait(timeout=120) == 4, err.read_text()[-3000:]
         finally:
             if engine is not None:
                 resume(engine)
@@ -193,7 +200,7 @@ def test_usr1_inside_a_generation_call_gives_the_step_up_at_once(tmp_path):
         in err.read_text()
     )
     (stop,) = [json.loads(line) for line in (run / "preemptions.jsonl").read_text().splitlines()]
-    assert stop == {**stop, "step": 0, "signal": "SIGUSR1", "checkpoint": None}
+    assert stop == {**stop, "step": 0, "signal": "SIGUSR1", "checkpoint": None, "progressed": False}
     assert not (run / "metrics.jsonl").exists() or "update_actor" not in (run / "metrics.jsonl").read_text()
 
 
@@ -238,7 +245,7 @@ def test_the_bringup_check_reads_stage_times_a_checkpoint_and_nccls_transport(tm
     assert main(["bringup", str(run)]) == 1 and "FAIL  checkpoint" in capsys.readouterr().out
 
 
-def test_the_requeue_policy_requeues_stops_always_crashes_twice_without_progress_and_invalid_configs_never(
+def test_the_requeue_policy_bounds_runs_without_progress_and_never_requeues_a_cancelled_job(
     tmp_path,
 ):
     """slurm/requeue_policy.sh, which the batch script and NeMo-Run's script both ask."""
@@ -266,67 +273,32 @@ def test_the_requeue_policy_requeues_stops_always_crashes_twice_without_progress
         (checkpoints / "latest").write_text(f"global_step_{step}")
 
     assert not wanted(0) and not wanted(2)  # finished; an invalid config fails the same way each time
-    assert wanted(3) and wanted(3) and not counter.exists()  # stops are not crashes
+    assert wanted(3) and wanted(3) and not counter.exists()  # stops after training are not crashes
     assert wanted(1) and wanted(137) and counter.read_text().split() == ["2", "0"]
     assert not wanted(1) and wanted(3)  # a third crash without progress is not requeued; a stop still is
+    assert not wanted(4)  # nor is a stop before a first step: it made no progress either
     saved(6)  # the run trained on: a checkpoint since the last crash resets the count
-    assert wanted(1) and counter.read_text().split() == ["1", "6"]
-    assert wanted(1) and not wanted(1)  # then two crashes more without progress, as before
+    assert wanted(4) and counter.read_text().split() == ["1", "6"]
+    assert wanted(1) and not wanted(1)  # then two requeues more without progress, as before
     saved(8)
     assert wanted(1) and counter.read_text().split() == ["1", "8"]
+    # a job being cancelled (scancel: COMPLETING with no reason) is requeued after nothing
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho '   JobState=COMPLETING Reason=None Dependency=(null)'\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    os.environ["PATH"], path = f"{bin_dir}:{os.environ['PATH']}", os.environ["PATH"]
+    os.environ["SLURM_JOB_ID"] = "5"
+    try:
+        assert not wanted(3) and not wanted(1)
+        (bin_dir / "scontrol").write_text("#!/bin/sh\necho '   JobState=COMPLETING Reason=TimeLimit'\n")
+        assert wanted(3)  # the time limit's TERM: requeued
+    finally:
+        os.environ["PATH"] = path
+        del os.environ["SLURM_JOB_ID"]
 
 
 # ----------------------------------------------------------------------------- container steps
-def container_steps(runtime: str, command: str) -> list[list[str]]:
-    """The srun commands slurm/ray_cluster.sh runs for COMMAND on two nodes with CONTAINER set:
-    srun (and podman's image lookup) stand in as shell functions recording their arguments."""
-    script = f"""
-    set -euo pipefail
-    source slurm/ray_cluster.sh
-    srun() {{ printf '%s\\0' srun "$@"; printf '\\036'; }}  # one record per step
-    podman() {{ [ "$1 $2" = "image inspect" ] && printf 'HOME=/root\\nPATH=/opt/venv/bin:/usr/bin\\n'; }}
-    SLURM_JOB_ID=77 SLURM_JOB_NODELIST=n1,n2 SLURM_CPUS_ON_NODE=4 RAY_HEAD_IP=10.0.0.1
-    scontrol() {{ printf 'n1\\nn2\\n'; }}
-    CONTAINER=/images/nemo-dapo.sqsh CONTAINER_RUNTIME={runtime} CONTAINER_MOUNTS=/data:/data,/ckpt:/ckpt
-    RAY_GPUS_PER_NODE=8 LOG_DIR=$(mktemp -d)
-    ray_cluster_settings
-    {command}
-    """
-    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60)
-    assert done.returncode == 0, done.stderr
-    return [record.split("\0")[:-1] for record in done.stdout.split("\x1e")[:-1]]
-
-
-def test_every_container_step_binds_the_nodes_ray_folder_for_each_runtime():
-    """The Ray head, the workers, the readiness check and the trainer are separate steps, each in its
-    own container: each binds the node's Ray session folder (else the trainer cannot reach the head's
-    sockets, which live under /tmp), the site's mounts and the working directory; the folder is
-    made on every node first, outside any container."""
-    ray_folder, repo = "/tmp/ray_77:/tmp/ray_77", str(REPO)
-    mounts = f"/data:/data,/ckpt:/ckpt,{ray_folder}"
-    image = "/images/nemo-dapo.sqsh"
-    expected = {
-        "pyxis": [f"--container-image={image}", "--container-name=nemo-dapo-77", f"--container-mounts={mounts}",
-                  f"--container-workdir={repo}"],
-        "apptainer": ["apptainer", "exec", "--nv", "--bind", mounts, "--pwd", repo, image],
-        "podman": ["podman", "run", "--rm", "--label=nemo-dapo.job=77", "--network=host", "--pid=host", "--ipc=host",
-                   "--env-host", "--env",
-                   "PATH=/opt/venv/bin:/usr/bin", "--volume", "/data:/data", "--volume", "/ckpt:/ckpt",
-                   "--volume", ray_folder, "--workdir", repo, image],
-    }  # fmt: skip
-    for runtime, flags in expected.items():
-        made, head, trainer = container_steps(
-            runtime, "ray_cluster_make_temp_dirs; ray_cluster_srun_ray n1 1 start --head; ray_cluster_run python3 -c x"
-        )
-        assert made[:2] == ["srun", "--overlap"] and "--nodelist=n1,n2" in made, made
-        assert made[-3:] == ["mkdir", "-p", "/tmp/ray_77"] and not any("container" in w for w in made), made
-        for step, command in ((head, ["bash", "-c"]), (trainer, ["python3", "-c", "x"])):
-            assert step[0] == "srun" and "--nodelist=n1" in step, step
-            start = step.index(flags[0])
-            assert step[start : start + len(flags)] == flags, (runtime, step)
-            assert step[start + len(flags) : start + len(flags) + len(command)] == command, (runtime, step)
-
-
 def test_podman_without_the_image_on_the_node_stops_before_any_step():
     done = subprocess.run(
         ["bash", "-c", "source slurm/ray_cluster.sh; podman() { :; }; SLURM_JOB_ID=7 SLURM_JOB_NODELIST=n1 "
@@ -347,3 +319,32 @@ def test_stopping_the_ray_steps_survives_a_step_that_already_ended():
     )
     done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert done.returncode == 0 and done.stdout.splitlines()[-1] == "stopped", done.stderr
+
+
+def test_the_site_settings_reach_the_containers_and_megatron_alone_gets_one_hardware_queue(tmp_path):
+    """A site's /etc/nccl.conf (invisible inside a container) is exported, a variable already set
+    winning; caches go to node-local disk, not HOME; CUDA_DEVICE_MAX_CONNECTIONS=1 is no longer
+    the job's (the engines keep CUDA's default) but a Megatron rank's on a GPU."""
+    from nemo_dapo.config import load_config
+    from nemo_dapo.trainer.assembly import policy_start_env
+
+    conf = tmp_path / "nccl.conf"
+    conf.write_text("NCCL_IB_HCA=mlx5_0,mlx5_3  # adapters\n# a comment\nNCCL_IB_GID_INDEX=3\nNOT_NCCL=1\n")
+    conf.write_text(conf.read_text() + "NCCL_DEBUG=WARN\n")  # given in the job's environment too: that wins
+    script = "source slurm/site_env.sh; env | grep -E '^(NCCL_|NOT_NCCL|CUDA_DEVICE|HF_HOME|XDG_CACHE)' | sort"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "HF_HOME", "XDG_CACHE"))}
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env | {"NCCL_CONF": str(conf),
+                          "NCCL_DEBUG": "INFO", "USER": "u"}, capture_output=True, text=True, cwd=REPO)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "HF_HOME=/tmp/nemo-dapo-cache-u/huggingface",
+        f"NCCL_CONF={conf}",
+        "NCCL_DEBUG=INFO",
+        "NCCL_IB_GID_INDEX=3",
+        "NCCL_IB_HCA=mlx5_0,mlx5_3",
+        "XDG_CACHE_HOME=/tmp/nemo-dapo-cache-u/xdg",
+    ]
+    megatron = load_config("dapo_qwen2.5_32b", placement=False)
+    assert policy_start_env(megatron, gpus=1)["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in policy_start_env(megatron, gpus=0)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in policy_start_env(load_config("tiny_cpu"), gpus=1)

@@ -107,6 +107,32 @@ KNOWN_ARCHITECTURES = {
         qkv_bias=True,
         max_positions=131072,
     ),
+    # config.json of Qwen/Qwen2.5-7B: 7.6 B parameters (rung 1 of the 32B bring-up ladder)
+    "qwen2.5-7b": Architecture(
+        name="Qwen2.5-7B",
+        hidden_size=3584,
+        num_layers=28,
+        num_attention_heads=28,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=18944,
+        vocab_size=152064,
+        qkv_bias=True,
+        max_positions=131072,
+    ),
+    # config.json of Qwen/Qwen3-8B-Base: 8.2 B parameters (rung 1 of the 30B-A3B bring-up ladder)
+    "qwen3-8b": Architecture(
+        name="Qwen3-8B",
+        hidden_size=4096,
+        num_layers=36,
+        num_attention_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        vocab_size=151936,
+        qk_norm=True,
+        max_positions=32768,
+    ),
     # config.json of Qwen/Qwen3-30B-A3B(-Base): 30.5 B parameters, 3.3 B active
     "qwen3-30b-a3b": Architecture(
         name="Qwen3-30B-A3B",
@@ -154,7 +180,7 @@ def _known(model_path: str) -> Architecture | None:
     """Match the folder or hub name (``Qwen/Qwen2.5-32B-Instruct`` -> ``qwen2.5-32b``)."""
     base = Path(model_path.rstrip("/")).name.lower()
     for key in sorted(KNOWN_ARCHITECTURES, key=len, reverse=True):
-        if base.startswith(key):
+        if base == key or base.startswith(key + "-"):  # qwen2.5-7b-instruct, never qwen2.5-72b
             return KNOWN_ARCHITECTURES[key]
     return None
 

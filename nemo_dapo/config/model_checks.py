@@ -5,6 +5,8 @@ fit this machine's memory. Run by ``nemo-dapo train`` before any worker is place
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from nemo_dapo.config.architecture import Architecture, resolve_architecture
 from nemo_dapo.config.capacity import DTYPE_BYTES, GPU_MEMORY_MIB, Layout, layout_of, training_memory
 from nemo_dapo.config.schema import Config
@@ -180,3 +182,21 @@ def head_node_gpus() -> list[tuple[str, int]] | None:
     query = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"]
     lines = subprocess.run(query, capture_output=True, text=True, timeout=60).stdout.splitlines()
     return [(name.strip(), int(mib)) for name, mib in (line.rsplit(",", 1) for line in lines if "," in line)]
+
+
+def fabric_warning(cfg: Config, environ: Mapping[str, str]) -> str | None:
+    """A multi-node GPU run without ``FABRIC_IFNAME`` (slurm/site_env.sh) sends its weight sync and
+    its ranks' traffic over whatever network the node names resolve to: on most sites the
+    management Ethernet, slow and shared, and nothing fails to say so."""
+    if cfg.trainer.n_gpus_per_node == 0 or cfg.trainer.nnodes < 2 or environ.get("FABRIC_IFNAME"):
+        return None
+    try:
+        model_gb = resolve_architecture(cfg.model.path).total_params() * DTYPE_BYTES[cfg.model.dtype] / 1e9
+    except (ValueError, KeyError):
+        return None
+    return (
+        f"FABRIC_IFNAME is unset on a {cfg.trainer.nnodes}-node GPU run: the weight sync (at least the model, "
+        f"{model_gb:.1f} GB, into every node at every step), the ranks' rendezvous and gloo use the address each "
+        "node's name resolves to, on most sites the management network; set FABRIC_IFNAME to the fast network's "
+        "interface (e.g. ib0; docs/cluster.md, Site settings)"
+    )

@@ -203,6 +203,7 @@ def slurm_env(args: argparse.Namespace) -> dict[str, str]:
         "CONTAINER": args.container_image or "",
         "RAY_GPUS_PER_NODE": str(args.gpus_per_node),
         "LOG_DIR": f"{args.remote_job_dir}/{experiment_name(args)}/logs",
+        "PYTHON": args.python,
     }
     if args.data_dir:
         env["DAPO_DATA_DIR"] = args.data_dir
@@ -211,21 +212,32 @@ def slurm_env(args: argparse.Namespace) -> dict[str, str]:
     return {key: shlex.quote(value) for key, value in env.items()}  # NeMo-Run writes `export KEY=value`
 
 
+# The trainer's step joins the node's named container that slurm/ray_cluster.sh made, with the
+# node's Ray session folder bound (its sockets live there, and pyxis gives each container its own
+# /tmp), and the node's CPUs. NeMo-Run writes srun's arguments unquoted: the shell expands these in
+# the batch script, after ray_cluster_start set RAY_TEMP_DIR.
+RAY_FOLDER_MOUNT = "${RAY_TEMP_DIR}:${RAY_TEMP_DIR}"
+NAMED_CONTAINER = "--container-name=nemo-dapo-${SLURM_JOB_ID}"
+NODE_CPUS = "--cpus-per-task=${SLURM_CPUS_ON_NODE}"
+
+
 def requeue_policy_lines(max_crash_restarts: int, checkpoints_dir: str) -> str:
-    """A ``scontrol`` shell function for NeMo-Run's batch script, whose requeue block runs
-    ``scontrol requeue`` after any non-zero exit (``$exitcode``): the requeue goes through
-    ``slurm/requeue_policy.sh`` first (sourced from the packaged code by :func:`ray_setup_lines`),
-    the policy of ``slurm/dapo_32b.sbatch``: a preemption (exit 3) requeues, a crash (exit 1 or a
-    signal) ``max_crash_restarts`` times with no new checkpoint in ``checkpoints_dir`` between
-    them, counted in ``$LOG_DIR/crash_requeues`` across requeues, an invalid config (exit 2)
-    never. Every other ``scontrol`` call passes through."""
+    """Batch-script lines that put slurm/requeue_policy.sh in front of NeMo-Run's requeue block,
+    which runs ``scontrol requeue`` after any non-zero exit (``$exitcode``): the policy of
+    ``slurm/dapo_32b.sbatch`` decides and acts (:func:`ray_setup_lines` sources it from the
+    packaged code): a preemption (exit 3) requeues, a crash or a stop before a first step (exit 4)
+    ``max_crash_restarts`` times with no new checkpoint in ``checkpoints_dir`` between them,
+    counted per job in ``$LOG_DIR/$SLURM_JOB_ID/crash_requeues``, an invalid config (exit 2) and a
+    cancelled job never; the nodes that failed the start-up are excluded. Every other ``scontrol``
+    call passes through."""
     return "\n".join(
         [
             "# nemo-dapo's requeue policy (slurm/requeue_policy.sh) in front of NeMo-Run's requeue block",
+            f"export MAX_CRASH_REQUEUES={max_crash_restarts} CHECKPOINTS_DIR={shlex.quote(checkpoints_dir)}",
+            'export CRASH_COUNT_FILE="${LOG_DIR}/${SLURM_JOB_ID}/crash_requeues"',
             "scontrol() {",
-            '    if [ "${1:-}" = requeue ] && ! CRASH_COUNT_FILE="${LOG_DIR:-$PWD}/crash_requeues" \\',
-            f"        CHECKPOINTS_DIR={shlex.quote(checkpoints_dir)} \\",
-            f'        MAX_CRASH_REQUEUES={max_crash_restarts} requeue_wanted "${{exitcode:-1}}"; then',
+            '    if [ "${1:-}" = requeue ]; then',
+            '        requeue_job "${exitcode:-1}" || true',
             "        return 0",
             "    fi",
             '    command scontrol "$@"',
@@ -239,9 +251,12 @@ def ray_setup_lines(remote_task_dir: str, mounts: list[str]) -> str:
 
     The Ray steps get the trainer's mounts (REMOTE_JOB_DIR holds the task folder) plus the task
     folder at /nemo_run, where NeMo-Run puts the code in the container: Ray's workers import
-    nemo_dapo from there, like the trainer.
+    nemo_dapo from there, like the trainer. A start-up that fails goes through the requeue policy
+    (slurm/requeue_policy.sh ``startup_exit``); once Ray is up the EXIT trap only cleans up,
+    NeMo-Run's own block deciding about the trainer's exit. SIGTERM (a preemption's, a requeue's,
+    scancel's) does not end the batch shell, which must still requeue, or not.
     """
-    ray_mounts = ",".join([*mounts, f"{remote_task_dir}:/nemo_run"])
+    ray_mounts = ",".join([*(m for m in mounts if m != RAY_FOLDER_MOUNT), f"{remote_task_dir}:/nemo_run"])
     return "\n".join(
         [
             "# Ray over the allocation, in the trainer's container: slurm/ray_cluster.sh, as in slurm/dapo_32b.sbatch",
@@ -252,7 +267,10 @@ def ray_setup_lines(remote_task_dir: str, mounts: list[str]) -> str:
             "source slurm/site_env.sh",
             "source slurm/job_deadline.sh  # NEMO_DAPO_SAVE_BY: checkpoint.save_by (the trainer's deadline)",
             "source slurm/ray_cluster.sh",
+            "trap 'STOP_SIGNAL=TERM' TERM  # the batch shell lives on to decide about the requeue",
+            "trap 'startup_exit $?' EXIT",
             "ray_cluster_start",
+            "trap job_cleanup EXIT",
         ]
     )
 
@@ -277,10 +295,12 @@ def slurm_executor(args: argparse.Namespace):
         exclusive=True,
         signal=PREEMPTION_SIGNAL,
         container_image=args.container_image,
-        container_mounts=container_mounts(args),
+        container_mounts=container_mounts(args) + ([RAY_FOLDER_MOUNT] if args.container_image else []),
         env_vars=slurm_env(args),
         # the trainer is one process on the head node, beside the Ray steps
-        srun_args=["--nodes=1", "--ntasks=1", "--overlap", "--relative=0"],
+        srun_args=["--nodes=1", "--ntasks=1", "--overlap", "--relative=0", NODE_CPUS]
+        + ([NAMED_CONTAINER] if args.container_image else []),
+        additional_parameters={"dependency": "singleton"},  # one job of this name at a time
         retries=args.max_restarts,
         tunnel=tunnel,
         packager=run.GitArchivePackager(),

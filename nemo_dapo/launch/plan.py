@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import dataclass, replace
 
@@ -25,45 +24,14 @@ from nemo_dapo.config.capacity import (
     GenerationMemory,
     Layout,
     TrainingMemory,
-    colocated_memory,
-    generation_memory,
     gpu_memory_gib,
     layout_of,
-    training_memory,
 )
+from nemo_dapo.config.gpu_fit import MIN_HEADROOM_GIB, RESERVE_GIB, GpuMemory, gpu_memory, memory_problems
 from nemo_dapo.config.model_checks import shape_problems
 from nemo_dapo.config.schema import Config
-from nemo_dapo.config.topology import is_colocated
 from nemo_dapo.config.validate import combination_notes, placement_problems
 from nemo_dapo.policy.routing import routing_bytes_per_token
-
-
-def memory_problems(
-    training: TrainingMemory, generation: GenerationMemory, colocated: ColocatedMemory | None, gpu_memory_gib: float
-) -> list[str]:
-    problems = []
-    if training.total > gpu_memory_gib:
-        problems.append(
-            f"training needs {training.total:.1f} GiB per GPU, the GPU has {gpu_memory_gib:.4g} GiB: raise "
-            "TP / PP / CP (CP splits long sequences), or turn on recompute_granularity=full or the "
-            "distributed optimizer"
-        )
-    if generation.full_sequences < 1:
-        problems.append(
-            f"vLLM: {generation.kv_cache:.1f} GiB left for the KV cache holds {generation.kv_tokens} "
-            f"tokens, less than one {generation.sequence_tokens}-token sequence: raise "
-            "rollout.tensor_parallel_size or rollout.gpu_memory_utilization"
-        )
-    if colocated and colocated.generation_phase > gpu_memory_gib:
-        room = math.floor(100 * (gpu_memory_gib - colocated.training_kept) / gpu_memory_gib) / 100
-        problems.append(
-            f"colocated generation needs {colocated.generation_phase:.1f} GiB per GPU, the GPU has "
-            f"{gpu_memory_gib:.4g} GiB: training keeps {colocated.training_kept:.1f} GiB (weights, "
-            f"gradients, optimizer, reserve) beside vLLM's {colocated.vllm:.1f} GiB: lower "
-            "rollout.gpu_memory_utilization "
-            f"to <= {room:.2f}, shard the training state further, or set trainer.colocate=false"
-        )
-    return problems
 
 
 @dataclass(frozen=True)
@@ -71,10 +39,7 @@ class Plan:
     config: str
     arch: Architecture
     layout: Layout
-    training: TrainingMemory
-    generation: GenerationMemory
-    colocated: ColocatedMemory | None  # None: separate GPUs per group
-    gpu_memory_gib: float
+    memory: GpuMemory  # both phases per GPU; its peak and headroom are the verdict's
     engines: int
     sequences_per_round: int
     problems: list[str]
@@ -85,15 +50,29 @@ class Plan:
     save_s: float = 0.0  # one save's write at the storage speed given
 
     @property
+    def training(self) -> TrainingMemory:
+        return self.memory.training
+
+    @property
+    def generation(self) -> GenerationMemory:
+        return self.memory.generation
+
+    @property
+    def colocated(self) -> ColocatedMemory | None:
+        return self.memory.colocated
+
+    @property
+    def gpu_memory_gib(self) -> float:
+        return self.memory.gpu_gib
+
+    @property
     def peak(self) -> float:
-        """GiB per GPU at the busiest moment (a training GPU; engines on GPUs of their own keep
-        ``1 - gpu_memory_utilization`` free by construction)."""
-        return self.colocated.peak if self.colocated else self.training.total
+        return self.memory.peak
 
     @property
     def headroom(self) -> float:
         """What the peak leaves of the GPU, beyond the reserve it already counts."""
-        return self.gpu_memory_gib - self.peak
+        return self.memory.headroom
 
     def as_dict(self) -> dict:
         """Machine-readable plan (``--json``); memory in GiB."""
@@ -183,22 +162,16 @@ def make_plan(
     except ValueError as err:
         raise ConfigError(str(err)) from None
     layout = layout_of(cfg)
-    training = training_memory(cfg, arch, reserve_gib)
-    generation = generation_memory(cfg, arch, gpu_memory_gib, reserve_gib)
-    released = cfg.actor.backend == "megatron" and cfg.actor.megatron.release_grad_buffers
-    colocated = colocated_memory(training, generation, released) if is_colocated(cfg) else None
+    memory = gpu_memory(cfg, arch, gpu_memory_gib, reserve_gib)
     problems = shape_problems(cfg, arch) + placement_problems(cfg)
-    problems += memory_problems(training, generation, colocated, gpu_memory_gib)
+    problems += memory_problems(cfg, arch, gpu_memory_gib, reserve_gib)
     engines = cfg.rollout.num_workers
     saved = checkpoint_gb(cfg, arch)
     plan = Plan(
         config=config_name,
         arch=arch,
         layout=layout,
-        training=training,
-        generation=generation,
-        colocated=colocated,
-        gpu_memory_gib=gpu_memory_gib,
+        memory=memory,
         engines=engines,
         sequences_per_round=cfg.data.effective_gen_batch_size * cfg.rollout.n,
         problems=problems,
@@ -334,11 +307,14 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--min-headroom-gib",
         type=float,
-        default=2.0,
+        default=MIN_HEADROOM_GIB,
         help="warn when the peak leaves less than this of the GPU beyond the reserve",
     )
     parser.add_argument(
-        "--reserve-gib", type=float, default=4.0, help="per GPU and phase: CUDA context, NCCL buffers, fragmentation"
+        "--reserve-gib",
+        type=float,
+        default=RESERVE_GIB,
+        help="per GPU and phase: CUDA context, NCCL buffers, fragmentation",
     )
     parser.add_argument(
         "--storage-gb-per-s",

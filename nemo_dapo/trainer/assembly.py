@@ -117,17 +117,29 @@ def _policy_workers(
         num_gpus_per_worker=gpus,
         worker_kwargs=kwargs,
         slots=slots,
-        env=_start_env(cfg, gpus),
+        env=policy_start_env(cfg, gpus),
         call_timeout_s=cfg.trainer.remote_timeout_s,
         wait=shared is not None,
         strategy=cfg.trainer.placement_strategy,
     )
 
 
+# One hardware queue per GPU: the order of kernels megatron-core's communication overlap relies on
+# (its own check refuses TP/SP overlap without it). A Megatron rank's setting only: the engines
+# sharing the GPU keep CUDA's default and their own concurrency.
+MEGATRON_GPU_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
 def _start_env(cfg: Config, gpus: int) -> dict[str, str]:
     """What a worker's process needs in its start environment: the allocator settings
     (``trainer.keep_freed_memory``)."""
     return allocator_env(keeps_freed_memory(cfg.trainer.keep_freed_memory, on_gpu=gpus > 0), os.environ)
+
+
+def policy_start_env(cfg: Config, gpus: int) -> dict[str, str]:
+    """A training rank's start environment: a Megatron rank on a GPU adds ``MEGATRON_GPU_ENV``."""
+    megatron = gpus > 0 and cfg.actor.backend == "megatron"
+    return _start_env(cfg, gpus) | (MEGATRON_GPU_ENV if megatron else {})
 
 
 def _rollout_workers(cfg: Config, shared: SharedGPUs | None) -> WorkerGroup:

@@ -10,6 +10,7 @@ computed by a :data:`Hasher`: the trainer's spreads the files over the training 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ TRAINER_STATE = "trainer_state.pt"  # the trainer's own state: step, sampler, RN
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 STAGING_PREFIX = ".tmp_global_step_"
 ABANDONED = "abandoned"  # checkpoints of a branch left by a rollback, set aside under it
+RESUMES = "resumes.jsonl"  # every explicit checkpoint.resume applied, with the Slurm job that applied it
 
 
 class CheckpointError(InputError, RuntimeError):
@@ -211,18 +213,55 @@ class CheckpointManager:
 
         ``auto``: the newest intact checkpoint; a damaged newer one is reported and skipped.
         ``disable``: none. A path: exactly that checkpoint, which must be intact; an older one of
-        this run is a rollback (see :meth:`_roll_back_to`).
+        this run is a rollback (see :meth:`_roll_back_to`). Within one Slurm job a path is applied
+        once: its requeued runs, which get the same arguments, resume from the newest checkpoint
+        (the rolled-back branch), unless there is none yet.
         """
         if resume == "disable":
             return None
         if resume != "auto":
-            return self._roll_back_to(verify(resume, self.hasher))
+            newest = self._newest_intact() if self._applied_in_this_job(resume) else None
+            if newest is not None:
+                log.warning(
+                    "checkpoint.resume=%s was applied by an earlier run of Slurm job %s: resuming from the newest "
+                    "checkpoint, %s (a requeue continues the rollback, it does not repeat it)",
+                    resume,
+                    os.environ["SLURM_JOB_ID"],
+                    newest.name,
+                )
+                return newest
+            path = self._roll_back_to(verify(resume, self.hasher))
+            self._record_resume(resume)
+            return path
+        return self._newest_intact()
+
+    def _newest_intact(self) -> Path | None:
         for step, path in self.step_folders():
             try:
                 return verify(path, self.hasher)
             except CheckpointError as err:
                 log.warning("skipping checkpoint of step %d: %s", step, err)
         return None
+
+    def _applied_in_this_job(self, resume: str) -> bool:
+        """Whether a run of this Slurm job (a requeue keeps the submission's arguments, and its
+        job id) already resumed from ``resume``."""
+        job, record = os.environ.get("SLURM_JOB_ID"), self.root / RESUMES
+        if not job or not record.is_file():
+            return False
+        target = str(Path(resume).resolve())
+        for line in record.read_text().splitlines():
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                entry = json.loads(line)
+                if entry.get("job") == job and entry.get("resume") == target:
+                    return True
+        return False
+
+    def _record_resume(self, resume: str) -> None:
+        entry = {"resume": str(Path(resume).resolve()), "job": os.environ.get("SLURM_JOB_ID"), "time": time.time()}
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / RESUMES, "a") as record:
+            record.write(json.dumps(entry) + "\n")
 
     def _roll_back_to(self, path: Path) -> Path:
         """Resuming from an older checkpoint of this run starts a new branch: the later
@@ -234,8 +273,7 @@ class CheckpointManager:
             return path
         later = [folder for step, folder in self.step_folders() if step > int(match.group(1))]
         if later:
-            aside = self.root / ABANDONED / f"after_{path.name}_{time.strftime('%Y%m%d-%H%M%S')}"
-            aside.mkdir(parents=True)
+            aside = self._new_aside(path.name)
             for folder in later:
                 os.replace(folder, aside / folder.name)
             log.warning(
@@ -246,6 +284,17 @@ class CheckpointManager:
             )
         self._point_latest_at(path)
         return path
+
+    def _new_aside(self, name: str) -> Path:
+        """A new folder under ``abandoned/`` for the branch after ``name`` (two rollbacks within a
+        second get two folders)."""
+        stamp = f"after_{name}_{time.strftime('%Y%m%d-%H%M%S')}"
+        (self.root / ABANDONED).mkdir(parents=True, exist_ok=True)
+        for suffix in ("", *(f".{n}" for n in range(1, 1000))):
+            with contextlib.suppress(FileExistsError):
+                (self.root / ABANDONED / f"{stamp}{suffix}").mkdir()
+                return self.root / ABANDONED / f"{stamp}{suffix}"
+        raise CheckpointWriteError(f"{self.root / ABANDONED}: no free name for {stamp}")
 
     def _point_latest_at(self, folder: Path) -> None:
         pointer = self.root / ".latest.tmp"

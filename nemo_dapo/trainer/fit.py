@@ -7,6 +7,7 @@ does not know whether they are Ray actors on a laptop or GPU processes on a clus
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -104,6 +105,8 @@ class DAPOTrainer:
         )
         self.pending_checkpoint: Path | None = None  # staged, its sharded state still being written
         self.saved_step: int | None = None  # the step of the newest checkpoint written or resumed
+        self.steps_this_run = 0  # steps this process finished (a stop without any made no progress)
+        self.started = time.time()  # from when stop signals were caught
         filtering = cfg.algorithm.filter_groups
         self.sampler = ResumableBatchSampler(
             len(train_data), prompts_per_round(cfg), seed=cfg.data.seed, shuffle=cfg.data.shuffle
@@ -367,14 +370,21 @@ class DAPOTrainer:
         """A mode's own part of the trainer state just loaded (:meth:`trainer_state` wrote it)."""
 
     # ----------------------------------------------------------------- the loop
-    def fit(self) -> dict:
-        # log lines go above the progress bar instead of through it
-        with PreemptionSignals() as preemption, logging_redirect_tqdm():
+    def fit(self, preemption: PreemptionSignals | None = None) -> dict:
+        """Train to the end, or stop (:class:`Preempted`) when ``preemption`` (here: the stop
+        signals caught from now on) asks; ``nemo-dapo train`` catches them from its start."""
+        with contextlib.ExitStack() as stack:
+            if preemption is None:
+                preemption = stack.enter_context(PreemptionSignals())
+            stack.enter_context(logging_redirect_tqdm())  # log lines go above the progress bar
             self.stop_asked = lambda: preemption.requested
+            self.started = preemption.since
             return self._fit(preemption)
 
     def _fit(self, preemption: PreemptionSignals) -> dict:
         start = time.time()
+        if preemption.requested:  # while the workers started: nothing to save
+            self._stop_preempted(preemption.received or "a stop signal", bar=None)
         resume_from = self.checkpoints.resolve_resume(self.cfg.checkpoint.resume)
         if resume_from is not None:
             self.load_checkpoint(resume_from)
@@ -401,6 +411,7 @@ class DAPOTrainer:
                 self._stop_preempted(preemption.received or "a stop signal", bar)
             clock.steps.append(time.monotonic() - began)
             self.global_step += 1
+            self.steps_this_run += 1
             done = self._run_done()
             stopping = preemption.requested and not done  # no validation on the way out
             if self._validates(self.global_step, done) and not stopping:
@@ -441,8 +452,9 @@ class DAPOTrainer:
         if bar is not None:
             bar.close()
         self.tracker.close()
-        record_preemption(self.output_dir, self.global_step, signal_name)
-        raise Preempted(self.global_step, signal_name)
+        stop = Preempted(self.global_step, signal_name, self.steps_this_run > 0, time.time() - self.started)
+        record_preemption(self.output_dir, stop)
+        raise stop
 
     @staticmethod
     def _due(freq: int, step: int) -> bool:

@@ -6,7 +6,8 @@ the batch script forwards the signal to the trainer (``slurm/dapo_32b.sbatch``).
 middle of a step would lose it, so the handler only raises a flag; the training loop reads the
 flag between steps (and while a step generates, which it then gives up: :class:`StepAbandoned`),
 saves a checkpoint and raises :class:`Preempted`, which ``nemo-dapo train``
-turns into exit code 3 so that the batch script can tell "requeue me" from a failure. A signal
+turns into exit code 3 so that the batch script can tell "requeue me" from a failure (4 when the
+process stopped before finishing a step: a requeue without progress). A signal
 comes at a fixed lead before the limit, which a long step may not fit; :class:`StepClock` instead
 stops before starting a step that, with its checkpoint, would end past ``checkpoint.save_by``.
 """
@@ -25,19 +26,34 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 PREEMPTED_EXIT_CODE = 3
+NO_PROGRESS_EXIT_CODE = 4  # stopped before finishing a step in this process: a requeue may loop
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 PREEMPTIONS_LOG = "preemptions.jsonl"
 
 
 class Preempted(Exception):
-    """Training stopped (a signal, or ``checkpoint.save_by``) after step ``step``, its checkpoint
-    written (none before a first step): resume with ``checkpoint.resume=auto``."""
+    """Training stopped (a signal, or ``checkpoint.save_by``) at step ``step``, its checkpoint
+    written (none before a first step): resume with ``checkpoint.resume=auto``. ``progressed``:
+    whether this process finished a step; a stop without one is exit 4, which the requeue policy
+    counts (a time limit too short for the start-up would otherwise requeue the job forever)."""
 
-    def __init__(self, step: int, signal_name: str) -> None:
-        saved = f"after step {step} (checkpoint saved)" if step else "before a first step (nothing to save)"
-        super().__init__(f"stopped by {signal_name} {saved}; rerun with checkpoint.resume=auto to continue")
+    def __init__(self, step: int, signal_name: str, progressed: bool = True, started_s: float = 0.0) -> None:
+        if progressed:
+            said = f"stopped by {signal_name} after step {step} (checkpoint saved)"
+        else:
+            said = (
+                f"stopped by {signal_name} {started_s:.0f} s after the start, before finishing a step in this run "
+                "(nothing new to save); if every run stops so, the job's time is too short for the start-up and a "
+                "step: give the job more time (sbatch --time), or a smaller SAVE_MARGIN_S"
+            )
+        super().__init__(f"{said}; rerun with checkpoint.resume=auto to continue")
         self.step = step
         self.signal_name = signal_name
+        self.progressed = progressed
+
+    @property
+    def exit_code(self) -> int:
+        return PREEMPTED_EXIT_CODE if self.progressed else NO_PROGRESS_EXIT_CODE
 
 
 class StepAbandoned(Exception):
@@ -55,6 +71,7 @@ class PreemptionSignals:
     def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
         self.signals = signals
         self.received: str | None = None
+        self.since = time.time()  # when the signals began to be caught
         self._previous: dict[signal.Signals, Any] = {}  # the handlers to put back
 
     @property
@@ -62,6 +79,7 @@ class PreemptionSignals:
         return self.received is not None
 
     def __enter__(self) -> PreemptionSignals:
+        self.since = time.time()
         if threading.current_thread() is not threading.main_thread():
             log.warning(
                 "not in the main thread: %s will not checkpoint before stopping", "/".join(s.name for s in self.signals)
@@ -102,15 +120,13 @@ class StepClock:
         return now + needed > self.save_by
 
 
-def record_preemption(output_dir: Path, step: int, signal_name: str) -> None:
+def record_preemption(output_dir: Path, stop: Preempted) -> None:
     """Append to ``preemptions.jsonl``: the run's history of stops, kept after it completes."""
-    checkpoint = f"checkpoints/global_step_{step}" if step else None
-    entry = {"step": step, "signal": signal_name, "time": time.time(), "checkpoint": checkpoint}
+    checkpoint = f"checkpoints/global_step_{stop.step}" if stop.step and stop.progressed else None
+    entry = {"step": stop.step, "signal": stop.signal_name, "time": time.time(), "checkpoint": checkpoint}
     with open(Path(output_dir) / PREEMPTIONS_LOG, "a", encoding="utf-8") as handle:
-        handle.write(json.dumps(entry) + "\n")
+        handle.write(json.dumps(entry | {"progressed": stop.progressed}) + "\n")
+    saved = "its checkpoint written" if stop.progressed else "no step finished in this run"
     log.warning(
-        "stopped by %s after step %d (its checkpoint written), exiting with code %d",
-        signal_name,
-        step,
-        PREEMPTED_EXIT_CODE,
+        "stopped by %s at step %d (%s), exiting with code %d", stop.signal_name, stop.step, saved, stop.exit_code
     )

@@ -8,12 +8,15 @@ import os
 from pathlib import Path
 
 from nemo_dapo.config import Config
+from nemo_dapo.config.gpu_fit import startup_memory_problems
+from nemo_dapo.config.model_checks import fabric_warning
 from nemo_dapo.config.problems import raise_problems
 from nemo_dapo.config.topology import num_engines, policy_groups, total_optimizer_steps
 from nemo_dapo.config.validate import combination_notes
 from nemo_dapo.trainer import assembly
 from nemo_dapo.trainer.checkpoint import CheckpointManager
 from nemo_dapo.trainer.export import export_hf, exported_from
+from nemo_dapo.trainer.preemption import PreemptionSignals
 from nemo_dapo.trainer.run_folder import RunFolder, refuse_mixing
 from nemo_dapo.trainer.summary import completed_run
 
@@ -26,7 +29,10 @@ def run_training(cfg: Config) -> dict:
     from nemo_dapo.trainer.sinks import missing_packages
 
     configure_logging(cfg.trainer.log_level)  # before Ray starts: its workers inherit the level
-    raise_problems(missing_packages(cfg.trainer.loggers))
+    # a layout that cannot fit its GPUs is refused before the folder, the data or Ray is touched
+    raise_problems(missing_packages(cfg.trainer.loggers) + startup_memory_problems(cfg))
+    if warning := fabric_warning(cfg, os.environ):
+        log.warning(warning)
     folder = RunFolder(cfg.trainer.output_dir)  # held until the run ends: one run per folder
     try:
         checkpoints = CheckpointManager(Path(cfg.trainer.output_dir) / "checkpoints").step_folders()
@@ -40,6 +46,13 @@ def run_training(cfg: Config) -> dict:
 
 
 def _run_claimed(cfg: Config) -> dict:
+    """Stop signals are caught from here on: one that comes while the workers start (a 32B model
+    loads for minutes) stops the run before its first step, exit 4 (no progress)."""
+    with PreemptionSignals() as preemption:
+        return _train(cfg, preemption)
+
+
+def _train(cfg: Config, preemption: PreemptionSignals) -> dict:
     from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
     from nemo_dapo.trainer.fit import DAPOTrainer
 
@@ -68,7 +81,7 @@ def _run_claimed(cfg: Config) -> dict:
             trainer: DAPOTrainer = StreamDAPOTrainer(*common, ref_policy=ref)
         else:
             trainer = DAPOTrainer(*common, ref_policy=ref)
-        summary = trainer.fit()
+        summary = trainer.fit(preemption)
         return {**summary, "hf_export": str(export_run(cfg, trainer.checkpoints.step_folders()[0][1]))}
     finally:
         if reward is not None:
