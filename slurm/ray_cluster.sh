@@ -41,7 +41,8 @@
 #   NODE_MIN_FREE_GIB=20     free space each node must have under RAY_TEMP_DIR (Ray's objects spill there)
 #   MIN_DRIVER=580           the NVIDIA driver the image's CUDA 13 needs, checked on GPU nodes
 #   NODE_CHECK               a site's own health check, a shell command run on every node in the preflight
-#   RAY_HEAD_START_DELAY_S   (tests) seconds the head waits before starting: the workers must wait for it
+#   RAY_HEAD_START_DELAY_S   (tests) seconds the head of the job's first run waits before starting: the
+#                            workers must wait for it
 
 RAY_PORT=${RAY_PORT:-6379}
 RAY_START_TIMEOUT=${RAY_START_TIMEOUT:-600}

@@ -62,7 +62,9 @@ run_ray() {
     local role=$1 status=0 try began start_failed=0 stopping=0
     shift
     trap "" USR1
-    [ "$role" != head ] || sleep "${RAY_HEAD_START_DELAY_S:-0}"  # a test hook: workers must wait for the head
+    if [ "$role" = head ] && [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then
+        sleep "${RAY_HEAD_START_DELAY_S:-0}"  # a test hook: the workers must wait for the head
+    fi
     for try in $(seq "${RAY_START_RETRIES:-3}"); do
         began=$SECONDS
         ray start "$@" &

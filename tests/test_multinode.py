@@ -71,9 +71,17 @@ class Cluster:
         done = subprocess.run(["bash", str(SETUP), *command], capture_output=True, text=True, env=self.env, timeout=180)
         assert done.returncode == 0, f"{command}: {done.stderr[-2000:]}{daemon_logs()}"
 
+    def wait_idle(self, timeout: float = 120) -> None:
+        """Until no node still completes an earlier job (whose nodes Slurm would not give the next)."""
+        deadline = time.monotonic() + timeout
+        while self.on("ctl", "sinfo", "--noheader", "--states=completing", "--format=%N").strip():
+            assert time.monotonic() < deadline, self.on("ctl", "sinfo")
+            time.sleep(1)
+
     def submit(self, name: str, overrides: list[str], nodes: int = 2, sbatch_args=(), **env: str) -> Job:
         folder = self.work / name
         folder.mkdir(parents=True, exist_ok=True)
+        self.wait_idle()
         job_env = {**self.env, "CKPT_DIR": str(folder / "ckpt"), "LOG_DIR": str(folder / "logs"), **env}
         return submit(
             job_env,
@@ -91,6 +99,7 @@ class Cluster:
         env = {**self.env, "BRINGUP_DIR": str(folder), "LOG_DIR": str(folder / "logs"), "POLL_S": "1"}
         env |= {"BATCH_SCRIPT": "slurm/dapo_tiny_cpu.sbatch", "CONFIG": "tiny_cpu", "PYTHON": sys.executable}
         command = [*self.prefix, "bash", "slurm/bringup_ladder.sh", str(rung), *overrides]
+        self.wait_idle()
         ladder = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO
         )
@@ -232,17 +241,19 @@ def check_ray_refuses_a_stranger(cluster: Cluster) -> None:
 def test_dapo_spans_two_nodes_learns_like_one_and_stops_before_its_time_limit(cluster, tmp_path):
     """Megatron DP=2 with one rank per node and a TP=2 engine: the first step's loss equals the same
     run's on one node, held-out accuracy rises, and the network rule holds on every node. Its first
-    run has 3 minutes (checkpoint.save_by 80 s after its start) and is held (its driver SIGSTOPped
+    run has 3 minutes (checkpoint.save_by 110 s after its start) and is held (its driver SIGSTOPped
     after step 2) until that time passed: it stops by the clock before its next step, checkpoints
     before the limit and requeues; given 30 minutes, the next run resumes from that step and
-    redoes nothing."""
-    steps, margin_s = 20, 100
+    redoes nothing. The first run's head is held 30 s (RAY_HEAD_START_DELAY_S, a test hook; the
+    run waits for its deadline anyway): the workers wait for its port, and the cluster forms."""
+    steps, margin_s = 20, 70
     job = cluster.submit(
         "dp2",
         [*TWO_NODES, f"trainer.total_training_steps={steps}", "trainer.save_freq=0"],
         sbatch_args=["--time=3"],
         FABRIC_IFNAME="ib0",
         SAVE_MARGIN_S=str(margin_s),
+        RAY_HEAD_START_DELAY_S="30",
     )
     try:
         placed = wait_for_line(job, r"actor: 2 worker\(s\) on 2 node\(s\)")
@@ -268,6 +279,7 @@ def test_dapo_spans_two_nodes_learns_like_one_and_stops_before_its_time_limit(cl
         job.run("scancel", job.id)
     log, out = job.log(), cluster.work / "dp2" / "ckpt"
     assert "dapo: TERM_TIMEOUT=5 s (Slurm's KillWait is 10 s)" in log  # requeued before SIGKILL
+    assert len(re.findall(r"ray_cluster: ready at \S+: nodes 2/2", log)) == 2  # the first's head 30 s late
     stop = json.loads((out / "preemptions.jsonl").read_text().splitlines()[0])
     assert stop["signal"].startswith("checkpoint.save_by") and 1 <= stop["step"] < steps, stop
     assert "dapo: the trainer stopped before the job's end (checkpoint.save_by)" in run_section(log, 0)
@@ -439,15 +451,16 @@ def test_nemo_run_submits_through_its_local_tunnel_and_the_job_completes(cluster
     engine on one node streams while the ranks on both train). Its first node pair includes n2,
     whose /tmp is read-only (a node alive but broken: Ray cannot make its session folder): that
     start-up fails naming n2, goes through the requeue policy, and the requeued job excludes n2
-    and runs on n1 and n3. The head's start is held 30 s there (RAY_HEAD_START_DELAY_S, a test
-    hook): the workers wait for its port, and the cluster still forms."""
+    and runs on n1 and n3."""
     home = cluster.work / "nemorun_home"  # not .../nemo_run/...: NeMo-Run rewrites that
     launch = [sys.executable, "-m", "nemo_dapo.cli", "launch", "--config", "tiny_cpu", "--executor", "slurm"]
     allocation = ["--nodes", "2", "--gpus-per-node", "0", "--time", "00:20:00", "--python", sys.executable]
     run = ["trainer.placement_strategy=SPREAD", "actor.num_workers=2", "trainer.cpu_threads_per_worker=1"]
     run += ["trainer.mode=stream"]
-    env = ["env", f"NEMORUN_HOME={home}", "RAY_HEAD_START_DELAY_S=30", "NODE_MIN_FREE_GIB=1"]
-    cluster.on("n2", "mount", "-o", "remount,ro", "/tmp")
+    env = ["env", f"NEMORUN_HOME={home}", "NODE_MIN_FREE_GIB=1"]
+    # a read-only file system over n2's /tmp (stacked: a remount would fail while a file is open there)
+    cluster.wait_idle()
+    cluster.on("n2", "mount", "-t", "tmpfs", "-o", "ro,size=1m", "sick", "/tmp")
     try:
         printed = cluster.on("ctl", *env, *launch, *allocation, *run, "trainer.total_training_steps=3", *SMALL,
                              timeout=300)  # fmt: skip
@@ -461,7 +474,7 @@ def test_nemo_run_submits_through_its_local_tunnel_and_the_job_completes(cluster
         finally:
             job.run("scancel", job.id)
     finally:
-        cluster.on("n2", "mount", "-o", "remount,rw", "/tmp")
+        cluster.on("n2", "umount", "-l", "/tmp")
     assert "ray_cluster: the preflight failed on node(s) n2: n2: cannot make Ray's session folder" in job.log()
     assert job.field("Restarts") == "1" and job.field("ExcNodeList") == "n2", job.log()[-3000:]
     logs = home / "experiments" / "nemo-dapo-tiny_cpu" / "logs"

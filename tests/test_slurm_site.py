@@ -180,6 +180,8 @@ def test_sick_nodes_are_named_excluded_and_the_job_requeues_without_them(site):
     assert "requeue: node(s) node02,node04 excluded from the requeued job (ExcNodeList=node02,node04)" in log
     assert "requeue: node(s) node03 excluded from the requeued job (ExcNodeList=node02,node03,node04)" in log
     assert len(site.calls("train")) == 1
+    # the named containers stay on the nodes across the requeues, and go at the final exit only
+    assert len([s for s in site.steps() if "enroot remove" in command_of(s)]) == 1
     preflights = [s["nodes"] for s in site.steps() if "preflight" in command_of(s)]
     assert preflights[-1] == ["node01", "node05", "node06", "node07"]
     assert (site.folder / "logs" / job / "crash_requeues").read_text().split() == ["2", "0"]
@@ -245,19 +247,28 @@ def ladder(site: Site, rung: int, preset: str, args: list[str] = (), **env: str)
                           text=True, cwd=REPO, timeout=180)  # fmt: skip
 
 
-@pytest.mark.parametrize("preset", ["dapo_qwen2.5_32b", "dapo_qwen3_30b_a3b"])
-def test_each_ladder_rung_submits_a_job_whose_config_passes_config_and_plan(site, preset):
-    """Rung 1 (one node: the preset's one-node sibling) and rung 2 (two nodes: the preset, fitted)
-    pass their checks; the trainer's own arguments, as the batch script built them, load and fit."""
+def test_ladder_rungs_submit_jobs_whose_configs_pass_config_and_plan_and_one_that_cannot_fit_is_refused(site):
+    """Rung 1 of the 32B preset (one node: its one-node sibling) and rung 2 of the 30B-A3B preset (two
+    nodes: the preset, fitted) pass their checks, and the trainer's own arguments, as the batch script
+    built them, load and fit (every rung of both presets: tests/test_plan.py). The first rung also
+    meets a controller too busy to answer three times: the ladder asks again, the job is not taken
+    for gone. A rung that cannot run on its nodes is refused before sbatch."""
     from nemo_dapo.config import load_config
     from nemo_dapo.config.capacity import gpu_memory_gib
     from nemo_dapo.launch.plan import make_plan
 
-    for rung in (1, 2):
+    done = ladder(site, 2, "dapo_qwen2.5_32b", NODES="1")
+    assert done.returncode == 2 and "rung 2 (dapo_qwen2.5_32b on 1 node(s)) cannot run" in done.stderr, done.stderr
+    assert "16 must divide the 8 training ranks" in done.stderr and not site.calls("sbatch")
+    stub_site.install(site.folder / "site", scontrol_failures=3)  # slurmctld busy for three questions
+    said = []
+    for preset, rung, sibling in (("dapo_qwen2.5_32b", 1, "dapo_qwen2.5_7b"), ("dapo_qwen3_30b_a3b", 2, None)):
         done = ladder(site, rung, preset, args=["trainer.total_training_steps=3"])  # overrides after the rung
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        said.append(done.stdout + done.stderr)
         trainer = site.calls("train")[-1]
         config, overrides = trainer["argv"][1], trainer["argv"][2:]
+        assert config == (sibling or preset) and "trainer.total_training_steps=3" == overrides[-1]
         assert int(re.search(r"trainer\.nnodes=(\d+)", " ".join(overrides)).group(1)) == (1 if rung == 1 else 2)
         os.environ["HF_MODEL"] = str(site.folder / "models" / MODELS[preset][rung == 1])
         try:
@@ -266,16 +277,9 @@ def test_each_ladder_rung_submits_a_job_whose_config_passes_config_and_plan(site
             del os.environ["HF_MODEL"]
         plan = make_plan(cfg, config, gpu_memory_gib("H800"), 4.0, 2.0)
         assert not plan.problems and plan.headroom >= 2.0, (rung, plan.problems)
-        assert (config != preset) == (rung == 1), config
-
-
-def test_a_rung_that_cannot_fit_is_refused_before_sbatch_and_a_failed_scontrol_is_asked_again(site):
-    done = ladder(site, 2, "dapo_qwen2.5_32b", NODES="1")
-    assert done.returncode == 2 and "rung 2 (dapo_qwen2.5_32b on 1 node(s)) cannot run" in done.stderr, done.stderr
-    assert "16 must divide the 8 training ranks" in done.stderr and not site.calls("sbatch")
-    stub_site.install(site.folder / "site", scontrol_failures=3)  # slurmctld busy for three questions
-    done = ladder(site, 1, "dapo_qwen2.5_32b")
-    assert done.returncode == 0 and done.stderr.count("scontrol failed") == 3, done.stdout + done.stderr
+    assert said[0].count("bringup: scontrol failed") == 3 and "bringup: scontrol failed" not in said[1]
+    assert "pass  fabric      NCCL uses NET/IB" in said[1]  # rung 2 requires it
+    assert len(site.calls("sbatch")) == 2
 
 
 # ----------------------------------------------------------------------------- NeMo-Run
