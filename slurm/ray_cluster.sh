@@ -41,8 +41,7 @@
 #   NODE_MIN_FREE_GIB=20     free space each node must have under RAY_TEMP_DIR (Ray's objects spill there)
 #   MIN_DRIVER=580           the NVIDIA driver the image's CUDA 13 needs, checked on GPU nodes
 #   NODE_CHECK               a site's own health check, a shell command run on every node in the preflight
-#   RAY_HEAD_START_DELAY_S   (tests) seconds the head of the job's first run waits before starting: the
-#                            workers must wait for it
+#   RAY_HEAD_START_DELAY_S   (tests) seconds the head waits before starting: the workers must wait for it
 
 RAY_PORT=${RAY_PORT:-6379}
 RAY_START_TIMEOUT=${RAY_START_TIMEOUT:-600}
@@ -147,9 +146,20 @@ ray_cluster_die_naming_nodes() {
     ray_cluster_die "$* on node(s) $(ray_cluster_failed_nodes): $(paste -sd';' "$RAY_FAILED_NODES")"
 }
 
+# Names in RAY_FAILED_NODES the nodes that did not say they passed KIND (slurm/ray_node.sh), with
+# WHY, unless they named their failure themselves; dies naming them all if any failed.
+ray_cluster_check_passed() {
+    local kind=$1 why=$2 node
+    for node in "${RAY_NODES[@]}"; do
+        [ -e "$RAY_LOG_DIR/$kind/$node.$RAY_RUN_TAG" ] || grep -q "^$node:" "$RAY_FAILED_NODES" 2>/dev/null \
+            || echo "$node: $why" >>"$RAY_FAILED_NODES"
+    done
+    [ ! -s "$RAY_FAILED_NODES" ] || ray_cluster_die_naming_nodes "the $kind step failed"
+}
+
 ray_cluster_preflight() {
-    ray_cluster_on_every_node bash "$RAY_CLUSTER_DIR/ray_node.sh" preflight \
-        || ray_cluster_die_naming_nodes "the preflight failed"
+    ray_cluster_on_every_node bash "$RAY_CLUSTER_DIR/ray_node.sh" preflight || true
+    ray_cluster_check_passed preflight "its preflight did not run to its end (see the job output)"
 }
 
 # Pyxis unpacks the image into the node's named container at the first step that names it; made
@@ -157,15 +167,11 @@ ray_cluster_preflight() {
 # is missing could not start the image.
 ray_cluster_make_containers() {
     [ "${CONTAINER:+$CONTAINER_RUNTIME}" = pyxis ] || return 0
-    local all node
+    local all
     all=$(IFS=,; echo "${RAY_NODES[*]}")
     ray_cluster_step "$all" "$RAY_NUM_NODES"
     "${RAY_STEP[@]}" bash "$RAY_CLUSTER_DIR/ray_node.sh" container || true
-    for node in "${RAY_NODES[@]}"; do
-        [ -e "$RAY_LOG_DIR/containers/$node.$RAY_RUN_TAG" ] \
-            || echo "$node: the container of $CONTAINER did not start (pyxis/enroot)" >>"$RAY_FAILED_NODES"
-    done
-    [ ! -s "$RAY_FAILED_NODES" ] || ray_cluster_die_naming_nodes "the image did not start"
+    ray_cluster_check_passed containers "the container of $CONTAINER did not start (pyxis/enroot)"
 }
 
 # `ray_node.sh ray RAY_ARGS...` as the step of NODES in the background, with more srun options after

@@ -62,9 +62,7 @@ run_ray() {
     local role=$1 status=0 try began start_failed=0 stopping=0
     shift
     trap "" USR1
-    if [ "$role" = head ] && [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then
-        sleep "${RAY_HEAD_START_DELAY_S:-0}"  # a test hook: the workers must wait for the head
-    fi
+    [ "$role" != head ] || sleep "${RAY_HEAD_START_DELAY_S:-0}"  # a test hook: the workers must wait for the head
     for try in $(seq "${RAY_START_RETRIES:-3}"); do
         began=$SECONDS
         ray start "$@" &
@@ -95,9 +93,15 @@ run_ray() {
     exit "$status"
 }
 
+# Says, on storage the batch shell sees, that this node got through $1 (a node that does not say
+# so failed, however: even where this script could not run).
+passed() {
+    mkdir -p "$RAY_LOG_DIR/$1" && : >"$RAY_LOG_DIR/$1/$NODE.$RAY_RUN_TAG"
+}
+
 case ${1:-} in
-    preflight) preflight ;;
-    container) mkdir -p "$RAY_LOG_DIR/containers" && : >"$RAY_LOG_DIR/containers/$NODE.$RAY_RUN_TAG" ;;
+    preflight) preflight && passed preflight ;;
+    container) passed containers ;;
     ray) shift; run_ray "$@" ;;
     *) echo "usage: $0 preflight | container | ray head|worker ARGS..." >&2; exit 2 ;;
 esac

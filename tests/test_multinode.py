@@ -244,8 +244,7 @@ def test_dapo_spans_two_nodes_learns_like_one_and_stops_before_its_time_limit(cl
     run has 3 minutes (checkpoint.save_by 110 s after its start) and is held (its driver SIGSTOPped
     after step 2) until that time passed: it stops by the clock before its next step, checkpoints
     before the limit and requeues; given 30 minutes, the next run resumes from that step and
-    redoes nothing. The first run's head is held 30 s (RAY_HEAD_START_DELAY_S, a test hook; the
-    run waits for its deadline anyway): the workers wait for its port, and the cluster forms."""
+    redoes nothing."""
     steps, margin_s = 20, 70
     job = cluster.submit(
         "dp2",
@@ -253,7 +252,6 @@ def test_dapo_spans_two_nodes_learns_like_one_and_stops_before_its_time_limit(cl
         sbatch_args=["--time=3"],
         FABRIC_IFNAME="ib0",
         SAVE_MARGIN_S=str(margin_s),
-        RAY_HEAD_START_DELAY_S="30",
     )
     try:
         placed = wait_for_line(job, r"actor: 2 worker\(s\) on 2 node\(s\)")
@@ -262,6 +260,9 @@ def test_dapo_spans_two_nodes_learns_like_one_and_stops_before_its_time_limit(cl
             NODES["n2"],
         }
         wait_for_line(job, r"nemo_dapo: step 2: ")
+        assert "nemo_dapo: step 2: " in run_section(job.log(), 0), (  # else the clock stopped it first
+            f"the first run stopped before step 2: its start-up took too long for its deadline\n{job.log()[-3000:]}"
+        )
         driver = int((cluster.work / "dp2" / "logs" / job.id / "trainer.r0.pid").read_text())
         os.kill(driver, signal.SIGSTOP)  # held, whatever the machine's speed, until its deadline passed
         for node in ("n1", "n2"):
@@ -279,7 +280,6 @@ def test_dapo_spans_two_nodes_learns_like_one_and_stops_before_its_time_limit(cl
         job.run("scancel", job.id)
     log, out = job.log(), cluster.work / "dp2" / "ckpt"
     assert "dapo: TERM_TIMEOUT=5 s (Slurm's KillWait is 10 s)" in log  # requeued before SIGKILL
-    assert len(re.findall(r"ray_cluster: ready at \S+: nodes 2/2", log)) == 2  # the first's head 30 s late
     stop = json.loads((out / "preemptions.jsonl").read_text().splitlines()[0])
     assert stop["signal"].startswith("checkpoint.save_by") and 1 <= stop["step"] < steps, stop
     assert "dapo: the trainer stopped before the job's end (checkpoint.save_by)" in run_section(log, 0)
@@ -449,18 +449,20 @@ def test_nemo_run_submits_through_its_local_tunnel_and_the_job_completes(cluster
     code, writes its batch script and submits it with sbatch; the job starts Ray over two nodes
     (torch policy ranks at DP=2, one per node) and completes, with the streaming trainer (its
     engine on one node streams while the ranks on both train). Its first node pair includes n2,
-    whose /tmp is read-only (a node alive but broken: Ray cannot make its session folder): that
-    start-up fails naming n2, goes through the requeue policy, and the requeued job excludes n2
-    and runs on n1 and n3."""
+    where a file stands at the path of Ray's session folder (a node alive but broken: Ray cannot
+    start there): that start-up fails naming n2, goes through the requeue policy, and the requeued
+    job excludes n2 and runs on n1 and n3. Its head is held 30 s there (RAY_HEAD_START_DELAY_S, a
+    test hook): the workers wait for its port, and the cluster forms."""
     home = cluster.work / "nemorun_home"  # not .../nemo_run/...: NeMo-Run rewrites that
     launch = [sys.executable, "-m", "nemo_dapo.cli", "launch", "--config", "tiny_cpu", "--executor", "slurm"]
     allocation = ["--nodes", "2", "--gpus-per-node", "0", "--time", "00:20:00", "--python", sys.executable]
     run = ["trainer.placement_strategy=SPREAD", "actor.num_workers=2", "trainer.cpu_threads_per_worker=1"]
     run += ["trainer.mode=stream"]
-    env = ["env", f"NEMORUN_HOME={home}", "NODE_MIN_FREE_GIB=1"]
-    # a read-only file system over n2's /tmp (stacked: a remount would fail while a file is open there)
+    ray_folder = "/tmp/ray_nemo_run_test"  # RAY_TEMP_DIR: the same path in every run of the job
+    env = ["env", f"NEMORUN_HOME={home}", "NODE_MIN_FREE_GIB=1", f"RAY_TEMP_DIR={ray_folder}"]
+    env += ["RAY_HEAD_START_DELAY_S=30"]
     cluster.wait_idle()
-    cluster.on("n2", "mount", "-t", "tmpfs", "-o", "ro,size=1m", "sick", "/tmp")
+    cluster.on("n2", "touch", ray_folder)  # n2's own /tmp: a file where Ray's folder must go
     try:
         printed = cluster.on("ctl", *env, *launch, *allocation, *run, "trainer.total_training_steps=3", *SMALL,
                              timeout=300)  # fmt: skip
@@ -474,8 +476,10 @@ def test_nemo_run_submits_through_its_local_tunnel_and_the_job_completes(cluster
         finally:
             job.run("scancel", job.id)
     finally:
-        cluster.on("n2", "umount", "-l", "/tmp")
-    assert "ray_cluster: the preflight failed on node(s) n2: n2: cannot make Ray's session folder" in job.log()
+        cluster.on("n2", "rm", "-f", ray_folder)
+    named = re.search(r"ray_cluster: the preflight step failed on node\(s\) n2: n2: (.*)", job.log())
+    assert named and ray_folder in named.group(1), job.log()[-3000:]
+    assert len(re.findall(r"ray_cluster: ready at \S+: nodes 2/2", job.log())) == 1  # its head 30 s late
     assert job.field("Restarts") == "1" and job.field("ExcNodeList") == "n2", job.log()[-3000:]
     logs = home / "experiments" / "nemo-dapo-tiny_cpu" / "logs"
     assert (logs / job.id / "crash_requeues").read_text().split()[0] == "1"  # counted for this job
