@@ -241,15 +241,15 @@ def check_ray_refuses_a_stranger(cluster: Cluster) -> None:
 def test_dapo_spans_two_nodes_learns_like_one_and_stops_before_its_time_limit(cluster, tmp_path):
     """Megatron DP=2 with one rank per node and a TP=2 engine: the first step's loss equals the same
     run's on one node, held-out accuracy rises, and the network rule holds on every node. Its first
-    run has 3 minutes (checkpoint.save_by 110 s after its start) and is held (its driver SIGSTOPped
-    after step 2) until that time passed: it stops by the clock before its next step, checkpoints
-    before the limit and requeues; given 30 minutes, the next run resumes from that step and
-    redoes nothing."""
-    steps, margin_s = 20, 70
+    run has 4 minutes (checkpoint.save_by 120 s after its start, a minute before the time limit's
+    USR1) and is held (its driver SIGSTOPped after step 2) until that time passed: it stops by the
+    clock before its next step, checkpoints before the limit and requeues; given 30 minutes, the
+    next run resumes from that step and redoes nothing."""
+    steps, margin_s = 20, 120
     job = cluster.submit(
         "dp2",
         [*TWO_NODES, f"trainer.total_training_steps={steps}", "trainer.save_freq=0"],
-        sbatch_args=["--time=3"],
+        sbatch_args=["--time=4"],
         FABRIC_IFNAME="ib0",
         SAVE_MARGIN_S=str(margin_s),
     )
@@ -284,7 +284,7 @@ def test_dapo_spans_two_nodes_learns_like_one_and_stops_before_its_time_limit(cl
     assert stop["signal"].startswith("checkpoint.save_by") and 1 <= stop["step"] < steps, stop
     assert "dapo: the trainer stopped before the job's end (checkpoint.save_by)" in run_section(log, 0)
     assert resumed_step(log, 1) == stop["step"]  # nothing redone
-    # each run's deadline: Slurm's end of the job (3, then 30 minutes after its start) less SAVE_MARGIN_S
+    # each run's deadline: Slurm's end of the job (4, then 30 minutes after its start) less SAVE_MARGIN_S
     first_by, last_by = (int(by) for by in re.findall(r"checkpoint\.save_by=(\d+)", log))  # two runs
     assert stop["time"] < first_by + margin_s, (stop, first_by)  # checkpointed before the time limit
     started = datetime.datetime.fromisoformat(job.field("StartTime")).timestamp()  # the last run's start
