@@ -40,6 +40,7 @@ from nemo_dapo.cluster.worker_group import WorkerGroup
 from nemo_dapo.config.schema_actor import MegatronConfig, OptimConfig
 from nemo_dapo.model.tiny import ensure_tiny_model
 from nemo_dapo.policy.base import WorkerSettings
+from nemo_dapo.sealed_store import new_secret
 
 
 def build_model(hidden: int, layers: int, folder: Path) -> int:
@@ -92,9 +93,10 @@ def across_nodes_broadcast(group, total_bytes: int, bucket_bytes: int) -> float:
 
     address = ray.get(ray.remote(ray.util.get_node_ip_address).options(num_cpus=1, **on(0)).remote())
     rank = ray.remote(_broadcast_rank)
-    port = 29517
+    port, secret = 29517, new_secret()
     ranks = [
-        rank.options(num_cpus=1, **on(b)).remote(b, 2, port, total_bytes, bucket_bytes, None, address) for b in (0, 1)
+        rank.options(num_cpus=1, **on(b)).remote(b, 2, port, total_bytes, bucket_bytes, None, secret, address)
+        for b in (0, 1)
     ]
     return ray.get(ranks[0])
 
@@ -103,14 +105,14 @@ def plain_broadcast(total_bytes: int, bucket_bytes: int, receivers: int) -> floa
     """Seconds for a bare gloo broadcast of ``total_bytes`` in buckets, rank 0 to ``receivers``."""
     import torch.multiprocessing as mp
 
-    port = _free_port()
+    port, secret = _free_port(), new_secret()
     context = mp.get_context("spawn")
-    procs = [context.Process(target=_broadcast_rank, args=(r, receivers + 1, port, total_bytes, bucket_bytes, None))
-             for r in range(1, receivers + 1)]  # fmt: skip
+    procs = [context.Process(target=_broadcast_rank, args=(r, receivers + 1, port, total_bytes, bucket_bytes, None,
+                                                           secret)) for r in range(1, receivers + 1)]  # fmt: skip
     for proc in procs:
         proc.start()
     result = context.Queue()
-    _broadcast_rank(0, receivers + 1, port, total_bytes, bucket_bytes, result)
+    _broadcast_rank(0, receivers + 1, port, total_bytes, bucket_bytes, result, secret)
     for proc in procs:
         proc.join()
     return result.get()
@@ -125,8 +127,10 @@ def _free_port() -> int:
 
 
 def _broadcast_rank(
-    rank: int, world: int, port: int, total: int, bucket: int, result, host: str = "127.0.0.1"
+    rank: int, world: int, port: int, total: int, bucket: int, result, secret: str, host: str = "127.0.0.1"
 ) -> float | None:
+    """One rank of the bare broadcast; rank 0 serves the store, whose keys the ranks seal with
+    ``secret`` (nemo_dapo/sealed_store.py), as every group's ranks do."""
     import torch
 
     from nemo_dapo.transfer.gloo import gloo_group
@@ -136,7 +140,7 @@ def _broadcast_rank(
         import torch.distributed as dist
 
         server = dist.TCPStore(host, port, world, True)  # noqa: F841 (served while the group forms)
-    group = gloo_group(f"tcp://{host}:{port}", rank, world, 600)
+    group = gloo_group(f"tcp://{secret}@{host}:{port}", rank, world, 600)
     buffer = torch.ones(bucket, dtype=torch.uint8)
     broadcast(group, buffer)  # connections warm
     start = time.perf_counter()

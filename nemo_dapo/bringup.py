@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from nemo_dapo.algo import metric_names as mn
+from nemo_dapo.errors import InputError
 from nemo_dapo.launch.plot import read_records
 from nemo_dapo.trainer.checkpoint import CheckpointError, CheckpointManager, verify
 
@@ -89,9 +90,9 @@ def check_stops(run_dir: Path, signal_sent: float | None = None, stop_within: fl
     been written (step finished, checkpoint saved) within ``stop_within`` seconds, the signal's
     lead before the time limit (``--signal=B:USR1@600``)."""
     path = run_dir / "preemptions.jsonl"
-    if not path.exists():
+    stops = read_stops(path) if path.exists() else []
+    if not stops:
         return Check("stop", None if signal_sent is None else False, "no stop recorded (USR1 or checkpoint.save_by)")
-    stops = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     said = "; ".join(f"step {s['step']} by {s['signal']}" for s in stops)
     last = stops[-1]
     newest = max((step for step, _ in CheckpointManager(run_dir / "checkpoints").step_folders()), default=-1)
@@ -111,9 +112,33 @@ def check_stops(run_dir: Path, signal_sent: float | None = None, stop_within: fl
     return Check("stop", True, said)
 
 
+def read_stops(path: Path) -> list[dict]:
+    """The stops ``preemptions.jsonl`` records; a line that is not one is refused, naming it."""
+    stops = []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            stop = json.loads(line)
+        except ValueError:
+            stop = None
+        if not isinstance(stop, dict) or not {"step", "signal", "time", "checkpoint"} <= stop.keys():
+            raise InputError(
+                f"{path} line {number}: not a stop record ({line[:80]!r}); a run killed while it recorded a stop "
+                "leaves a partial last line: delete that line, then run nemo-dapo bringup again"
+            )
+        stops.append(stop)
+    return stops
+
+
 def check_fabric(job_log: Path | None) -> Check:
     if job_log is None:
         return Check("fabric", None, "no job log given (--job-log)")
+    if not job_log.is_file():
+        raise InputError(
+            f"--job-log {job_log}: no such file; give the Slurm job's output file (sbatch --output; "
+            "slurm-<job id>.out by default), or leave --job-log out"
+        )
     text = job_log.read_text(encoding="utf-8", errors="replace")
     if NCCL_SOCKET.search(text):
         return Check(

@@ -60,15 +60,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from nemo_dapo.trainer.export import base_model_of, export_hf
 
-    from nemo_dapo.config import from_yaml
-    from nemo_dapo.trainer.assembly import resolve_paths
-    from nemo_dapo.trainer.export import export_hf
-
-    tokenizer = (
-        args.tokenizer or resolve_paths(from_yaml((Path(args.checkpoint) / "config.yaml").read_text())).model.path
-    )
+    tokenizer = args.tokenizer or base_model_of(args.checkpoint)
     print(export_hf(args.checkpoint, tokenizer, args.output, overwrite=args.overwrite))
     return 0
 

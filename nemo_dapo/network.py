@@ -10,7 +10,9 @@ traffic leaves Ray's management network. Settings already in the environment
 
 A group's ranks meet at a torch.distributed TCPStore that the driver serves on its node's
 address (:class:`Rendezvous`), never through files: a shared file system's locks (which a
-FileStore needs) may not hold across nodes.
+FileStore needs) may not hold across nodes. The store has no authentication of its own: the
+ranks seal what they keep there with a secret of the group's (:mod:`nemo_dapo.sealed_store`),
+which reaches them inside the rendezvous URL through Ray calls and is never logged.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import datetime
 import ipaddress
 import os
 import socket
+from urllib.parse import urlsplit
 
 LOOPBACK = "127.0.0.1"
 
@@ -85,10 +88,14 @@ class Rendezvous:
     """A TCPStore served by this process (the driver) for one group's ranks, listening on its own
     address only (:func:`own_address`: the fabric's when there is one). The socket is bound here
     and handed to the store, whose own server would listen on every interface. ``url`` is what
-    the ranks get; :meth:`close` stops it."""
+    the ranks get, through Ray calls only: ``tcp://<secret>@host:port``, the group's secret
+    (:func:`~nemo_dapo.sealed_store.new_secret`) with it, so it is never logged; ``address``
+    (``host:port``) is what may be shown. :meth:`close` stops it."""
 
     def __init__(self) -> None:
         import torch.distributed as dist
+
+        from nemo_dapo.sealed_store import new_secret
 
         address = own_address()
         family = socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
@@ -100,21 +107,31 @@ class Rendezvous:
             address, port, None, True, STORE_TIMEOUT, wait_for_workers=False, master_listen_fd=listener.fileno()
         )
         listener.detach()  # the store owns the socket now, and closes it with itself
-        self.url = f"tcp://[{address}]:{port}" if family == socket.AF_INET6 else f"tcp://{address}:{port}"
+        self.address = f"[{address}]:{port}" if family == socket.AF_INET6 else f"{address}:{port}"
+        self.url = f"tcp://{new_secret()}@{self.address}"
 
     def close(self) -> None:
         self._store = None
 
 
 def join_store(rendezvous: str, world_size: int):
-    """The store a rank meets its group at: ``tcp://host:port`` (a :class:`Rendezvous`), or the
-    path of a FileStore for ranks of one machine started without a driver (tests, benches)."""
+    """The store a rank meets its group at: a :class:`Rendezvous` URL, every key and value sealed
+    with the group's secret (:class:`~nemo_dapo.sealed_store.SealedStore`), or the path of a
+    FileStore for ranks of one machine started without a driver (tests, benches)."""
     import torch.distributed as dist
 
     if not rendezvous.startswith("tcp://"):
         return dist.FileStore(rendezvous, world_size)
-    host, _, port = rendezvous.removeprefix("tcp://").rpartition(":")
-    return dist.TCPStore(host.strip("[]"), int(port), world_size, False, STORE_TIMEOUT)
+    from nemo_dapo.sealed_store import SealedStore
+
+    parts = urlsplit(rendezvous)
+    if not parts.username or parts.hostname is None or parts.port is None:
+        where = parts.netloc.rpartition("@")[2]  # never the secret
+        raise ValueError(
+            f"rendezvous {where!r}: not tcp://<secret>@host:port (a Rendezvous URL, with the group's secret)"
+        )
+    client = dist.TCPStore(parts.hostname, parts.port, world_size, False, STORE_TIMEOUT)
+    return SealedStore(client, parts.username)
 
 
 def join_group(rank: int, world_size: int, rendezvous: str, backend: str | None = None) -> None:
@@ -127,7 +144,11 @@ def join_group(rank: int, world_size: int, rendezvous: str, backend: str | None 
     use_node_network()
     if dist.is_initialized():
         return
+    from nemo_dapo.sealed_store import held_while
+
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, store=join_store(rendezvous, world_size), rank=rank, world_size=world_size)
+    store = join_store(rendezvous, world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    held_while(dist.group.WORLD, store)  # Megatron's groups are made through it too

@@ -11,8 +11,9 @@
 # exits with CMD's status.
 #
 # Start-up, in order (a failing step exits 1 naming what failed):
-#   1. every node's preflight, one blocking step outside any container (slurm/ray_node.sh): Ray's
-#      session folder made, free space, the fabric's interface, GPUs and driver, NODE_CHECK;
+#   1. every node's preflight, one blocking step outside any container (slurm/ray_node.sh): the
+#      job's private folders (RAY_TEMP_DIR, NODE_CACHE_DIR) made or checked, free space, the
+#      fabric's interface, GPUs and driver, NODE_CHECK;
 #   2. pyxis: the job's named container created on every node in one blocking step, so no later
 #      step races another into unpacking the image;
 #   3. the head; the workers only once the head's port answers (probed from the batch shell,
@@ -31,7 +32,10 @@
 #   RAY_START_RETRIES=3      tries of a worker's `ray start` before its node is given up; a try that
 #   RAY_START_FAIL_S=60      fails by itself within this many seconds is a start failure (retried)
 #   RAY_HEAD_IP              address the nodes reach the head at (default: what its node name resolves to)
-#   RAY_TEMP_DIR             Ray's session folder (default /tmp/ray_<jobid>: never the one a local Ray uses)
+#   RAY_TEMP_DIR             the job's folder on each node (default /tmp/ray_<jobid>: never the one a local
+#                            Ray uses), this user's alone (mode 0700, checked); Ray's session folder is
+#                            its ray/ (Ray makes that writable by everyone: only the folder around it is
+#                            private)
 #   PYTHON=python3           the interpreter in the container (the readiness check)
 #   CONTAINER                image to run in: pyxis/enroot (docker://..., .sqsh) or an Apptainer .sif
 #   CONTAINER_RUNTIME=pyxis  pyxis | apptainer | podman (rootful, the node's network, processes and /dev/shm)
@@ -185,7 +189,7 @@ ray_cluster_start_ray() {
 
 ray_cluster_start_head() {
     RAY_ARGS=(head --head --block --node-ip-address="$RAY_HEAD_IP" --port="$RAY_PORT"
-        --num-cpus="$RAY_CPUS_PER_NODE" --num-gpus="$RAY_GPUS_PER_NODE" --temp-dir="$RAY_TEMP_DIR"
+        --num-cpus="$RAY_CPUS_PER_NODE" --num-gpus="$RAY_GPUS_PER_NODE" --temp-dir="$RAY_TEMP_DIR/ray"
         --include-dashboard=false --disable-usage-stats)
     ray_cluster_start_ray "$RAY_HEAD_NODE" 1 "$RAY_LOG_DIR/ray-head.$RAY_RUN_TAG.log"
     RAY_HEAD_PID=$RAY_STEP_PID
@@ -211,7 +215,7 @@ ray_cluster_start_workers() {
     local workers
     workers=$(IFS=,; echo "${RAY_NODES[*]:1}")
     RAY_ARGS=(worker --block --address="$RAY_ADDRESS" --num-cpus="$RAY_CPUS_PER_NODE"
-        --num-gpus="$RAY_GPUS_PER_NODE" --temp-dir="$RAY_TEMP_DIR" --disable-usage-stats)
+        --num-gpus="$RAY_GPUS_PER_NODE" --temp-dir="$RAY_TEMP_DIR/ray" --disable-usage-stats)
     ray_cluster_start_ray "$workers" $((RAY_NUM_NODES - 1)) "$RAY_LOG_DIR/ray-workers.$RAY_RUN_TAG.log" \
         --kill-on-bad-exit=1
     RAY_WORKERS_PID=$RAY_STEP_PID

@@ -10,7 +10,7 @@
 # (slurm/requeue_policy.sh). Settings come from the job's environment (slurm/ray_cluster.sh):
 # RAY_TEMP_DIR, RAY_LOG_DIR, RAY_RUN_TAG, RAY_FAILED_NODES, RAY_GPUS_PER_NODE, RAY_ADDRESS,
 # RAY_START_RETRIES, RAY_START_FAIL_S, NODE_MIN_FREE_GIB, MIN_DRIVER, FABRIC_IFNAME, NODE_CHECK,
-# RAY_HEAD_START_DELAY_S.
+# RAY_HEAD_START_DELAY_S, NODE_CACHE_DIR (slurm/site_env.sh).
 set -uo pipefail
 
 NODE=${SLURMD_NODENAME:-$(uname -n)}
@@ -21,10 +21,30 @@ failed() {
     exit 1
 }
 
+# A node-local folder of this user's alone: made here with mode 0700, or reused only when it is
+# this user's, no link, and writable by no one else (then closed to 0700). /tmp is everyone's:
+# a folder someone else made first, or one others could write, may hold planted files that the
+# job then runs or trusts (TorchInductor's cache holds pickles; Ray's session folder, which Ray
+# makes writable by everyone, its sockets and runtime environments). $2: the setting naming it.
+private_folder() {
+    local folder=$1 setting=$2
+    if [ ! -e "$folder" ] && [ ! -L "$folder" ]; then
+        mkdir -p "$(dirname "$folder")" 2>/dev/null
+        mkdir -m 0700 "$folder" 2>/dev/null || [ -e "$folder" ] || failed "cannot make $folder ($setting)"
+    fi
+    if [ ! -d "$folder" ] || [ -L "$folder" ] || [ "$(stat -c %u "$folder")" != "$(id -u)" ] \
+        || [ $((8#$(stat -c %a "$folder") & 8#022)) -ne 0 ]; then
+        failed "$folder: not a folder of $(id -un)'s that only $(id -un) can write (someone else's, a link, or" \
+            "one others could write may hold planted files); remove it, or set $setting to a new path"
+    fi
+    chmod 0700 "$folder" || failed "cannot make $folder private (chmod 0700)"
+}
+
 # The node's own health, before anything of the job starts there: a sick node is named and
 # excluded instead of being handed the requeued job again.
 preflight() {
-    mkdir -p "$RAY_TEMP_DIR" 2>/dev/null || failed "cannot make Ray's session folder $RAY_TEMP_DIR"
+    private_folder "$RAY_TEMP_DIR" RAY_TEMP_DIR
+    [ -z "${NODE_CACHE_DIR:-}" ] || private_folder "$NODE_CACHE_DIR" NODE_CACHE_DIR
     local free_kib need_kib=$((${NODE_MIN_FREE_GIB:-20} * 1024 * 1024))
     free_kib=$(df -Pk "$RAY_TEMP_DIR" | awk 'NR == 2 {print $4}')
     [ "${free_kib:-0}" -ge "$need_kib" ] \
@@ -87,7 +107,7 @@ run_ray() {
         sleep 2
     done
     local keep=$RAY_LOG_DIR/nodes/$NODE/$RAY_RUN_TAG
-    mkdir -p "$keep" && timeout 15 cp -r "$RAY_TEMP_DIR/session_latest/logs/." "$keep/" 2>/dev/null
+    mkdir -p "$keep" && timeout 15 cp -r "$RAY_TEMP_DIR/ray/session_latest/logs/." "$keep/" 2>/dev/null
     [ "$start_failed" -eq 0 ] || failed "ray start failed ${RAY_START_RETRIES:-3} times (last exit $status):" \
         "see $RAY_LOG_DIR/ray-workers.$RAY_RUN_TAG.log"
     exit "$status"

@@ -17,7 +17,8 @@
 #   HF_HUB_OFFLINE=1         the nodes read HF_MODEL from disk and never ask the hub
 #   NODE_CACHE_DIR=/tmp/nemo-dapo-cache-$USER   node-local caches, never on shared storage (where 128
 #                            ranks would contend) nor in HOME (often a small quota): Triton,
-#                            TorchInductor, vLLM, CUDA's JIT, torch extensions, Hugging Face, XDG
+#                            TorchInductor, vLLM, CUDA's JIT, torch extensions, Hugging Face, XDG;
+#                            this user's alone (each node's preflight makes it 0700, or refuses it)
 #   open files: the soft limit is raised to the hard one (Ray and NCCL open many sockets)
 # CUDA_DEVICE_MAX_CONNECTIONS=1, which Megatron's communication overlap needs, is set for the
 # training ranks alone (nemo_dapo/trainer/assembly.py): the engines keep CUDA's default.
@@ -34,7 +35,7 @@ if [ -r "${NCCL_CONF:-/etc/nccl.conf}" ]; then
     done < <(sed -e 's/#.*//' -e 's/[[:space:]]*$//' "${NCCL_CONF:-/etc/nccl.conf}")
 fi
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
-NODE_CACHE_DIR=${NODE_CACHE_DIR:-/tmp/nemo-dapo-cache-${USER:-$(id -un)}}
+export NODE_CACHE_DIR=${NODE_CACHE_DIR:-/tmp/nemo-dapo-cache-${USER:-$(id -un)}}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$NODE_CACHE_DIR/triton}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$NODE_CACHE_DIR/inductor}
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$NODE_CACHE_DIR/vllm}

@@ -305,6 +305,15 @@ def test_a_rollback_given_to_a_job_applies_to_its_first_run_only(tmp_path, monke
     resumed = manager.resolve_resume(str(tmp_path / "global_step_1"))  # the requeued run, same arguments
     assert resumed.name == "global_step_3" and (resumed / "policy" / "weights.bin").read_bytes() == b"new branch 3"
     assert len(list((tmp_path / "abandoned").iterdir())) == 1  # nothing set aside a second time
+    # the new branch goes on past retention, which prunes the rollback's target: a requeue still
+    # starts (the path is the job's own, applied) and resumes from the newest checkpoint
+    pruning = CheckpointManager(tmp_path, keep_last=2)
+    pruning.save(4, writer(b"new branch 4"))
+    assert not (tmp_path / "global_step_1").exists() and pruning.applied_in_this_job(str(tmp_path / "global_step_1"))
+    pruning.refuse_missing_resume(str(tmp_path / "global_step_1"))
+    assert pruning.resolve_resume(str(tmp_path / "global_step_1")).name == "global_step_4"
     monkeypatch.setenv("SLURM_JOB_ID", "8")  # a new submission rolls back again
-    assert manager.resolve_resume(str(tmp_path / "global_step_1")).name == "global_step_1"
-    assert len(list((tmp_path / "abandoned").iterdir())) == 2 and [s for s, _ in manager.step_folders()] == [1]
+    with pytest.raises(CheckpointError, match="checkpoint.resume"):  # pruned: nothing to roll back to
+        manager.refuse_missing_resume(str(tmp_path / "global_step_1"))
+    assert manager.resolve_resume(str(tmp_path / "global_step_3")).name == "global_step_3"
+    assert len(list((tmp_path / "abandoned").iterdir())) == 2 and [s for s, _ in manager.step_folders()] == [3]

@@ -23,9 +23,9 @@ def test_a_silent_or_dead_worker_fails_the_call_naming_group_call_and_rank(local
     )
     try:
         assert stuck.call_all(Napper.nap, 0.1) == [0, 1]
-        served = {int(group._rendezvous.url.rsplit(":", 1)[1]) for group in (stuck, crashed)}
+        served = {int(group._rendezvous.address.rsplit(":", 1)[1]) for group in (stuck, crashed)}
         assert served <= store_ports() - before and all(
-            group._rendezvous.url.startswith("tcp://127.0.0.1:") for group in (stuck, crashed)
+            group._rendezvous.address.startswith("127.0.0.1:") for group in (stuck, crashed)
         )
         with pytest.raises(
             RemoteCallError,

@@ -1,17 +1,21 @@
 """Checkpoint files load without running anything: a planted pickle is refused, naming the file."""
 
+import dataclasses
+import os
 import pickle
 
 import numpy as np
 import pytest
 import torch
 
+from nemo_dapo.errors import InputError
 from nemo_dapo.safe_load import (
     CHECKED_ITEMS,
     UnsafeCheckpointFile,
     _MetadataUnpickler,
     checked_distributed_checkpoint,
     load_state,
+    refuse_unsafe_distributed_checkpoint,
 )
 from tests.planted import Planted, UnpicklesAFile, dotted_name_payload
 
@@ -38,11 +42,12 @@ def test_trainer_and_rng_states_load_and_a_planted_pickle_does_not_run(tmp_path)
     assert not marker.exists()
 
 
-def _dcp_folder(tmp_path, extra):
+def _dcp_folder(tmp_path, extra, weight=None):
     import torch.distributed.checkpoint as dcp
 
     folder = tmp_path / "megatron"
-    dcp.save({"weight": torch.arange(4.0), "extra": extra}, checkpoint_id=str(folder), no_dist=True)
+    weight = torch.arange(4.0) if weight is None else weight
+    dcp.save({"weight": weight, "extra": extra}, checkpoint_id=str(folder), no_dist=True)
     return folder
 
 
@@ -88,3 +93,40 @@ def test_a_distributed_checkpoint_that_would_run_code_is_refused_and_runs_nothin
         with checked_distributed_checkpoint(folder):
             pass
     assert not marker.exists()
+
+
+def _store_weight_at(folder, where):
+    """Rewrite the folder's .metadata so that the tensor item ``weight`` is read from ``where``."""
+    metadata = _MetadataUnpickler(open(folder / ".metadata", "rb")).load()
+    for index, info in metadata.storage_data.items():
+        if index.fqn == "weight":
+            metadata.storage_data[index] = dataclasses.replace(info, relative_path=str(where))
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.timeout(60)  # unrefused, the FIFO case blocks in the load: a failure, not a hang
+@pytest.mark.parametrize("place", ["absolute path", "parent folder", "link", "fifo"])
+def test_a_tensor_item_stored_outside_the_checkpoint_is_refused_before_anything_is_read(tmp_path, place):
+    """A planted .metadata that stores a tensor item in another checkpoint's file (by an absolute
+    path, through ``..`` or a link) or in a FIFO: refused (exit 2) naming the item, by the check
+    before Ray and by the load; unrefused, the load reads the other checkpoint's tensor or waits forever."""
+    other = _dcp_folder(tmp_path / "other", {"n": 1}, weight=torch.full((4,), 7.0))
+    folder = _dcp_folder(tmp_path / "planted", {"n": 3})
+    other_file = next(other.glob("*.distcp"))
+    if place == "absolute path":
+        _store_weight_at(folder, other_file)
+    elif place == "parent folder":
+        _store_weight_at(folder, os.path.relpath(other_file, folder))
+    elif place == "link":
+        (folder / "elsewhere.distcp").symlink_to(other_file)
+        _store_weight_at(folder, "elsewhere.distcp")
+    else:
+        os.mkfifo(tmp_path / "fifo")
+        _store_weight_at(folder, tmp_path / "fifo")
+    refused = r"elsewhere\.distcp: not a plain file" if place == "link" else r"\.metadata: item weight is stored at"
+    with pytest.raises(UnsafeCheckpointFile, match=refused) as before_ray:
+        refuse_unsafe_distributed_checkpoint(folder)
+    assert isinstance(before_ray.value, InputError) and "resume from another one" in str(before_ray.value)
+    with pytest.raises(UnsafeCheckpointFile, match=refused):
+        with checked_distributed_checkpoint(folder) as checked:
+            _load(checked)

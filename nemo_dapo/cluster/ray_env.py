@@ -6,12 +6,20 @@ Locally every Ray process must listen on loopback only. Ray picks the NIC addres
 torch.distributed in the workers are pointed at loopback through the same environment. On a
 cluster nothing network-related is forwarded from the driver: each worker picks its own node's
 address (:mod:`nemo_dapo.network`).
+
+A local Ray keeps its sessions in a folder of this user's alone (:func:`private_ray_folder`),
+not in ``/tmp/ray``: Ray makes its folders writable by everyone, and files planted there (a
+session's runtime environment, its sockets) would reach our workers.
 """
 
 from __future__ import annotations
 
 import os
+import stat
+import tempfile
+from pathlib import Path
 
+from nemo_dapo.errors import InputError
 from nemo_dapo.network import LOOPBACK
 
 # every worker, on one machine or on a cluster
@@ -73,8 +81,35 @@ def init_ray(num_cpus: int | None = None, namespace: str = "nemo_dapo", num_gpus
             runtime_env=runtime_env,
             log_to_driver=True,
             configure_logging=False,
+            _temp_dir=str(private_ray_folder()),
         )
     return ray
+
+
+def private_folder(folder: Path, setting: str) -> Path:
+    """``folder``, made with mode 0700, or reused only when it is this user's, no link, and
+    writable by no one else (then closed to 0700); anything else is refused, naming ``setting``,
+    the setting that chooses another place. A temporary folder is everyone's: a folder someone
+    else made first, or one others could write, may hold planted files."""
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        pass  # reused only if it passes the check below
+    info = folder.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise InputError(
+            f"{folder}: not a folder of this user's that only this user can write (someone else's, a link, or "
+            f"one others could write may hold planted files); remove it, or set {setting} to another folder"
+        )
+    folder.chmod(0o700)
+    return folder
+
+
+def private_ray_folder() -> Path:
+    """A local Ray's temporary folder: ``ray/`` inside this user's private folder in the
+    temporary folder (``$TMPDIR``, else ``/tmp``). Ray makes ``ray/`` writable by everyone; the
+    folder around it keeps everyone else out."""
+    return private_folder(Path(tempfile.gettempdir()) / f"nemo-dapo-{os.getuid()}", "TMPDIR") / "ray"
 
 
 def _package_root() -> str:

@@ -248,7 +248,9 @@ class WorkerGroup:
         from ray._private.worker import global_worker
 
         node = getattr(global_worker, "node", None)  # None when attached to a remote cluster
-        folder = f"{node.get_session_dir_path()}/logs" if node else "the head node's /tmp/ray/session_latest/logs"
+        folder = (
+            f"{node.get_session_dir_path()}/logs" if node else "the head node's $RAY_TEMP_DIR/ray/session_latest/logs"
+        )
         return f"their logs: {folder} (worker-*.err)"
 
     def gpu_ids(self) -> list[list]:

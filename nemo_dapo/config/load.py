@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -44,12 +45,30 @@ def read_preset(name_or_path: str, seen: tuple[str, ...] = ()) -> DictConfig:
     path = preset_path(name_or_path)
     if str(path) in seen:
         raise ConfigError(f"presets include each other in a loop: {' -> '.join(seen + (str(path),))}")
-    raw = OmegaConf.load(path)
+    raw = read_settings(path)
     parents = raw.pop("defaults", [])
     merged = OmegaConf.create()
     for parent in parents:
         merged = OmegaConf.merge(merged, read_preset(str(parent), seen + (str(path),)))
     return OmegaConf.merge(merged, raw)
+
+
+def read_settings(path: Path) -> DictConfig:
+    """One YAML file's settings: a file that does not parse, holds a tag (``!!python/...``: a config
+    holds plain values, nothing is constructed) or is not a mapping at the top is refused, naming it."""
+    try:
+        raw = OmegaConf.load(path)
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise ConfigError(
+            f"config {path}: not a YAML file of plain settings: {err}\nfix the place named (an unclosed "
+            "bracket or quote, a tab in the indentation, a '!!' tag: a config holds plain values only)"
+        ) from None
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(
+            f"config {path}: its top level is a list; a config is a mapping of sections to their settings, "
+            "e.g. `trainer: {total_training_steps: 3}` (drop the leading '- ')"
+        )
+    return raw
 
 
 def load_config(
@@ -151,6 +170,20 @@ def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def from_yaml(text: str) -> Config:
-    merged = OmegaConf.merge(OmegaConf.structured(Config), without_retired(OmegaConf.create(text)))
-    return validate(resolve_auto(OmegaConf.to_object(merged)))
+def from_yaml(text: str, source: str = "the saved config") -> Config:
+    """A config saved with a run or a checkpoint (``source`` names it), loaded with registry names
+    only: whoever could write the file chose what a ``module:name`` there would import, so one is
+    refused, naming the key (a user's own config, :func:`load_config`, may name their module)."""
+    try:
+        given = OmegaConf.create(text)
+        if not isinstance(given, DictConfig):
+            raise ConfigError(f"{source}: not a mapping of settings")
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), without_retired(given)))
+    except (OmegaConfBaseException, yaml.YAMLError) as err:
+        raise ConfigError(f"{source}: {err}") from None
+    if ":" in cfg.actor.policy_loss:
+        raise ConfigError(
+            f"{source}: actor.policy_loss={cfg.actor.policy_loss!r} names a module to import; a config read "
+            "from a run or a checkpoint never imports one (whoever could write the folder would choose the code)"
+        )
+    return validate(resolve_auto(cfg))

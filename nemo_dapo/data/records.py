@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nemo_dapo.errors import InputError
@@ -55,34 +56,78 @@ def read_records(paths: str | Path | Sequence[str | Path]) -> list[PromptRecord]
     return records
 
 
-def _iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    """Yield ``(location, row)`` pairs, choosing the reader from the file extension."""
+def check_readable(paths: Sequence[str | Path]) -> None:
+    """Each file is there and reads as its format, cheaply (a parquet file's footer, a jsonl file's
+    bytes as UTF-8): ``nemo-dapo train`` asks before Ray starts, and reads the rows while its
+    workers load, so a file no row can come from is refused before anything starts."""
+    for path in map(Path, paths):
+        if _format_of(path) == ".parquet":
+            try:
+                pq.read_metadata(path)
+            except pa.ArrowInvalid as error:
+                raise _not_parquet(path, error) from None
+        else:
+            for _ in _utf8_lines(path):
+                pass
+
+
+def _format_of(path: Path) -> str:
+    """The file's format by its extension, once the file is known to be there."""
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file not found")
     suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        for row_index, row in enumerate(pq.read_table(path).to_pylist()):
-            yield f"{path} row {row_index}", row
-    elif suffix == ".jsonl":
-        yield from _iter_jsonl_rows(path)
-    else:
+    if suffix not in (".parquet", ".jsonl"):
         raise DatasetError(f"{path}: unsupported file extension {suffix!r}; expected .parquet or .jsonl")
+    return suffix
+
+
+def _not_parquet(path: Path, error: Exception) -> DatasetError:
+    return DatasetError(
+        f"{path}: not a parquet file pyarrow can read ({error}); write it with pandas' to_parquet or "
+        "pyarrow, or give the rows as a .jsonl file"
+    )
+
+
+def _iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """Yield ``(location, row)`` pairs, choosing the reader from the file extension."""
+    if _format_of(path) == ".jsonl":
+        yield from _iter_jsonl_rows(path)
+        return
+    try:
+        table = pq.read_table(path)
+    except pa.ArrowInvalid as error:
+        raise _not_parquet(path, error) from None
+    for row_index, row in enumerate(table.to_pylist()):
+        yield f"{path} row {row_index}", row
+
+
+def _utf8_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """The file's lines, numbered from 1, as UTF-8 text; a line that is not is refused, naming it."""
+    with path.open("rb") as lines:
+        for line_number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DatasetError(
+                    f"{path} line {line_number}: not UTF-8 text (byte {raw[error.start : error.start + 1]!r} at "
+                    f"column {error.start + 1}); save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                ) from None
+            yield line_number, line
 
 
 def _iter_jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
     """Rows are the non-blank lines; the location also gives the 1-based line number for editors."""
     row_index = 0
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            location = f"{path} row {row_index} (line {line_number})"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DatasetError(f"{location}: invalid JSON ({error.msg})") from error
-            yield location, row
-            row_index += 1
+    for line_number, line in _utf8_lines(path):
+        if not line.strip():
+            continue
+        location = f"{path} row {row_index} (line {line_number})"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DatasetError(f"{location}: invalid JSON ({error.msg})") from error
+        yield location, row
+        row_index += 1
 
 
 def validate_row(row: Any, location: str) -> PromptRecord:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass, replace
 
@@ -291,6 +292,18 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def above_zero(text: str) -> float:
+    """An argument that sizes something (GiB, GB/s): a finite number above 0; anything else is
+    refused by argparse, naming the argument (exit 2), rather than planned on or divided by."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} is not a size: give a number above 0")
+    return value
+
+
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("plan", help="per-GPU memory of a preset's layout; refuses layouts that cannot fit")
     parser.add_argument("config", help="preset name in conf/ or a YAML path")
@@ -303,7 +316,7 @@ def add_parser(subparsers) -> None:
         help="GPU model: its memory as CUDA reports it (H800 and H100: 79.65 GiB, H20: 95.58, H200: 140.40); "
         "default: the config's trainer.gpu_model, else H800",
     )
-    parser.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU in GiB, for a model --gpu lacks")
+    parser.add_argument("--gpu-memory-gib", type=above_zero, help="memory of one GPU in GiB, for a model --gpu lacks")
     parser.add_argument(
         "--min-headroom-gib",
         type=float,
@@ -318,7 +331,7 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--storage-gb-per-s",
-        type=float,
+        type=above_zero,
         default=5.0,
         help="the shared storage's write speed for one job's checkpoint (an assumption: measure it with the "
         "bring-up ladder's checkpoint drill, docs/cluster.md)",

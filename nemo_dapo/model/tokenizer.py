@@ -115,16 +115,24 @@ def build_tokenizer(
 def load_tokenizer(model_path: str):
     """The model folder's tokenizer, with a pad token: batches are padded (the masks make the pad
     value irrelevant), and tokenizers such as Llama 3's or Mistral's declare none. Those pad with
-    their EOS token, chosen here once for the whole run and said in the log."""
+    their EOS token, chosen here once for the whole run and said in the log. One without a chat
+    template is refused: every prompt is a list of chat messages, which only a template makes text."""
     import logging
 
     from transformers import AutoTokenizer
 
+    from nemo_dapo.errors import InputError
+
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if not tokenizer.chat_template:
+        raise InputError(
+            f"{model_path}: its tokenizer has no chat template, and the prompts (each row's 'prompt') are chat "
+            "messages, which only a template turns into the model's text: give model.path (eval: --model) a folder "
+            "whose tokenizer has one (the model's chat or instruct release), or add the template to this folder "
+            "(a chat_template.jinja file, or 'chat_template' in tokenizer_config.json)"
+        )
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
-            from nemo_dapo.errors import InputError
-
             raise InputError(f"{model_path}: the tokenizer has neither a pad nor an EOS token; add a pad token to it")
         tokenizer.pad_token = tokenizer.eos_token
         logging.getLogger(__name__).info(

@@ -4,8 +4,9 @@ A thread of the engine's actor steps the engine whenever it has work; the driver
 groups, take finished ones, load weights, validation's ``generate``) run on the actor's other
 threads and meet the stepping thread between two steps, through one condition. Loading weights
 there is the in-process form of vLLM's ``pause_generation(mode="keep")`` -> load ->
-``resume_generation``: running samples are not drained. What their KV becomes is
-``kv_after_update``:
+``resume_generation``: running samples are not drained, but a batch vLLM's asynchronous
+scheduling (GPUs) still has in flight is finished first, on the weights that launched it
+(:meth:`EngineStream._drain`). What the running samples' KV becomes is ``kv_after_update``:
 
 - ``keep``: the keys and values the old weights computed stay; a sample's next tokens are drawn
   by the new weights on that context (in-flight updates as PipelineRL does them);
@@ -112,17 +113,45 @@ class EngineStream:
                         self._cond.wait(0.01 if self._callers else 0.5)
                     self._count_starved(time.monotonic(), until_now=False)
                     self._admit()
-                    started = time.perf_counter()
-                    outputs = self.engine.step()
-                    took = time.perf_counter() - started
-                    self._stats.busy_s += took
-                    self._stats.slowest_step_s = max(self._stats.slowest_step_s, took)
-                    self._collect(outputs)
+                    self._step()
                     self._cond.notify_all()
         except BaseException as error:  # surfaced to every later call: the driver replaces the engine
             with self._cond:
                 self._error = error
                 self._cond.notify_all()
+
+    def _step(self) -> None:
+        """One engine step, timed; the groups it finished are collected."""
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        took = time.perf_counter() - started
+        self._stats.busy_s += took
+        self._stats.slowest_step_s = max(self._stats.slowest_step_s, took)
+        self._collect(outputs)
+
+    def _drain(self) -> None:
+        """Finish the batch vLLM's asynchronous scheduling still has in flight. With it (on GPUs;
+        vLLM's CPU platform turns it off) a step launches the next batch before the previous
+        one's tokens come back: between two steps a batch may still run on the current weights.
+        Loading then would write into weights it reads, and its tokens, processed after the load,
+        would carry the new version. So the scheduler is held (no new batch is launched) and the
+        engine stepped until the in-process engine core's batch queue is empty: each step
+        retires a batch, and at most one empty batch is launched while the queue drains."""
+        from vllm.v1.core.sched.interface import PauseState
+
+        core = self.engine.engine_core.engine_core  # vLLM's EngineCore (in-process engine)
+        if not core.batch_queue:
+            return
+        held = core.scheduler.pause_state
+        core.scheduler.set_pause_state(PauseState.PAUSED_ALL)
+        try:
+            for _ in range(core.batch_queue_size + 1):
+                self._step()
+                if not core.batch_queue:
+                    return
+            raise RuntimeError(f"vLLM's batch queue still holds {len(core.batch_queue)} batch(es) with scheduling held")
+        finally:
+            core.scheduler.set_pause_state(held)
 
     def _count_starved(self, now: float, until_now: bool) -> None:
         """Book the time without samples up to ``now``: the interval ends there (``until_now``,
@@ -211,9 +240,11 @@ class EngineStream:
         return [StreamedGroup(g.key, self._to_generation(g), g.admitted_version) for g in groups]
 
     def load_weights(self, load: Callable[[], None], version: int) -> None:
-        """``load`` (the bucket reload) between two steps, then the new version on every token
-        drawn after it, and the running samples' KV per ``kv_after_update``."""
+        """``load`` (the bucket reload) between two steps, once the batch in flight is done
+        (:meth:`_drain`), then the new version on every token drawn after it, and the running
+        samples' KV per ``kv_after_update``."""
         with self.paused():
+            self._drain()
             load()
             self.version = version
             self.engine.set_weight_version(str(version))

@@ -267,8 +267,21 @@ class RunData:
     val: RLDataset | None
 
 
-def load_data(cfg: Config) -> RunData:
-    """The tokenizer and the training / held-out prompts (rows checked, overlong prompts dropped).
+def usable_inputs(cfg: Config) -> PreTrainedTokenizerBase:
+    """The tokenizer, once it and the data files are known usable: what ``nemo-dapo train`` can
+    refuse before Ray starts (found after the workers loaded, it would cost their start-up). The
+    files exist and read as their format, the tokenizer has a chat template; the rows are read
+    while the workers load (:func:`load_data`)."""
+    from nemo_dapo.data.records import check_readable
+    from nemo_dapo.model.tokenizer import load_tokenizer
+
+    check_readable([*cfg.data.train_files, *(cfg.data.val_files or [])])
+    return load_tokenizer(cfg.model.path)
+
+
+def load_data(cfg: Config, tokenizer: PreTrainedTokenizerBase | None = None) -> RunData:
+    """The tokenizer (``tokenizer``, if loaded already) and the training / held-out prompts (rows
+    checked, overlong prompts dropped).
 
     The held-out set holds each distinct problem once, sampled ``rollout.val.n`` times: mean@n and
     pass@k average over problems, however many copies of one the files hold. The training set
@@ -277,7 +290,8 @@ def load_data(cfg: Config) -> RunData:
     from nemo_dapo.data.duplicates import warn_if_copies_outnumber_samples
     from nemo_dapo.model.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(cfg.model.path)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg.model.path)
 
     def dataset(files: list[str], drop_duplicates: bool) -> RLDataset:
         return RLDataset(

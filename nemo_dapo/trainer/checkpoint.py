@@ -22,6 +22,7 @@ from pathlib import Path
 
 from nemo_dapo.digest import ALGORITHM, digest_files, legacy_sha256
 from nemo_dapo.errors import InputError
+from nemo_dapo.folders import open_run_file, replace_file
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -93,8 +94,13 @@ def verify(folder: str | Path, hasher: Hasher = digest_files, only: Sequence[str
     about to read; one not listed is missing)."""
     folder = Path(folder)
     manifest = folder / MANIFEST
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such folder; give a checkpoint folder (checkpoints/global_step_N)")
     if not manifest.is_file():
-        raise CheckpointError(f"{folder}: no {MANIFEST}; the checkpoint was never completed (crash during save?)")
+        raise CheckpointError(
+            f"{folder}: no {MANIFEST}: not a checkpoint, or one never completed (crash during save?); give a "
+            "checkpoint folder (checkpoints/global_step_N)"
+        )
     try:
         record = json.loads(manifest.read_text())
         files = record["files"]
@@ -131,8 +137,9 @@ def _check_contents(folder: Path, files: dict) -> None:
             raise CheckpointError(f"{folder}: the manifest names {name}, outside the checkpoint folder")
     for path in sorted(folder.rglob("*")):
         name = str(path.relative_to(folder))
-        if path.is_symlink():
-            raise CheckpointError(f"{folder}: {name} is a link; a checkpoint holds plain files only")
+        if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            what = "a link" if path.is_symlink() else "not a file (a FIFO, a device, a socket)"
+            raise CheckpointError(f"{folder}: {name} is {what}; a checkpoint holds plain files only")
         if path.is_file() and name not in files and name != MANIFEST:
             raise CheckpointError(f"{folder}: file {name} is not in the manifest (added after it was sealed)")
 
@@ -220,7 +227,7 @@ class CheckpointManager:
         if resume == "disable":
             return None
         if resume != "auto":
-            newest = self._newest_intact() if self._applied_in_this_job(resume) else None
+            newest = self._newest_intact() if self.applied_in_this_job(resume) else None
             if newest is not None:
                 log.warning(
                     "checkpoint.resume=%s was applied by an earlier run of Slurm job %s: resuming from the newest "
@@ -235,6 +242,18 @@ class CheckpointManager:
             return path
         return self._newest_intact()
 
+    def refuse_missing_resume(self, resume: str) -> None:
+        """An explicit ``checkpoint.resume`` that is not a checkpoint folder (none there, or no
+        manifest) is refused at start-up, before Ray, naming it (its files are verified at the
+        load). A path an earlier run of this Slurm job applied is not looked at: that run's requeue
+        resumes from the newest checkpoint, whatever became of the path."""
+        if resume in ("auto", "disable") or self.applied_in_this_job(resume):
+            return
+        try:
+            verify(resume, self.hasher, only=[])
+        except CheckpointError as err:
+            raise CheckpointError(f"checkpoint.resume: {err}; or resume=auto / disable") from None
+
     def _newest_intact(self) -> Path | None:
         for step, path in self.step_folders():
             try:
@@ -243,7 +262,7 @@ class CheckpointManager:
                 log.warning("skipping checkpoint of step %d: %s", step, err)
         return None
 
-    def _applied_in_this_job(self, resume: str) -> bool:
+    def applied_in_this_job(self, resume: str) -> bool:
         """Whether a run of this Slurm job (a requeue keeps the submission's arguments, and its
         job id) already resumed from ``resume``."""
         job, record = os.environ.get("SLURM_JOB_ID"), self.root / RESUMES
@@ -260,7 +279,7 @@ class CheckpointManager:
     def _record_resume(self, resume: str) -> None:
         entry = {"resume": str(Path(resume).resolve()), "job": os.environ.get("SLURM_JOB_ID"), "time": time.time()}
         self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / RESUMES, "a") as record:
+        with open_run_file(self.root / RESUMES) as record:
             record.write(json.dumps(entry) + "\n")
 
     def _roll_back_to(self, path: Path) -> Path:
@@ -297,6 +316,4 @@ class CheckpointManager:
         raise CheckpointWriteError(f"{self.root / ABANDONED}: no free name for {stamp}")
 
     def _point_latest_at(self, folder: Path) -> None:
-        pointer = self.root / ".latest.tmp"
-        pointer.write_text(folder.name)
-        os.replace(pointer, self.root / "latest")
+        replace_file(self.root / "latest", folder.name)

@@ -31,6 +31,7 @@ from nemo_dapo.config import Config, to_yaml
 from nemo_dapo.config.topology import cluster_gpus, is_colocated, prompts_per_round, total_training_steps
 from nemo_dapo.data import ResumableBatchSampler
 from nemo_dapo.errors import GenerationStopped
+from nemo_dapo.folders import open_run_file
 from nemo_dapo.rng import restore_rng, rng_state
 from nemo_dapo.safe_load import load_state
 from nemo_dapo.trainer.assembly import loss_settings
@@ -131,6 +132,10 @@ class DAPOTrainer:
         self.health = LearningHealth()
         self.nonfinite = NonFiniteSteps(cfg.trainer.max_nonfinite_steps)
         self.initial_val: dict[str, float] = {}
+        # the latest validation not given up, and the step whose weights it measured: a run resumed
+        # at its last step takes its final accuracy from there (kept in the checkpoint)
+        self.last_val: dict[str, float] = {}
+        self.last_val_step: int | None = None
         self.total_steps = total_training_steps(cfg, len(train_data))
         self.rollout.set_weight_source(self._current_weights)  # for an engine replaced mid-run
         self.weight_sync = weight_sync(cfg.rollout.weight_transfer, policy, rollout, WEIGHT_BUCKET_BYTES)
@@ -297,7 +302,7 @@ class DAPOTrainer:
 
     def _record_prompts(self, consumed: list[int], batch: RolloutBatch, extra: dict | None = None) -> None:
         """Which dataset rows each step drew and trained on (audit trail for resume)."""
-        with open(self.output_dir / "prompts.jsonl", "a", encoding="utf-8") as handle:
+        with open_run_file(self.output_dir / "prompts.jsonl") as handle:
             record = {"step": self.global_step + 1, "consumed": consumed, "trained": sorted(set(batch["prompt_index"]))}
             record |= extra or {}
             handle.write(json.dumps(record) + "\n")
@@ -325,6 +330,8 @@ class DAPOTrainer:
             **self._draw_state(),
             "kl_coef": self.kl_controller.value,
             "initial_val": self.initial_val,
+            "last_val": self.last_val,
+            "last_val_step": self.last_val_step,
             "rng": rng_state(),
         }
 
@@ -360,6 +367,8 @@ class DAPOTrainer:
         self._load_draw_state(state)
         self.kl_controller.value = state["kl_coef"]
         self.initial_val = state["initial_val"]
+        self.last_val = state.get("last_val", self.initial_val)  # checkpoints from before it was kept
+        self.last_val_step = state.get("last_val_step")
         restore_rng(state["rng"])
         self.weight_version = state["weight_version"]
         self._restore(state)
@@ -381,19 +390,23 @@ class DAPOTrainer:
             self.started = preemption.since
             return self._fit(preemption)
 
-    def _fit(self, preemption: PreemptionSignals) -> dict:
-        start = time.time()
-        if preemption.requested:  # while the workers started: nothing to save
+    def _begin(self, preemption: PreemptionSignals) -> None:
+        """Resume from the checkpoint, or validate the base model first; a stop that came while the
+        workers started (or during that validation) leaves before any step, with nothing to save."""
+        if preemption.requested:
             self._stop_preempted(preemption.received or "a stop signal", bar=None)
         resume_from = self.checkpoints.resolve_resume(self.cfg.checkpoint.resume)
         if resume_from is not None:
             self.load_checkpoint(resume_from)
         elif self.cfg.trainer.val_before_train:
-            self.initial_val = self.validate()
+            self.initial_val = self._validate_now()
             self.tracker.log(self.initial_val, self.global_step)
             if preemption.requested:
                 self._stop_preempted(preemption.received or "a stop signal", bar=None)
-        last_val = dict(self.initial_val)
+
+    def _fit(self, preemption: PreemptionSignals) -> dict:
+        start = time.time()
+        self._begin(preemption)
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="DAPO", dynamic_ncols=True)
         clock = StepClock(self.cfg.checkpoint.save_by)
         while not self._run_done():
@@ -413,12 +426,10 @@ class DAPOTrainer:
             self.global_step += 1
             self.steps_this_run += 1
             done = self._run_done()
-            stopping = preemption.requested and not done  # no validation on the way out
-            if self._validates(self.global_step, done) and not stopping:
+            if self._validates(self.global_step, done) and not preemption.requested:  # none on the way out
                 began = time.monotonic()
-                last_val = self.validate()
+                metrics.update(self._validate_now())
                 clock.validation_s = time.monotonic() - began
-                metrics.update(last_val)
             self.tracker.log(metrics, self.global_step)
             skipped = self.nonfinite.observe(self.global_step, metrics.get(mn.SKIPPED_STEPS.name, 0.0))
             for warning in [*self.health.observe(self.global_step, metrics), skipped]:
@@ -432,16 +443,42 @@ class DAPOTrainer:
             bar.set_postfix(
                 score=f"{metrics.get('critic/score/mean', 0):.3f}",
                 acc=f"{metrics.get('critic/acc/mean', 0):.3f}",
-                val=f"{mean_val_accuracy(last_val) or 0:.3f}",
+                val=f"{mean_val_accuracy(self.last_val) or 0:.3f}",
             )
-            if preemption.requested and not done:  # asked now, or during validation and the save
+            # asked now, or during the validation or the save; at the last step too while unvalidated
+            if preemption.requested and not (done and self._final_val_known()):
                 self._stop_preempted(preemption.received or "a stop signal", bar)
         bar.close()
         self.finish_checkpoint()
+        if not self._final_val_known():  # resumed at the last step of a run stopped before validating it
+            self._final_validation(preemption)
         self.tracker.close()
+        took = time.time() - start
         return write_summary(
-            self.output_dir, self.initial_val, last_val, self.global_step, self.generated_samples, time.time() - start
+            self.output_dir, self.initial_val, self.last_val, self.global_step, self.generated_samples, took
         )
+
+    def _validate_now(self) -> dict[str, float]:
+        """:meth:`validate`, kept as the latest validation of this step's weights unless a stop
+        gave it up (then it is none: a resumed run validates these weights again)."""
+        metrics = self.validate()
+        if not self.stop_asked():
+            self.last_val, self.last_val_step = metrics, self.global_step
+        return metrics
+
+    def _final_val_known(self) -> bool:
+        """Whether the last trained weights have their validation (none is due without a held-out
+        set): a stop at the last step before it leaves it to the resumed run, not to summary.json."""
+        return self.val_data is None or self.last_val_step == self.global_step
+
+    def _final_validation(self, preemption: PreemptionSignals) -> None:
+        """The final validation of a run resumed at its last step, which the stop that ended the
+        earlier run came before (its checkpoint holds no validation of these weights)."""
+        log.info("step %d was checkpointed before its final validation: validating it now", self.global_step)
+        metrics = self._validate_now()
+        if preemption.requested:
+            self._stop_preempted(preemption.received or "a stop signal", bar=None)
+        self.tracker.log(metrics, self.global_step)
 
     def _stop_preempted(self, signal_name: str, bar: tqdm | None) -> None:
         """Checkpoint (unless this step has one, or none was trained) and leave: the requeued job
@@ -449,6 +486,8 @@ class DAPOTrainer:
         if self.global_step > 0 and self.saved_step != self.global_step:
             self.save_checkpoint()
         self.finish_checkpoint()
+        if self._run_done() and not self._final_val_known():
+            log.warning("step %d, the last, is saved unvalidated: the resumed run validates it first", self.global_step)
         if bar is not None:
             bar.close()
         self.tracker.close()

@@ -23,6 +23,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from nemo_dapo.folders import open_run_file
+
 log = logging.getLogger(__name__)
 
 PREEMPTED_EXIT_CODE = 3
@@ -124,7 +126,7 @@ def record_preemption(output_dir: Path, stop: Preempted) -> None:
     """Append to ``preemptions.jsonl``: the run's history of stops, kept after it completes."""
     checkpoint = f"checkpoints/global_step_{stop.step}" if stop.step and stop.progressed else None
     entry = {"step": stop.step, "signal": stop.signal_name, "time": time.time(), "checkpoint": checkpoint}
-    with open(Path(output_dir) / PREEMPTIONS_LOG, "a", encoding="utf-8") as handle:
+    with open_run_file(Path(output_dir) / PREEMPTIONS_LOG) as handle:
         handle.write(json.dumps(entry | {"progressed": stop.progressed}) + "\n")
     saved = "its checkpoint written" if stop.progressed else "no step finished in this run"
     log.warning(

@@ -35,8 +35,10 @@ def run_training(cfg: Config) -> dict:
         log.warning(warning)
     folder = RunFolder(cfg.trainer.output_dir)  # held until the run ends: one run per folder
     try:
-        checkpoints = CheckpointManager(Path(cfg.trainer.output_dir) / "checkpoints").step_folders()
-        refuse_mixing(checkpoints, cfg.checkpoint.resume, cfg.trainer.output_dir)
+        manager = CheckpointManager(Path(cfg.trainer.output_dir) / "checkpoints")
+        manager.refuse_missing_resume(cfg.checkpoint.resume)
+        if not manager.applied_in_this_job(cfg.checkpoint.resume):  # else a requeue continues its rollback
+            refuse_mixing(manager.step_folders(), cfg.checkpoint.resume, cfg.trainer.output_dir)
         finished = completed_run(cfg, lambda: len(assembly.load_data(assembly.resolve_paths(cfg)).train))
         if finished is not None:  # said before Ray or any worker starts
             return {**finished, "hf_export": str(export_run(cfg, Path(finished["checkpoint"])))}
@@ -57,6 +59,7 @@ def _train(cfg: Config, preemption: PreemptionSignals) -> dict:
     from nemo_dapo.trainer.fit import DAPOTrainer
 
     cfg = assembly.resolve_paths(cfg)
+    tokenizer = assembly.usable_inputs(cfg)  # a data file or tokenizer that cannot serve: refused before Ray
     for note in combination_notes(cfg):
         log.info(note)
     processes = cfg.actor.num_workers * policy_groups(cfg) + num_engines(cfg)
@@ -67,9 +70,9 @@ def _train(cfg: Config, preemption: PreemptionSignals) -> dict:
         # their models while the driver reads the data (an epoch-counted run reads it first)
         if cfg.trainer.total_training_steps:
             starting = assembly.launch_workers(cfg, total_optimizer_steps(cfg, dataset_size=0))
-            data = assembly.load_data(cfg)
+            data = assembly.load_data(cfg, tokenizer)
         else:
-            data = assembly.load_data(cfg)
+            data = assembly.load_data(cfg, tokenizer)
             starting = assembly.launch_workers(cfg, total_optimizer_steps(cfg, len(data.train)))
         reward = assembly.reward_manager(cfg)
         workers = starting.ready()

@@ -19,12 +19,15 @@ import time
 from pathlib import Path
 
 from nemo_dapo.errors import InputError
+from nemo_dapo.folders import open_run_file
 
 LOCK_FILE = ".nemo_dapo.lock"
 
 
 # lockf errors of a file system without working POSIX locks (Lustre with noflock, NFS with nolock)
 NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+# an ENOLCK is tried this many times, this far apart, before the file system is said to have no locks
+LOCK_TRIES, LOCK_RETRY_S = 4, 0.5
 # how long a requeued run waits for the previous run of its Slurm job to let go of the folder
 SAME_JOB_WAIT_S = 120.0
 
@@ -34,8 +37,14 @@ class RunFolder:
 
     def __init__(self, output_dir: str | Path, same_job_wait_s: float = SAME_JOB_WAIT_S) -> None:
         self.folder = Path(output_dir)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._handle = open(self.folder / LOCK_FILE, "a+", encoding="utf-8")
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as err:
+            raise InputError(
+                f"trainer.output_dir={self.folder}: a file is in the way of the folder ({err.strerror}: "
+                f"{err.filename}); give trainer.output_dir a folder path (new, or a run's), or move the file away"
+            ) from None
+        self._handle = open_run_file(self.folder / LOCK_FILE, "a+")  # a planted link is refused, not truncated
         job = os.environ.get("SLURM_JOB_ID")
         deadline = time.monotonic() + same_job_wait_s
         while not self._try_lock():
@@ -54,16 +63,31 @@ class RunFolder:
 
     def _try_lock(self) -> bool:
         """Whether the lock was taken; False while another process holds it."""
-        try:
-            fcntl.lockf(self._handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        error = self._lock_error()
+        if error is None:
             return True
-        except OSError as err:
-            if err.errno in (errno.EAGAIN, errno.EACCES):
-                return False
-            self._handle.close()
-            if err.errno in NO_LOCKS:
-                raise InputError(self._no_locks_message(err)) from None
-            raise
+        if error.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        self._handle.close()
+        if error.errno in NO_LOCKS:
+            raise InputError(self._no_locks_message(error)) from None
+        raise error
+
+    def _lock_error(self) -> OSError | None:
+        """Why the lock was not taken (None: it was). An ENOLCK is tried again a few times first: it
+        can be passing (NFS's lock manager briefly out of locks, or restarting)."""
+        error: OSError | None = None
+        for attempt in range(LOCK_TRIES):
+            if attempt:
+                time.sleep(LOCK_RETRY_S)
+            try:
+                fcntl.lockf(self._handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return None
+            except OSError as err:
+                error = err
+                if err.errno != errno.ENOLCK:
+                    break
+        return error
 
     def _holder(self) -> str:
         self._handle.seek(0)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from typing import Any, Protocol
 
 from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.errors import InputError
+from nemo_dapo.folders import replace_file
 
 log = logging.getLogger("nemo_dapo")
 LOGGER_RUNS = "logger_runs.json"  # the logger runs an output folder continues
@@ -46,12 +46,9 @@ class SinkContext:
         return self._kept().get(key)
 
     def remember(self, key: str, value: Any) -> None:
-        """Kept atomically (a new file renamed over the old): a crash or a full disk mid-write
-        leaves the previous content, never a truncated file."""
-        path = self.output_dir / LOGGER_RUNS
-        staged = path.with_name(f".{LOGGER_RUNS}.tmp")
-        staged.write_text(json.dumps({**self._kept(), key: value}, indent=1) + "\n")
-        os.replace(staged, path)
+        """Kept atomically (:func:`~nemo_dapo.folders.replace_file`): a crash or a full disk
+        mid-write leaves the previous content, never a truncated file."""
+        replace_file(self.output_dir / LOGGER_RUNS, json.dumps({**self._kept(), key: value}, indent=1) + "\n")
 
     def _kept(self) -> dict[str, Any]:
         path = self.output_dir / LOGGER_RUNS

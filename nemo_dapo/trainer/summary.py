@@ -10,6 +10,7 @@ from pathlib import Path
 
 from nemo_dapo.config import Config
 from nemo_dapo.config.topology import total_training_steps
+from nemo_dapo.folders import replace_file
 from nemo_dapo.safe_load import load_state, refuse_unsafe_distributed_checkpoint
 from nemo_dapo.trainer.checkpoint import (
     TRAINER_STATE,
@@ -32,6 +33,8 @@ def write_summary(
     generated_samples: int,
     wall_s: float,
 ) -> dict:
+    """``last_val``: the validation of the last step's weights; the trainer writes the summary only
+    once it has one (a run resumed at its last step takes it from the checkpoint, or validates first)."""
     summary = {
         "initial_val_acc": mean_val_accuracy(initial_val),
         "final_val_acc": mean_val_accuracy(last_val),
@@ -41,7 +44,7 @@ def write_summary(
         "initial_val": initial_val,
         "final_val": last_val,
     }
-    (output_dir / SUMMARY).write_text(json.dumps(summary, indent=1))
+    replace_file(output_dir / SUMMARY, json.dumps(summary, indent=1))
     return summary
 
 

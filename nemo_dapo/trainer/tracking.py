@@ -6,6 +6,7 @@ import json
 import time
 from contextlib import contextmanager
 
+from nemo_dapo.folders import open_run_file
 from nemo_dapo.trainer.sinks import SINKS, SinkContext
 
 
@@ -17,7 +18,7 @@ class Tracker:
     def __init__(self, loggers: list[str], context: SinkContext) -> None:
         context.output_dir.mkdir(parents=True, exist_ok=True)
         self.sinks = [SINKS[name](context) for name in loggers]
-        self._jsonl = open(context.output_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._jsonl = open_run_file(context.output_dir / "metrics.jsonl")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         values = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}

@@ -6,9 +6,11 @@ exports weights (one per pipeline stage). It runs the protocol vLLM's ``nccl`` b
 trainer) over gloo, so it works on CPUs and moves no tensor through a driver or an object store.
 
 Each sending rank meets the engines in a group of its own (its rank 0), served by a TCPStore the
-sender binds to its own address (the fabric's where ``FABRIC_IFNAME`` names one). Every engine
-worker joins each group at its own rank, as in vLLM's ``nccl`` backend: the engine's
-``rank_offset`` plus the worker's rank in the engine. The workers exchange nothing among
+sender binds to its own address (the fabric's where ``FABRIC_IFNAME`` names one); what the group
+keeps there is sealed with a secret of the sender's, which the engines get inside the endpoint
+(:mod:`nemo_dapo.sealed_store`). Every engine worker joins each group at its own rank, as in
+vLLM's ``nccl`` backend: the engine's ``rank_offset`` plus the worker's rank in the engine. The
+workers exchange nothing among
 themselves, so no CPU tensor ever meets an engine's own device group (NCCL on GPUs, which refuses
 them). A worker receives stage after stage: everything the first stage's sender has, then the next.
 
@@ -37,6 +39,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 from nemo_dapo.network import Rendezvous, join_store, own_address
+from nemo_dapo.sealed_store import held_while
 from nemo_dapo.transfer.reload import finish_reload, start_reload
 from nemo_dapo.transfer.wire import Bucket, receive_buckets, send_bucket, send_end
 
@@ -49,8 +52,8 @@ def gloo_group(rendezvous: str, rank: int, world_size: int, timeout_s: float) ->
     options = dist.ProcessGroupGloo._Options()
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=own_address())]
     options._timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.PrefixStore("weights", join_store(rendezvous, world_size))
-    return dist.ProcessGroupGloo(store, rank, world_size, options)
+    store = join_store(rendezvous, world_size)
+    return held_while(dist.ProcessGroupGloo(dist.PrefixStore("weights", store), rank, world_size, options), store)
 
 
 def release_groups(error: BaseException) -> None:
