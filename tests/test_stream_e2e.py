@@ -12,6 +12,7 @@ from tests.train_runs import (
     FIRST_STEP,
     SMALL,
     assert_same_first_update,
+    assert_same_weights,
     last_per_step,
     records,
     sigkill_after_checkpoint,
@@ -32,6 +33,24 @@ def test_max_staleness_zero_reproduces_the_sync_first_update(workdir):
         done = train(workdir / name, *mode, *FIRST_STEP)
         assert done.returncode == 0, done.stderr[-2000:]
     assert assert_same_first_update(workdir / "sync", workdir / "stream")["staleness/token_lag/max"] == 0
+
+
+def test_the_same_seed_gives_the_same_numbers_at_every_step(workdir):
+    """Two synchronous runs of one seed, in fp32 with two threads per worker (where a shared
+    prompt's gradients met in atomic adds, and runs parted in the last bits from the first
+    update): every metric of every step equal, timings apart, and the same final weights. The
+    stream's runs at max_staleness=0 are the sync's (above); with overlap, which groups a step
+    takes depends on when they finish (docs/architecture.md, "Same seed, same numbers")."""
+    run = [*SMALL, "trainer.total_training_steps=4", "trainer.save_freq=4", "model.dtype=float32"]
+    for name in ("first", "again"):
+        done = train(workdir / name, *run, "trainer.cpu_threads_per_worker=2")
+        assert done.returncode == 0, done.stderr[-2000:]
+    steps = [[row for row in records(workdir / name / "metrics.jsonl") if row["step"]] for name in ("first", "again")]
+    assert [row["step"] for row in steps[0]] == [1, 2, 3, 4]
+    for first, again in zip(*steps):
+        numbers = {key for key in first if not key.startswith(("timing", "time", "perf/throughput", "perf/time_per"))}
+        assert len(numbers) > 40 and {key: first[key] for key in numbers} == {key: again[key] for key in numbers}
+    assert_same_weights(workdir / "first", workdir / "again", step=4)
 
 
 def latest_state(out):

@@ -56,17 +56,22 @@ def expected_rounds(dataset_size: int, batch_size: int, seed: int, count: int) -
 def assert_same_first_update(first: Path, second: Path) -> dict:
     """Two one-step runs made the same update, to the last bit: loss, gradient norm, score, clip
     fraction and the checkpointed weights; returns the second run's step record."""
-    from safetensors.torch import load_file
-
     steps = [records(run / "metrics.jsonl")[-1] for run in (first, second)]
     for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "actor/pg_clipfrac"):
         assert steps[0][key] == steps[1][key], key
+    assert_same_weights(first, second, step=1)
+    return steps[1]
+
+
+def assert_same_weights(first: Path, second: Path, step: int) -> None:
+    """The two runs' checkpoints of ``step`` hold the same policy weights, to the last bit."""
+    from safetensors.torch import load_file
+
     weights = [
-        load_file(run / "checkpoints" / "global_step_1" / "policy" / "model" / "model.safetensors")
+        load_file(run / "checkpoints" / f"global_step_{step}" / "policy" / "model" / "model.safetensors")
         for run in (first, second)
     ]
     assert all((weights[0][k] == weights[1][k]).all() for k in weights[0])
-    return steps[1]
 
 
 def wait_for(path: Path, process: subprocess.Popen, timeout: float) -> None:

@@ -49,7 +49,8 @@ def hidden_before_responses(decoder: torch.nn.Module, micro: MicroBatch, share: 
         use_cache=True,
     )
     cache = prompt.past_key_values
-    cache.batch_select_indices(inverse)  # every row gets its prompt's keys and values (an indexed copy)
+    for layer in cache.layers:  # every row gets its prompt's keys and values (an indexed copy)
+        layer.keys, layer.values = rows_of(layer.keys, inverse), rows_of(layer.values, inverse)
     responses = decoder(
         inputs_embeds=embeds[:, width:],
         attention_mask=mask,
@@ -58,4 +59,13 @@ def hidden_before_responses(decoder: torch.nn.Module, micro: MicroBatch, share: 
         use_cache=True,
     ).last_hidden_state
     # prompts are left-padded: column width - 1 is every prompt's last real token
-    return torch.cat([prompt.last_hidden_state[inverse, width - 1 :], responses[:, :-1]], dim=1)
+    return torch.cat([rows_of(prompt.last_hidden_state, inverse)[:, width - 1 :], responses[:, :-1]], dim=1)
+
+
+def rows_of(prompts: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Each row's copy of its prompt's ``prompts[inverse[row]]``, by ``index_select``: its backward
+    (``index_add_``) adds the rows' gradients in row order. Indexing (``prompts[inverse]``) would
+    be the same copy, but its backward on a CPU adds fp32 gradients with atomic adds from several
+    threads, in whichever order the threads reach them: two runs of the same seed then part in
+    the last bits (docs/architecture.md, "Same seed, same numbers")."""
+    return prompts.index_select(0, inverse)
