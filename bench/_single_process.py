@@ -130,8 +130,9 @@ def run_single_process(cfg, save_to=None) -> dict:
     ``save_to``: a folder for the final weights (Hugging Face format)."""
     from nemo_dapo.config.topology import total_optimizer_steps
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
-    from nemo_dapo.trainer.assembly import load_data, policy_settings, resolve_paths, reward_manager
+    from nemo_dapo.trainer.assembly import load_data, resolve_paths, reward_manager
     from nemo_dapo.trainer.fit import DAPOTrainer
+    from nemo_dapo.trainer.settings import policy_settings
 
     cfg = resolve_paths(cfg)
     cfg.rollout.weight_transfer = "object_store"  # one process: the trainer hands HFGenerate its buckets

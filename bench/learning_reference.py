@@ -15,7 +15,7 @@ the "naive" side of the DAPO paper's ablation), each in a fresh process:
 
 Logged per step: training score, mean response length, grad norm, entropy, clip fraction; at the
 end, held-out accuracy of the final weights measured the same way for every system
-(``nemo_dapo.evaluate``: the preset's held-out problems, mean@4 at temperature 1 by one vLLM
+(``nemo_dapo.commands.evaluate``: the preset's held-out problems, mean@4 at temperature 1 by one vLLM
 engine), and of the starting model. Writes ``outputs/bench_learning/results.json``.
 """
 
@@ -102,8 +102,8 @@ def step_rows(output: Path) -> list[dict]:
 
 def held_out(model: Path, config: str) -> float:
     from nemo_dapo.algo.metric_names import EVAL_ACC
+    from nemo_dapo.commands.evaluate import evaluate
     from nemo_dapo.config import load_config
-    from nemo_dapo.evaluate import evaluate
     from nemo_dapo.trainer.assembly import resolve_paths
 
     cfg = resolve_paths(load_config(config, []))

@@ -66,7 +66,7 @@ def gradient(model) -> dict[str, torch.Tensor]:
 def our_gradient(cfg, worker, batch) -> tuple[dict, list[int]]:
     from nemo_dapo.algo.correction import correction_settings
     from nemo_dapo.policy.inputs import mini_batch_rows, mini_batches_per_rank, worker_inputs
-    from nemo_dapo.trainer.assembly import loss_settings
+    from nemo_dapo.trainer.settings import loss_settings
 
     batch.add("old_log_probs", worker.compute_log_prob(worker_inputs(batch))["log_probs"])
     first = mini_batches_per_rank(batch, cfg.actor.ppo_mini_batch_size, 1, 1)[0][0]
@@ -153,7 +153,8 @@ def main() -> None:
     from nemo_dapo.config import load_config
     from nemo_dapo.config.topology import total_optimizer_steps
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
-    from nemo_dapo.trainer.assembly import load_data, policy_settings, resolve_paths, reward_manager
+    from nemo_dapo.trainer.assembly import load_data, resolve_paths, reward_manager
+    from nemo_dapo.trainer.settings import policy_settings
 
     cfg = resolve_paths(load_config(args.config, args.overrides))
     data = load_data(cfg)

@@ -9,7 +9,7 @@ the training, the export, Ray's shutdown) and at the process's end; medians over
 Engine side: fresh processes that import vLLM, build an in-process engine as a rollout worker
 does, and time its first and second request for one greedy token with its log-prob, once as
 nemo-dapo runs CPU engines (no TorchDynamo) and once with vLLM's compile of the sampler's rank
-function, alternated. Prints both tables and writes ``start_split.json``.
+function, alternated. Prints both tables and writes ``outputs/bench_start_split/start_split.json``.
 """
 
 from __future__ import annotations
@@ -150,7 +150,9 @@ def main() -> None:
     print(f"  {'':18s}" + "".join(f"{side:>24s}" for side in engine))
     for key in next(iter(engine.values())):
         print(f"  {key:18s}" + "".join(f"{engine[side][key]:24.3f}" for side in engine))
-    Path("start_split.json").write_text(json.dumps({"driver": driver, "engine": engine}, indent=1))
+    out = Path("outputs/bench_start_split")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "start_split.json").write_text(json.dumps({"driver": driver, "engine": engine}, indent=1))
 
 
 if __name__ == "__main__":

@@ -16,16 +16,16 @@ from nemo_dapo.trainer.preemption import Preempted
 # Sub-commands that live in their own light modules, each exposing ``add_parser(subparsers)``
 # (heavy imports stay inside their handlers so `nemo-dapo --help` stays fast).
 PLUGIN_COMMANDS = (
-    "nemo_dapo.launch.plan",
-    "nemo_dapo.launch.ladder",
-    "nemo_dapo.launch.plot",
-    "nemo_dapo.bringup",
-    "nemo_dapo.launch.nemo_run_launcher",
+    "nemo_dapo.commands.plan",
+    "nemo_dapo.commands.ladder",
+    "nemo_dapo.commands.plot",
+    "nemo_dapo.commands.bringup",
+    "nemo_dapo.commands.nemo_run_launcher",
 )
 
 
 def _cmd_selfcheck(args: argparse.Namespace) -> int:
-    from nemo_dapo.selfcheck import run_selfcheck
+    from nemo_dapo.commands.selfcheck import run_selfcheck
 
     return 0 if run_selfcheck() else 1
 
@@ -43,7 +43,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from nemo_dapo.evaluate import evaluate
+    from nemo_dapo.commands.evaluate import evaluate
 
     metrics = evaluate(
         args.model,

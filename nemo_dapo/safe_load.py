@@ -7,6 +7,8 @@ which builds tensors, containers and plain values only, plus the pieces of a Num
 (arrays of plain numbers) named below; anything else is refused with the file named, including
 what megatron-core adds to torch's ``weights_only`` list in its processes
 (:func:`refuse_foreign_globals`).
+
+Outside contract (torch's ``weights_only`` unpickler): see docs/architecture.md, "Outside contracts".
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ counters (``add``) are plain integers, and a stranger can still delete keys or f
 
 The secret (:func:`new_secret`) is made by the process that serves the store and reaches the
 ranks inside the rendezvous URL, through Ray calls only: it is never logged.
+
+Outside contract (``torch.distributed.Store``): see docs/architecture.md, "Outside contracts".
 """
 
 from __future__ import annotations

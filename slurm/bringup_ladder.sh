@@ -7,7 +7,7 @@
 #       BRINGUP_DIR=/ckpt/bringup slurm/bringup_ladder.sh 1      # then 2, 3 and 4
 #
 # Each rung runs in CKPT_DIR=$BRINGUP_DIR/rung<N>, its job's output in $BRINGUP_DIR/rung<N>.out. What a rung
-# submits comes from `nemo-dapo ladder CONFIG N` (nemo_dapo/launch/ladder.py), which refuses (exit 2) a rung
+# submits comes from `nemo-dapo ladder CONFIG N` (nemo_dapo/commands/ladder.py), which refuses (exit 2) a rung
 # that cannot fit before anything is queued:
 #   1  one node, 3 steps: the preset's one-node sibling (Qwen2.5-7B for the 32B preset, Qwen3-8B for
 #      the 30B-A3B one; SMALL_HF_MODEL names its folder), at the preset's engine TP

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # When a run that ended requeues its job, and what a requeue takes along: sourced by
-# slurm/dapo_32b.sbatch and by the batch script NeMo-Run writes (nemo_dapo/launch/nemo_run_launcher.py),
+# slurm/dapo_32b.sbatch and by the batch script NeMo-Run writes (nemo_dapo/commands/nemo_run_launcher.py),
 # so both follow one policy.
 #
 #   requeue_wanted STATUS   # exit 0 (and a line saying why) when the job should requeue

@@ -73,16 +73,16 @@ def seconds_to_failure(rollout, sync, version: int) -> float:
     failures in hand (its first call to replace them), without the replacements' start."""
     import time
 
-    replace_failed, failed_at = rollout.replace_failed, []
+    replace, failed_at = rollout.replace, []
 
     def noting_when(*args, **kwargs):
         failed_at.append(time.monotonic())
-        return replace_failed(*args, **kwargs)
+        return replace(*args, **kwargs)
 
-    rollout.replace_failed = noting_when
+    rollout.replace = noting_when
     started = time.monotonic()
     try:
         sync(version)
     finally:
-        del rollout.replace_failed
+        del rollout.replace
     return failed_at[0] - started

@@ -98,7 +98,7 @@ def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(local_ray, tiny_mo
     # little, so the weights agree to 1% of one step, not bit-exactly
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4
     # the updated weights streamed into the engine in many small buckets: it now samples from the policy
-    rollout.update_weights(policy2.export_weights(1 << 14), version=1)
+    rollout.store.send(policy2.export_weights(1 << 14), version=1)
     fresh = build_rollout_batch(
         ids, rollout.generate(ids, SamplingSettings(n=2, max_tokens=12)), {}, "g", tiny_tokenizer.pad_token_id, 0
     )
@@ -150,7 +150,7 @@ def test_a_tp2_engine_takes_the_streamed_weights(local_ray, tiny_model_dir, tiny
     batch.add("advantages", torch.linspace(-1, 1, len(batch))[:, None] * batch["response_mask"])
     policy.update(batch, LossSettings(), prompts_per_mini_batch=2, ppo_epochs=1)
     assert gap() > 1e-3  # the engine still samples from the weights before the update
-    rollout.update_weights(policy.export_weights(1 << 14), version=1)
+    rollout.store.send(policy.export_weights(1 << 14), version=1)
     assert gap() < 1e-4
     # the collective path: policy rank 0 broadcasts to both engine workers, each at its own rank in
     # the group (nothing over the engine's own group, nothing through the driver)

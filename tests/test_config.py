@@ -198,7 +198,12 @@ def test_streaming_settings_that_cannot_work_fail_at_load(overrides, message):
 def test_a_sample_budget_counts_streamed_samples():
     cfg = load_config("tiny_cpu", ["trainer.mode=stream", "trainer.total_generated_samples=1000"])
     assert cfg.trainer.total_generated_samples == 1000 and cfg.rollout.kv_after_update == "recompute"
-    assert cfg.algorithm.filter_groups.carry_over is None  # the stream's own way: kept
+    assert cfg.algorithm.filter_groups.carry_over is True  # null: the stream's own way, kept
+    assert cfg.rollout.max_inflight == 2 * 32 * 8  # null: (max_staleness 1 + 1) x 32 groups x 8, one engine
+    assert cfg.actor.loss_scale_factor == 16.0 and cfg.rollout.timeout_s == cfg.trainer.remote_timeout_s
+    synced = load_config("tiny_cpu", ["rollout.timeout_s=30", "actor.loss_scale_factor=4"])
+    assert synced.algorithm.filter_groups.carry_over is False and synced.rollout.max_inflight is None  # sync: unused
+    assert (synced.rollout.timeout_s, synced.actor.loss_scale_factor) == (30, 4.0)  # given: kept
 
 
 def test_engines_follow_the_allocation_when_colocated_on_gpus():

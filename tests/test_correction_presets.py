@@ -87,6 +87,7 @@ def test_old_log_probs_from_the_update_train_the_step_the_old_log_prob_pass_does
     (with one mini-batch, 8 prompts, it does not run)."""
     from nemo_dapo.algo.batch import group_rows
     from nemo_dapo.trainer.fit import DAPOTrainer
+    from nemo_dapo.trainer.source import StepPlace
     from nemo_dapo.trainer.tracking import StageTimer
 
     policy, rollout, data, reward = components
@@ -116,13 +117,13 @@ def test_old_log_probs_from_the_update_train_the_step_the_old_log_prob_pass_does
         )
         for flag in ("true", "false")
     }
-    batch, _, _ = trainers["true"]._collect_batch(StageTimer())
+    batch, _ = trainers["true"].source.next_batch(StepPlace(0, 0, lambda: False), StageTimer())
     policy.save(str(tmp_path / "start"))
     runs = {}
     for flag, trainer in trainers.items():
         policy.load(str(tmp_path / "start"))
         trained = batch.select(range(len(batch)))
-        runs[flag] = (trainer.train_on_batch(trained, StageTimer()), trained)
+        runs[flag] = (trainer.update(trained, StageTimer()), trained)
     first_rows = sum(len(rows) for rows in list(group_rows(batch["uid"]).values())[:prompts_per_mini_batch])
     assert scored_rows == [len(batch) - first_rows] * (first_rows < len(batch)) + [len(batch)]
     (fused, fused_batch), (passed, passed_batch) = runs["true"], runs["false"]

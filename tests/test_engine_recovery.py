@@ -93,17 +93,16 @@ def test_replaced_engines_generate_with_the_current_weights(groups, tiny_tokeniz
     ids = prompt_ids(tiny_tokenizer)
     base = rollout.generate(ids, GREEDY)
     train_one_step(policy, rollout, ids, tiny_tokenizer)
-    rollout.update_weights(policy.export_weights(1 << 16), version=1)
+    rollout.store.send(policy.export_weights(1 << 16), version=1)
     current = rollout.generate(ids, GREEDY)
     gap = max(abs(a - b) for g0, g1 in zip(base, current) for a, b in zip(g0.log_probs[0], g1.log_probs[0]))
     assert gap > 1e-3  # a replacement left with the base model's weights would be caught below
 
-    # sync trainer: engine 1 killed mid-generation, engine 0 silent (stopped) past the timeout
+    # sync trainer: engine 1 killed, engine 0 stopped (silent past the timeout) as a generation is sent
     for rank, sig in ((1, signal.SIGKILL), (0, signal.SIGSTOP)):
         pid = engine_pid(rollout, rank)
-        request = rollout.submit(ids, GREEDY)
         os.kill(pid, sig)
-        assert_same(rollout.collect(request), current)
+        assert_same(rollout.generate(ids, GREEDY), current)
         assert engine_pid(rollout, rank) != pid
     assert rollout.restarts == 2 and rollout.workers.restarts == [1, 1]
 
@@ -111,7 +110,7 @@ def test_replaced_engines_generate_with_the_current_weights(groups, tiny_tokeniz
     # engine 1 syncs; the replacement takes the weights before it generates
     pid = engine_pid(rollout, 0)
     os.kill(pid, signal.SIGSTOP)
-    rollout.update_weights(policy.export_weights(1 << 16), version=1)
+    rollout.store.send(policy.export_weights(1 << 16), version=1)
     assert rollout.restarts == 3 and engine_pid(rollout, 0) != pid
     assert_same(rollout.generate(ids, GREEDY), current)
 
@@ -152,7 +151,7 @@ def test_a_stream_goes_on_whenever_and_however_an_engine_fails(groups, stream, t
     # engine 1 dies before a weight sync, which replaces it; its first replacement dies while it
     # warms up: the next call warms the one after and starts its stream once (a second start raises)
     os.kill(engine_pid(rollout, 1), signal.SIGKILL)
-    rollout.update_weights(policy.export_weights(1 << 16), version=1)
+    rollout.store.send(policy.export_weights(1 << 16), version=1)
     assert rollout.restarts == 5
     killed: list[int] = []
 
@@ -233,11 +232,10 @@ def test_a_failure_past_the_restart_budget_stops_naming_the_engine(groups, tiny_
     ids = prompt_ids(tiny_tokenizer)
     assert rollout.restarts == rollout.max_restarts
     pid = engine_pid(rollout, 0)
-    request = rollout.submit(ids, GREEDY)
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(
         RemoteCallError,
         match=r"rollout\.generate: a worker died .* their logs: /\S+/logs .*Rollout engine 0 failed while "
         r"generating, after 10 engine restart\(s\) in this run \(rollout\.max_restarts=10\)",
     ):
-        rollout.collect(request)
+        rollout.generate(ids, GREEDY)

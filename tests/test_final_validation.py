@@ -53,11 +53,12 @@ class Engines:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer, self.version, self.generate_calls = tokenizer, 0, 0
+        self.store = self  # the object-store path's send
 
     def set_weight_source(self, source) -> None:
         pass
 
-    def update_weights(self, buckets, version: int) -> None:
+    def send(self, buckets, version: int, ranks=None) -> None:
         self.version = version
 
     def generate(self, prompts, sampling, stop=None) -> list[Generation]:

@@ -6,10 +6,10 @@ import subprocess
 import pytest
 
 from nemo_dapo.cli import main
+from nemo_dapo.commands.plan import make_plan
 from nemo_dapo.config import ConfigError, load_config
 from nemo_dapo.config.architecture import KNOWN_ARCHITECTURES, resolve_architecture
 from nemo_dapo.config.capacity import GIB
-from nemo_dapo.launch.plan import make_plan
 
 # 24 GPUs: divisible by 3, so TP=3 / EP=3 pass the config's world-size check and reach the model's shape
 THREE_NODES = ("trainer.nnodes=3", "actor.num_workers=24", "rollout.num_workers=6")
@@ -315,8 +315,8 @@ def test_train_refuses_a_layout_plan_refuses_before_touching_anything(tmp_path):
 def test_every_ladder_rung_of_a_preset_fits_its_nodes(preset):
     """Rung 1 runs the preset's one-node sibling as it stands; rungs 2-4 run the preset on two nodes
     with the largest engine share that leaves 2 GiB of headroom; each final config loads and fits."""
+    from nemo_dapo.commands.ladder import ONE_NODE_SIBLINGS, plan_rung, shape_overrides
     from nemo_dapo.config.capacity import gpu_memory_gib
-    from nemo_dapo.launch.ladder import ONE_NODE_SIBLINGS, plan_rung, shape_overrides
 
     sibling = ONE_NODE_SIBLINGS[resolve_architecture(load_config(preset, placement=False).model.path).name]
     for rung in (1, 2, 3, 4):

@@ -6,7 +6,7 @@ import math
 import matplotlib.image
 
 from nemo_dapo.cli import main
-from nemo_dapo.launch.plot import matching, read_metrics
+from nemo_dapo.commands.plot import matching, read_metrics
 
 EXPECTED = ("reward.png", "accuracy.png", "response_length.png", "entropy.png", "clip_fraction.png", "timing.png")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from nemo_dapo.bringup import bringup_checks
+from nemo_dapo.commands.bringup import bringup_checks
 from nemo_dapo.trainer.preemption import PreemptionSignals, StepClock
 from tests.slurm_jobs import ensure_packages
 

@@ -253,9 +253,9 @@ def test_ladder_rungs_submit_jobs_whose_configs_pass_config_and_plan_and_one_tha
     built them, load and fit (every rung of both presets: tests/test_plan.py). The first rung also
     meets a controller too busy to answer three times: the ladder asks again, the job is not taken
     for gone. A rung that cannot run on its nodes is refused before sbatch."""
+    from nemo_dapo.commands.plan import make_plan
     from nemo_dapo.config import load_config
     from nemo_dapo.config.capacity import gpu_memory_gib
-    from nemo_dapo.launch.plan import make_plan
 
     done = ladder(site, 2, "dapo_qwen2.5_32b", NODES="1")
     assert done.returncode == 2 and "rung 2 (dapo_qwen2.5_32b on 1 node(s)) cannot run" in done.stderr, done.stderr

@@ -1,16 +1,16 @@
-"""The streaming trainer's staleness rules on its own books (trainer/stream_fit.py): admission
-stops at AReaL's bound, and a group that finishes older than ``max_staleness`` versions is not
-trained but counted and its prompt sent again first. The books hold a real dataset whose first
-row was filtered out at load (too long), so a dataset position is one less than its row id:
-what is sent again, and what a checkpoint keeps, must be the row drawn."""
-
-from collections import deque
+"""The streaming mode's staleness rules on their own books (algo/staleness.py), and the stream
+source's names for what they hold (trainer/stream_source.py): admission stops at AReaL's bound,
+and a group that finishes older than ``max_staleness`` versions is not trained but counted and
+its prompt sent again first. The source holds a real dataset whose first row was filtered out at
+load (too long), so a dataset position is one less than its row id: what is sent again, and what
+a checkpoint keeps, must be the row drawn."""
 
 import pytest
 import torch
 
 from nemo_dapo.algo.batch import RolloutBatch
-from nemo_dapo.trainer.stream_fit import KeptGroup, StreamDAPOTrainer
+from nemo_dapo.algo.staleness import KeptGroup, StreamBooks
+from nemo_dapo.trainer.source import StepPlace
 from nemo_dapo.trainer.tracking import StageTimer
 
 
@@ -22,6 +22,67 @@ class SentGroups:
 
     def add(self, groups) -> None:
         self.sent += groups
+
+    def load(self) -> None:
+        """The busy clock's start: nothing to count here."""
+
+
+def counting_draws():
+    """A sampler in dataset order, four positions a draw."""
+    drawn = []
+
+    def draw() -> list[int]:
+        drawn.extend(range(len(drawn), len(drawn) + 4))
+        return drawn[-4:]
+
+    return draw
+
+
+def kept(sequence: int, position: int, admitted_version: int, row: int | None = None) -> KeptGroup:
+    row = position + 1 if row is None else row
+    batch = RolloutBatch(tensors={"prompt_index": torch.tensor([row, row])}, fields={"uid": [f"u{sequence}"] * 2})
+    return KeptGroup(sequence, batch, admitted_version, position)
+
+
+def test_admission_stops_at_the_staleness_bound():
+    books, draw = StreamBooks(batch_groups=3, max_staleness=1, drop_surplus=False), counting_draws()
+    assert books.admit(draw) == [(f"g{i}", i) for i in range(6)]  # (0 syncs + 1 + 1) x 3 groups
+    assert books.admit(draw) == []  # no room until a sync or a filtered group
+    books.synced_once()
+    books.filter_out(books.arrived("g5")[1])  # its slot goes to the next prompt
+    assert books.admit(draw) == [(f"g{i}", i) for i in range(6, 10)] and books.admitted == 9
+    assert books.untrained_positions() == [0, 1, 2, 3, 4, *range(6, 12)]  # in flight, then drawn and waiting
+
+
+def test_a_group_older_than_max_staleness_is_dropped_counted_and_its_prompt_issued_again_first():
+    books = StreamBooks(batch_groups=2, max_staleness=1, drop_surplus=False)
+    books.admitted = 3
+    books.to_issue.append(50)
+    for group in (kept(7, 40, admitted_version=1), kept(9, 41, 2), kept(8, 42, 3)):
+        books.keep(group)
+    books.drop_stale(weight_version=3)
+    assert books.full() and [g.sequence for g in books.take()] == [8, 9]  # issue order among the fresh ones
+    assert (books.dropped_stale, books.reissued, books.admitted) == (1, 1, 2)
+    assert list(books.to_issue) == [40, 50] and books.kept == []
+    assert books.admit(counting_draws())[0] == ("g0", 40)  # the dropped prompt goes first, not a new draw
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_carry_over_false_drops_the_groups_finished_beyond_the_batch_and_frees_their_slots(drop):
+    """filter_groups.carry_over=false: the batch takes the first-issued groups; the rest already
+    finished are dropped and counted, and their slots admit new prompts. With carry-over (the
+    stream's default) they start the next batch."""
+    books = StreamBooks(batch_groups=2, max_staleness=1, drop_surplus=drop)
+    books.admitted = 4
+    for sequence in (3, 1, 2, 0):
+        books.keep(kept(sequence, 40 + sequence, admitted_version=1))
+    books.drop_stale(weight_version=1)
+    assert [g.sequence for g in books.take()] == [0, 1]
+    if drop:
+        assert books.drop_kept_surplus() == 2 and books.admitted == 2 and books.kept == []
+        assert books.take_dropped() == ([], [42, 43]) and books.take_dropped() == ([], [])
+    else:
+        assert [g.sequence for g in books.kept] == [2, 3] and books.admitted == 4
 
 
 @pytest.fixture(scope="module")
@@ -35,71 +96,31 @@ def dataset(tiny_model_dir, tiny_tokenizer, tmp_path_factory):
     return data
 
 
-def books(dataset, weight_version: int, max_staleness: int, batch_groups: int) -> StreamDAPOTrainer:
-    trainer = StreamDAPOTrainer.__new__(StreamDAPOTrainer)  # the bookkeeping alone, no workers
-    trainer.weight_version = trainer.synced = weight_version
-    trainer.max_staleness, trainer.batch_groups = max_staleness, batch_groups
-    trainer.kept, trainer.to_issue, trainer.in_flight = [], deque(), {}
-    trainer.issued = trainer.admitted = trainer.dropped_stale = trainer.reissued = 0
-    trainer.drop_surplus, trainer._surplus_rows, trainer._filtered_rows = False, [], []
-    trainer.engines = SentGroups()
-    trainer.train_data = dataset
-    trainer._consumed = []
-    trainer._next_prompt_indices = lambda: list(range(len(trainer._consumed), len(trainer._consumed) + 4))
-    return trainer
+def source(dataset, *overrides: str):
+    from nemo_dapo.config import load_config
+    from nemo_dapo.data import ResumableBatchSampler
+    from nemo_dapo.trainer.source import PromptDraws
+    from nemo_dapo.trainer.stream_source import StreamSource
+
+    cfg = load_config(
+        "tiny_cpu", ["trainer.mode=stream", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", *overrides]
+    )
+    draws = PromptDraws(ResumableBatchSampler(len(dataset), 4, shuffle=False), dataset.row_id)
+    return StreamSource(cfg, draws, dataset, SentGroups(), tokenizer=None, reward=None)
 
 
-def group(dataset, sequence: int, position: int, admitted_version: int) -> KeptGroup:
-    row = dataset.row_id(position)
-    batch = RolloutBatch(tensors={"prompt_index": torch.tensor([row, row])}, fields={"uid": [f"u{sequence}"] * 2})
-    return KeptGroup(sequence, batch, admitted_version, position)
-
-
-def test_admission_stops_at_the_staleness_bound(dataset):
-    trainer = books(dataset, weight_version=0, max_staleness=1, batch_groups=3)
-    trainer._admit()
-    assert [key for key, _ in trainer.engines.sent] == [f"g{i}" for i in range(6)]  # (0 + 1 + 1) x 3
-    assert [ids for _, ids in trainer.engines.sent] == [dataset[p]["prompt_ids"] for p in range(6)]
-    assert trainer._consumed == list(range(1, 9))  # row ids (two draws of 4); row 0 is not in the data
-    trainer._admit()
-    assert len(trainer.engines.sent) == 6  # no room until a sync or a filtered group
-    trainer.synced, trainer.admitted = 1, 5  # one sync; one group filtered out
-    trainer._admit()
-    assert len(trainer.engines.sent) == 10 and trainer.admitted == 9
-
-
-def test_a_group_older_than_max_staleness_is_dropped_counted_and_its_prompt_reissued_first(dataset):
-    trainer = books(dataset, weight_version=3, max_staleness=1, batch_groups=2)
-    trainer.admitted = 3
-    trainer.to_issue.append(50)
-    trainer.kept = [group(dataset, 7, 40, admitted_version=1), group(dataset, 9, 41, 2), group(dataset, 8, 42, 3)]
-    batch, _ = trainer._next_batch(StageTimer())
-    assert batch["prompt_index"].tolist() == [43, 43, 42, 42]  # issue order among the fresh ones (row ids)
-    assert (trainer.dropped_stale, trainer.reissued, trainer.admitted) == (1, 1, 2)
-    assert list(trainer.to_issue) == [40, 50] and trainer.kept == []  # positions: row 41 goes again
-    assert trainer._untrained_rows() == [41, 51]  # what a checkpoint keeps: row ids
-    trainer._admit()  # the dropped prompt is sent again first: row 41's prompt, not a new draw
-    assert trainer.engines.sent[0][1] == dataset[40]["prompt_ids"] == dataset[dataset.position_of(41)]["prompt_ids"]
-    assert trainer._consumed == list(range(1, 9))  # the new draws after rows 41 and 51
-
-
-def test_carry_over_false_drops_the_groups_finished_beyond_the_batch_and_frees_their_slots(dataset):
-    """filter_groups.carry_over=false: the batch takes the first-issued groups; the rest already
-    finished are dropped, counted and named by row id, and their slots admit new prompts. With
-    carry-over (the stream's default) they start the next batch."""
-    for drop in (True, False):
-        trainer = books(dataset, weight_version=1, max_staleness=1, batch_groups=2)
-        trainer.drop_surplus, trainer.admitted = drop, 4
-        trainer.kept = [group(dataset, s, 40 + s, admitted_version=1) for s in (3, 1, 2, 0)]
-        batch, metrics = trainer._next_batch(StageTimer())
-        assert batch["prompt_index"].tolist() == [41, 41, 42, 42]  # sequences 0 and 1 (row = position + 1)
-        if drop:
-            assert metrics["dapo/surplus_groups"] == 2 and trainer._surplus_rows == [43, 44]
-            assert trainer.kept == [] and trainer.admitted == 2
-            assert trainer._prompts_of_step()[1] == {"filtered": [], "surplus": [43, 44]}
-        else:
-            assert "dapo/surplus_groups" not in metrics and [g.sequence for g in trainer.kept] == [2, 3]
-            assert trainer.admitted == 4 and trainer._prompts_of_step()[1] == {"filtered": []}
+def test_the_source_sends_and_records_rows_by_id_and_a_stale_row_goes_again(dataset):
+    stream = source(dataset, "trainer.max_staleness=1")
+    stream._admit()  # (0 + 1 + 1) x 2 groups
+    assert [ids for _, ids in stream.engines.sent] == [dataset[p]["prompt_ids"] for p in range(4)]
+    assert stream.draws.consumed == [1, 2, 3, 4]  # row ids; row 0 is not in the data
+    stream.books.in_flight.clear()
+    stream.books.keep(kept(7, 40, admitted_version=0))  # two versions old by the sync below
+    stream.books.keep(kept(8, 41, admitted_version=2))
+    stream.books.keep(kept(9, 42, admitted_version=2))
+    batch, _ = stream.next_batch(StepPlace(2, 2, lambda: False), StageTimer())
+    assert batch["prompt_index"].tolist() == [42, 42, 43, 43]
+    assert stream.state()["stream_untrained"] == [41]  # what a checkpoint keeps: row ids
 
 
 def test_a_checkpoint_keeps_untrained_rows_by_id_and_a_resume_issues_those_rows(dataset):
@@ -107,14 +128,17 @@ def test_a_checkpoint_keeps_untrained_rows_by_id_and_a_resume_issues_those_rows(
     as the same dataset rows; a row the data no longer holds is refused naming the change."""
     from nemo_dapo.data.records import DatasetError
 
-    trainer = books(dataset, weight_version=2, max_staleness=1, batch_groups=2)
-    trainer.in_flight = {"g5": (5, 30), "g3": (3, 10)}
-    trainer.kept = [group(dataset, 4, 20, admitted_version=2)]
-    trainer.to_issue = deque([60])
-    saved = trainer._untrained_rows()
-    assert saved == [11, 21, 31, 61]
-    resumed = books(dataset, weight_version=2, max_staleness=1, batch_groups=2)
-    resumed._restore_untrained(saved)
-    assert list(resumed.to_issue) == [10, 20, 30, 60]
+    stream = source(dataset, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.carry_over=false")
+    stream.books.in_flight = {"g5": (5, 30), "g3": (3, 10)}
+    stream.books.keep(kept(4, 20, admitted_version=2))
+    stream.books.to_issue.append(60)
+    stream.books.filter_out(70)
+    saved = stream.state()
+    assert saved["stream_untrained"] == [11, 21, 31, 61] and saved["accumulator"] is None
+    assert stream.prompts_of_step() == ([], {"filtered": [71], "surplus": []})
+    resumed = source(dataset)
+    resumed.restore(saved, global_step=2)
+    assert list(resumed.books.to_issue) == [10, 20, 30, 60] and resumed.books.reissued == 4
+    assert (resumed.books.synced, resumed.books.admitted) == (2, 4)
     with pytest.raises(DatasetError, match=r"row 0 of the data files is not in this dataset"):
-        resumed._restore_untrained([0])
+        resumed.restore({**saved, "stream_untrained": [0]}, global_step=2)

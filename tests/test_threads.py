@@ -17,7 +17,7 @@ def test_thread_share_of_the_visible_cores():
 
 def test_workers_per_node_follow_the_layout():
     from nemo_dapo.config import load_config
-    from nemo_dapo.trainer.assembly import workers_per_node
+    from nemo_dapo.trainer.settings import workers_per_node
 
     cpu = load_config("tiny_cpu", [])
     assert workers_per_node(cpu, 2) == 2  # a CPU machine: the whole group shares it

@@ -7,9 +7,7 @@ actors on a laptop CPU or 128 GPU processes on a Slurm cluster.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -18,7 +16,8 @@ import torch
 from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.algo.correction import CorrectionSettings
-from nemo_dapo.cluster.worker_group import WorkerGroup
+from nemo_dapo.cluster.store_sync import BUCKETS_AHEAD, StoreSync
+from nemo_dapo.cluster.worker_group import Calls, Deadline, WorkerGroup
 from nemo_dapo.digest import digest_files, shares_by_size
 from nemo_dapo.errors import RemoteCallError
 from nemo_dapo.policy.base import LossSettings, PolicyWorker, UpdateResult
@@ -27,8 +26,6 @@ from nemo_dapo.policy.microbatch import ROUTED_EXPERTS
 from nemo_dapo.rollout.base import Generation, RolloutWorker, SamplingSettings
 
 log = logging.getLogger(__name__)
-# Weight buckets a policy rank may gather ahead of the engines (and each engine's queue depth).
-EXPORT_BUCKETS_AHEAD = 2
 
 
 class PolicyGroup:
@@ -113,12 +110,12 @@ class PolicyGroup:
         """Object refs of the weight buckets in HF order, streamed while the ranks gather them.
 
         Every rank runs its (collective) exporter as a Ray streaming generator; at most
-        ``EXPORT_BUCKETS_AHEAD`` buckets per rank wait unconsumed, so a rank never runs far ahead of
+        ``BUCKETS_AHEAD`` buckets per rank wait unconsumed, so a rank never runs far ahead of
         the engines. Ranks are read in rank order: pipeline stages come out first to last.
         """
         streams = [
             worker.export_weights.options(
-                num_returns="streaming", _generator_backpressure_num_objects=EXPORT_BUCKETS_AHEAD
+                num_returns="streaming", _generator_backpressure_num_objects=BUCKETS_AHEAD
             ).remote(bucket_bytes)
             for worker in self.workers.workers
         ]
@@ -147,31 +144,15 @@ class PolicyGroup:
         return {name: digest for part in found for name, digest in part.items()}
 
 
-@dataclass
-class EngineShare:
-    """One engine's part of a generation request: prompts ``start:stop``, and its pending call."""
-
-    rank: int
-    start: int
-    stop: int
-    ref: Any
-
-
-@dataclass
-class GenerationRequest:
-    prompts: list[list[int]]
-    sampling: SamplingSettings
-    shares: list[EngineShare]
-
-
 WeightSource = Callable[[], tuple[Iterable, int]]
 
 
 class RolloutGroup:
-    """The vLLM engines addressed as one. An engine that dies or gives no answer within the
-    group's call timeout during generation is replaced on its slot, given the current policy
-    weights, and its prompts are generated again (up to ``max_restarts`` replacements per run);
-    see :meth:`collect`."""
+    """The vLLM engines addressed as one. Every call that reaches them goes through
+    :meth:`fan_out` (or :meth:`start` + :meth:`finish`, where the driver does something between
+    submitting and waiting): an engine that dies, fails its engine or gives no answer within the
+    call's deadline is replaced on its slot (up to ``max_restarts`` replacements per run), and
+    gets the current policy weights before it next generates."""
 
     def __init__(self, workers: WorkerGroup, max_restarts: int = 0) -> None:
         self.workers = workers
@@ -179,54 +160,72 @@ class RolloutGroup:
         self.restarts = 0
         self._cold: set[int] = set()  # replaced engines still holding the base model's weights
         self._current_weights: WeightSource | None = None
-        self._queues: list | None = None
+        self.store = StoreSync(self)  # the object-store path: warm-ups, and rollout.weight_transfer=object_store
 
     def set_weight_source(self, current_weights: WeightSource) -> None:
         """How to get the policy's current weights (bucket refs, version) for a replaced engine."""
         self._current_weights = current_weights
 
+    # ----------------------------------------------------------------- the fan-out
+    def start(self, method: Callable, per_rank_args: Mapping[int, tuple]) -> Calls:
+        """Submit ``method`` (the :class:`RolloutWorker` interface's) to each rank of
+        ``per_rank_args`` with its arguments; :meth:`finish` waits for them."""
+        ranks = list(per_rank_args)
+        refs = [self.workers.submit(rank, method, *per_rank_args[rank]) for rank in ranks]
+        return Calls(method.__name__, ranks, refs)
+
+    def finish(
+        self,
+        calls: Calls,
+        stage: str,
+        deadline: Deadline | None = None,
+        stop: Callable[[], bool] | None = None,
+        one_failure: bool = False,
+    ) -> dict[int, Any]:
+        """The results of the calls that succeeded, by rank; each engine whose call failed is
+        replaced (``stage`` says where, for the log and the error past ``max_restarts``).
+        ``one_failure``: the failed engines fell together (a broken collective), one restart for
+        all. ``deadline``: the group's call deadline unless given; ``stop``: see :meth:`generate`."""
+        outcomes = self.workers.settle(calls.refs, calls.method, calls.ranks, deadline, stop)
+        failed = [(rank, o) for rank, o in zip(calls.ranks, outcomes) if isinstance(o, RemoteCallError)]
+        for index, (rank, error) in enumerate(failed):
+            self.replace(rank, error, stage, counted=index == 0 or not one_failure)
+        return {rank: o for rank, o in zip(calls.ranks, outcomes) if not isinstance(o, RemoteCallError)}
+
+    def fan_out(
+        self,
+        method: Callable,
+        per_rank_args: Mapping[int, tuple],
+        stage: str,
+        deadline: Deadline | None = None,
+        stop: Callable[[], bool] | None = None,
+        one_failure: bool = False,
+    ) -> dict[int, Any]:
+        """:meth:`start` then :meth:`finish`: the results by rank of the engines that answered."""
+        return self.finish(self.start(method, per_rank_args), stage, deadline, stop, one_failure)
+
+    # ----------------------------------------------------------------- generation
     def generate(
         self, prompts: list[list[int]], sampling: SamplingSettings, stop: Callable[[], bool] | None = None
     ) -> list[Generation]:
-        """``stop``: asked while the engines generate; once it says yes, :class:`GenerationStopped`
-        (a stop signal gives up a long generation at once instead of waiting for its end)."""
-        return cast(list[Generation], self.collect(self.submit(prompts, sampling), stop=stop))
-
-    def submit(self, prompts: list[list[int]], sampling: SamplingSettings) -> GenerationRequest:
-        """Start generating without waiting (the async trainer overlaps it with training)."""
+        """The generations in prompt order, the prompts split evenly over the engines; a failed
+        engine's prompts are generated again on its replacement. ``stop``: asked while the
+        engines generate; once it says yes, :class:`GenerationStopped` (a stop signal gives up a
+        long generation at once instead of waiting for its end)."""
         size = self.workers.world_size
         bounds = [len(prompts) * r // size for r in range(size + 1)]
-        request = GenerationRequest(prompts, sampling, [])
-        request.shares = [self._send(request, r, bounds[r], bounds[r + 1]) for r in range(size)]
-        return request
+        shares = {rank: (bounds[rank], bounds[rank + 1]) for rank in range(size)}
+        results: list[Generation | None] = [None] * len(prompts)
+        while shares:
+            for rank in shares.keys() & self._cold:
+                self.warm_up(rank)
+            calls = {rank: (prompts[a:b], sampling) for rank, (a, b) in shares.items()}
+            for rank, generations in self.fan_out(RolloutWorker.generate, calls, "while generating", stop=stop).items():
+                a, b = shares.pop(rank)
+                results[a:b] = generations
+        return cast(list[Generation], results)  # every share came back
 
-    def _send(self, request: GenerationRequest, rank: int, start: int, stop: int) -> EngineShare:
-        if rank in self._cold:
-            self.warm_up(rank)
-        ref = self.workers.submit(rank, RolloutWorker.generate, request.prompts[start:stop], request.sampling)
-        return EngineShare(rank, start, stop, ref)
-
-    def collect(
-        self, request: GenerationRequest, regenerate: bool = True, stop: Callable[[], bool] | None = None
-    ) -> list[Generation | None]:
-        """The generations in prompt order. A failed engine is replaced; its prompts are generated
-        again on the new one (``regenerate``), or come back as None for the caller to reissue
-        (the async trainer's data plane). ``stop`` as in :meth:`generate`."""
-        results: list[Generation | None] = [None] * len(request.prompts)
-        pending = request.shares
-        while pending:
-            refs, ranks = [s.ref for s in pending], [s.rank for s in pending]
-            outcomes = self.workers.settle(refs, "generate", ranks, stop=stop)
-            failed = []
-            for share, outcome in zip(pending, outcomes):
-                if isinstance(outcome, RemoteCallError):
-                    self.replace(share.rank, outcome)
-                    failed.append(share)
-                else:
-                    results[share.start : share.stop] = outcome
-            pending = [self._send(request, s.rank, s.start, s.stop) for s in failed] if regenerate else []
-        return results
-
+    # ----------------------------------------------------------------- engines
     def replace(self, rank: int, error: RemoteCallError, stage: str = "while generating", counted: bool = True) -> None:
         """``counted=False``: an engine taken down by another's failure (a broken collective weight
         sync), which that failure's restart already counts."""
@@ -240,22 +239,22 @@ class RolloutGroup:
             "%s; restarting rollout engine %d (restart %d of %d)", error, rank, self.restarts, self.max_restarts
         )
         self.workers.restart(rank)
-        if self._queues is not None:  # the dead engine may have left buckets in its queue
-            self._queues[rank].shutdown()
-            self._queues[rank] = self._new_queue()
+        self.store.engine_replaced(rank)
         self._cold.add(rank)
-
-    def replace_failed(self, failed: list[tuple[int, RemoteCallError]], stage: str, one_failure: bool) -> None:
-        """Replace each ``(rank, error)``; ``one_failure``: they fell together, one restart for all."""
-        for index, (rank, error) in enumerate(failed):
-            self.replace(rank, error, stage, counted=index == 0 or not one_failure)
 
     def warm_up(self, rank: int) -> None:
         """A replaced engine gets the policy's current weights before it generates."""
         if self._current_weights is None:
             raise RuntimeError("a replaced rollout engine needs the policy's weights: call set_weight_source first")
         bucket_refs, version = self._current_weights()
-        self.update_weights(bucket_refs, version, ranks=[rank])  # which marks it warm
+        self.store.send(bucket_refs, version, ranks=[rank])  # which marks it warm
+
+    def synced(self, reported: dict[int, int], version: int) -> None:
+        """The engines that took weight ``version`` (their reports, by rank) hold it: warm."""
+        for rank, outcome in reported.items():
+            if outcome != version:
+                raise RuntimeError(f"rollout engine {rank} reports weight version {outcome}, expected {version}")
+            self._cold.discard(rank)
 
     def sleep(self) -> None:
         """Engines release their GPU memory to the colocated training ranks (no-op where they can't)."""
@@ -263,83 +262,3 @@ class RolloutGroup:
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.workers.call_all(RolloutWorker.wake_up, tags)
-
-    def update_weights(self, bucket_refs: Iterable, version: int, ranks: list[int] | None = None) -> None:
-        """Stream weight buckets (object refs) into the engines (``ranks``; all by default) as they
-        come, through a bounded queue per engine: no process holds the whole model on the way.
-
-        The sync has the group's call deadline: an engine that dies, or takes no bucket for that
-        long, is replaced as a failed generation is (it gets the weights before it next generates)
-        while the others sync on; past ``max_restarts`` the run stops naming the engine."""
-        ranks = list(range(self.workers.world_size)) if ranks is None else ranks
-        syncing = {
-            rank: (
-                self._weight_queues()[rank],
-                self.workers.submit(rank, RolloutWorker.receive_weights, self._weight_queues()[rank], version),
-            )
-            for rank in ranks
-        }
-        for ref in bucket_refs:
-            self._push(syncing, [ref], version)  # wrapped: the engine fetches the bucket itself
-        self._push(syncing, None, version)
-        live = list(syncing)
-        self.settle_sync(live, self.workers.settle([syncing[r][1] for r in live], "receive_weights", live), version)
-
-    def settle_sync(self, ranks: list[int], outcomes: list, version: int, one_failure: bool = False) -> None:
-        """After a sync: replace the engines that failed it, mark the others warm. ``one_failure``:
-        the failed engines fell together (a collective sync), one restart for all of them."""
-        failed = [(rank, o) for rank, o in zip(ranks, outcomes) if isinstance(o, RemoteCallError)]
-        self.replace_failed(failed, "during a weight sync", one_failure)
-        for rank, outcome in zip(ranks, outcomes):
-            if isinstance(outcome, RemoteCallError):
-                continue
-            if outcome != version:
-                raise RuntimeError(f"rollout engine {rank} reports weight version {outcome}, expected {version}")
-            else:
-                self._cold.discard(rank)
-
-    @staticmethod
-    def _new_queue():
-        from ray.util.queue import Queue
-
-        return Queue(maxsize=EXPORT_BUCKETS_AHEAD, actor_options={"num_cpus": 0})
-
-    def _weight_queues(self) -> list:
-        if self._queues is None:
-            self._queues = [self._new_queue() for _ in self.workers.workers]
-        return self._queues
-
-    def _push(self, syncing: dict, item, version: int) -> None:
-        """Put ``item`` on every syncing engine's queue; an engine that failed or stopped taking
-        buckets for the call deadline is replaced and leaves the sync (``syncing`` shrinks)."""
-        import ray
-        from ray.util.queue import Full
-
-        deadline = self.workers.call_deadline
-        for rank in list(syncing):
-            queue, pending = syncing[rank]
-            waited = time.monotonic()
-            while True:
-                try:
-                    queue.put(item, timeout=1.0)
-                    break
-                except Full:
-                    done, _ = ray.wait([pending], timeout=0)
-                    stuck = deadline.seconds is not None and time.monotonic() - waited > deadline.seconds
-                    if done or stuck:
-                        error = self.workers.settle([pending], "receive_weights", [rank])[0] if done else None
-                        del syncing[rank]
-                        self.replace(rank, self._sync_failure(rank, version, error), "during a weight sync")
-                        break
-
-    def _sync_failure(self, rank: int, version: int, error) -> RemoteCallError:
-        """Why engine ``rank`` left the weight sync: its own error, or its silence past the deadline."""
-        if isinstance(error, RemoteCallError):
-            return error
-        if error is not None:  # it returned before the last bucket: a bug, not a failure to recover from
-            raise RuntimeError(f"rollout engine {rank} finished its weight update (version {version}) early")
-        deadline = self.workers.call_deadline
-        return RemoteCallError(
-            f"{self.workers.name}.receive_weights: rank(s) [{rank}] took no weight bucket within "
-            f"{deadline.seconds:g} s ({deadline.key}) during the weight sync to version {version}"
-        )

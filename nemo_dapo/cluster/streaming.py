@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from nemo_dapo.cluster.groups import RolloutGroup
 from nemo_dapo.cluster.worker_group import Deadline
-from nemo_dapo.errors import RemoteCallError
 from nemo_dapo.rollout.base import RolloutWorker, SamplingSettings, StreamedGroup, StreamStats
 
 log = logging.getLogger(__name__)
@@ -56,9 +55,9 @@ class StreamingEngines:
         self._start(list(range(rollout.workers.world_size)))
 
     def _start(self, ranks: list[int]) -> None:
-        workers = self.rollout.workers
-        refs = [workers.submit(r, RolloutWorker.start_stream, self.max_inflight, self.kv_after_update) for r in ranks]
-        workers.gather(refs, "start_stream")
+        """Start streaming on ``ranks``; one that fails is replaced and started by the next look."""
+        calls = dict.fromkeys(ranks, (self.max_inflight, self.kv_after_update))
+        self.rollout.fan_out(RolloutWorker.start_stream, calls, "starting its stream")
 
     def add(self, groups: list[tuple[str, list[int]]]) -> None:
         """Send ``(key, prompt ids)`` groups, each to the engine with the fewest groups outstanding."""
@@ -75,24 +74,14 @@ class StreamingEngines:
         self._send(per_rank)
 
     def _send(self, per_rank: dict[int, list[tuple[str, list[int]]]]) -> None:
-        workers = self.rollout.workers
-        ranks = list(per_rank)
-        refs = [workers.submit(r, RolloutWorker.stream_add, per_rank[r], self.sampling) for r in ranks]
-        for rank, outcome in zip(ranks, workers.settle(refs, "stream_add", ranks, self._deadline())):
-            if isinstance(outcome, RemoteCallError):
-                self._recover(rank, outcome)
+        calls = {rank: (groups, self.sampling) for rank, groups in per_rank.items()}
+        self._fan_out(RolloutWorker.stream_add, calls, self._deadline())
 
     def take(self, wait_s: float) -> list[StreamedGroup]:
         """Finished groups from every engine (each waits up to ``wait_s`` for its first)."""
         self._recover_replaced()
-        workers = self.rollout.workers
-        ranks = list(range(workers.world_size))
-        refs = [workers.submit(r, RolloutWorker.stream_take, wait_s) for r in ranks]
         finished = []
-        for rank, outcome in zip(ranks, workers.settle(refs, "stream_take", ranks, self._deadline(wait_s))):
-            if isinstance(outcome, RemoteCallError):
-                self._recover(rank, outcome)
-                continue
+        for outcome in self._fan_out(RolloutWorker.stream_take, self._every(wait_s), self._deadline(wait_s)).values():
             for group in outcome:
                 if self.outstanding.pop(group.key, None) is not None:
                     finished.append(group)
@@ -100,20 +89,23 @@ class StreamingEngines:
 
     def load(self) -> StreamStats:
         """Stepping, starved and wall time, running samples, queued groups and finished tokens since
-        the last call, summed over the engines."""
+        the last call, summed over the engines (what a replaced engine did since the last call is
+        lost with it)."""
         self._recover_replaced()
-        workers = self.rollout.workers
-        ranks = list(range(workers.world_size))
-        refs = [workers.submit(r, RolloutWorker.stream_stats) for r in ranks]
-        stats = []
-        for rank, outcome in zip(ranks, workers.settle(refs, "stream_stats", ranks, self._deadline())):
-            if isinstance(outcome, RemoteCallError):
-                self._recover(rank, outcome)  # what it did since the last call is lost with it
-            else:
-                stats.append(outcome)
-        total = StreamStats.total(stats)
+        stats = self._fan_out(RolloutWorker.stream_stats, self._every(), self._deadline())
+        total = StreamStats.total(list(stats.values()))
         self.slowest_step_s = max(self.slowest_step_s, total.slowest_step_s)
         return total
+
+    def _every(self, *args) -> dict[int, tuple]:
+        return dict.fromkeys(range(self.rollout.workers.world_size), args)
+
+    def _fan_out(self, method, calls: dict[int, tuple], deadline: Deadline) -> dict:
+        """The rollout group's fan-out; an engine replaced on the way restarts its stream."""
+        outcomes = self.rollout.fan_out(method, calls, "while streaming", deadline)
+        if len(outcomes) < len(calls):
+            self._recover_replaced()
+        return outcomes
 
     def _deadline(self, wait_s: float = 0.0) -> Deadline:
         """How long a stream call may take before its engine counts as hung (see the module)."""
@@ -125,10 +117,6 @@ class StreamingEngines:
             seconds,
             f"a stream call: {SLOWEST_STEPS} x the slowest engine step so far, at least {self.call_floor_s:g} s",
         )
-
-    def _recover(self, rank: int, error: RemoteCallError) -> None:
-        self.rollout.replace(rank, error, "while streaming")
-        self._recover_replaced()
 
     def _recover_replaced(self) -> None:
         """Engines replaced since the last look (here, during a weight sync or validation) get the
@@ -143,6 +131,8 @@ class StreamingEngines:
             if restarts[rank] != self._seen_restarts[rank]:
                 continue  # it failed its warm-up and was replaced: warm the new one
             self._start([rank])
+            if restarts[rank] != self._seen_restarts[rank]:
+                continue  # it failed to start streaming and was replaced: warm the new one
             again = [(key, sent.prompt_ids) for key, sent in self.outstanding.items() if sent.rank == rank]
             log.warning("rollout engine %d replaced while streaming: sending its %d groups again", rank, len(again))
             self.resent += len(again)

@@ -10,7 +10,9 @@ object store, as any replaced engine does. Over gloo a failed receiver or sender
 groups at once, so the others fail within moments, not at gloo's timeout.
 
 ``object_store``: buckets through Ray's object store and a bounded queue per engine
-(:meth:`RolloutGroup.update_weights`).
+(:mod:`~nemo_dapo.cluster.store_sync`, which every replaced engine's warm-up takes too).
+
+Both transports are called with the new version and keep ``sent_bytes`` of their last sync.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import logging
 
 from nemo_dapo.cluster.groups import PolicyGroup, RolloutGroup
-from nemo_dapo.errors import RemoteCallError
 from nemo_dapo.policy.base import PolicyWorker
 from nemo_dapo.rollout.base import RolloutWorker
 from nemo_dapo.transfer import members
@@ -28,37 +29,41 @@ GLOO_DEFAULT_TIMEOUT_S = 1800.0  # gloo's own default, where the engines' calls 
 
 
 class ObjectStoreSync:
+    """The policy's buckets through the rollout group's object-store path."""
+
     def __init__(self, policy: PolicyGroup, rollout: RolloutGroup, bucket_bytes: int) -> None:
         self.policy, self.rollout, self.bucket_bytes = policy, rollout, bucket_bytes
         self.sent_bytes: int | None = None  # by the last sync, over all senders (not counted on this path)
 
     def __call__(self, version: int) -> None:
-        self.rollout.update_weights(self.policy.export_weights(self.bucket_bytes), version)
+        self.rollout.store.send(self.policy.export_weights(self.bucket_bytes), version)
 
 
-class CollectiveSync(ObjectStoreSync):
+class CollectiveSync:
+    """The exporting ranks' buckets straight to every engine worker over vLLM's weight-transfer API."""
+
     def __init__(self, policy: PolicyGroup, rollout: RolloutGroup, bucket_bytes: int, backend: str = "gloo") -> None:
-        super().__init__(policy, rollout, bucket_bytes)
-        self.backend = backend
+        self.policy, self.rollout, self.bucket_bytes, self.backend = policy, rollout, bucket_bytes, backend
+        self.sent_bytes: int | None = None  # by the last sync, over all senders
+        self._store = ObjectStoreSync(policy, rollout, bucket_bytes)  # a round whose engines could not join
         self._members: tuple | None = None  # the engines the groups were built with
         self._endpoints: list[dict] = []  # the exporting ranks', in stage order
 
     def __call__(self, version: int) -> None:
         if self._members != self._engines() and not self._connect():
-            super().__call__(version)  # engines failed to join and were replaced: this round by the store
+            self._store(version)  # engines failed to join and were replaced: this round by the store
             return
-        engines = self.rollout.workers
-        ranks = list(range(engines.world_size))
         update = members.update_info(self.backend, self._endpoints, version)
-        receiving = [worker.receive_collective.remote(version, update) for worker in engines.workers]
+        every = dict.fromkeys(range(self.rollout.workers.world_size), (version, update))
+        receiving = self.rollout.start(RolloutWorker.receive_collective, every)
         reports = self.policy.workers.call_all(PolicyWorker.send_weights, self.bucket_bytes)
         self.sent_bytes = sum(report["sent_bytes"] for report in reports)
         errors = [report["error"] for report in reports if report["error"]]
         if errors:  # the senders left their groups: every engine still receiving fails now
             log.warning("weight sync to version %d broke: %s", version, "; ".join(errors))
-        outcomes = engines.settle(receiving, "receive_collective", ranks)
-        self.rollout.settle_sync(ranks, outcomes, version, one_failure=True)
-        if errors or any(isinstance(outcome, RemoteCallError) for outcome in outcomes):
+        received = self.rollout.finish(receiving, "during a weight sync", one_failure=True)
+        self.rollout.synced(received, version)
+        if errors or len(received) < len(every):
             self._disconnect()
 
     def _engines(self) -> tuple:
@@ -79,23 +84,16 @@ class CollectiveSync(ObjectStoreSync):
         opened = self.policy.workers.call_all(PolicyWorker.open_weight_transfer, self.backend, self.bucket_bytes)
         self._endpoints = [endpoint for endpoint in opened if endpoint]
         timeout_s = engines.call_deadline.seconds or GLOO_DEFAULT_TIMEOUT_S
-        joining = [
-            worker.init_weight_transfer.remote(
-                members.engine_init_info(self.backend, self._endpoints, offset, world_size, timeout_s)
-            )
-            for offset, worker in zip(offsets, engines.workers)
-        ]
+        infos = {
+            rank: (members.engine_init_info(self.backend, self._endpoints, offset, world_size, timeout_s),)
+            for rank, offset in enumerate(offsets)
+        }
+        joining = self.rollout.start(RolloutWorker.init_weight_transfer, infos)
         errors = [
             e for e in self.policy.workers.call_all(PolicyWorker.join_weight_transfer, world_size, timeout_s) if e
         ]
-        ranks = list(range(engines.world_size))
-        failed = [
-            (rank, outcome)
-            for rank, outcome in zip(ranks, engines.settle(joining, "init_weight_transfer", ranks))
-            if isinstance(outcome, RemoteCallError)
-        ]
-        self.rollout.replace_failed(failed, "joining the weight transfer", one_failure=True)
-        if errors or failed:
+        joined = self.rollout.finish(joining, "joining the weight transfer", one_failure=True)
+        if errors or len(joined) < len(infos):
             self.policy.workers.call_all(PolicyWorker.close_weight_transfer)
             return False
         self._members = self._engines()
@@ -107,7 +105,9 @@ class CollectiveSync(ObjectStoreSync):
             self._members = None
 
 
-def weight_sync(path: str, policy: PolicyGroup, rollout: RolloutGroup, bucket_bytes: int) -> ObjectStoreSync:
+def weight_sync(
+    path: str, policy: PolicyGroup, rollout: RolloutGroup, bucket_bytes: int
+) -> ObjectStoreSync | CollectiveSync:
     """The sync ``rollout.weight_transfer`` names (made concrete when the config loaded)."""
     if path == "object_store":
         return ObjectStoreSync(policy, rollout, bucket_bytes)

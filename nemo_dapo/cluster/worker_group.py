@@ -31,6 +31,16 @@ class Deadline:
     key: str
 
 
+@dataclass
+class Calls:
+    """One method's calls submitted to some ranks and not yet waited on: ``refs[i]`` is rank
+    ``ranks[i]``'s (:meth:`~nemo_dapo.cluster.groups.RolloutGroup.start`)."""
+
+    method: str
+    ranks: list[int]
+    refs: list
+
+
 def placement_summary(node_addresses: Sequence[str]) -> str:
     """Which ranks run on which node, e.g. ``2 workers on 2 nodes: 10.0.0.2 [0], 10.0.0.3 [1]``."""
     ranks: dict[str, list[int]] = {}

@@ -110,7 +110,7 @@ def stage_params(arch: Architecture, layout: Layout) -> StageParams:
 
 def tokens_per_micro_batch(cfg: Config, layout: Layout) -> float:
     split = layout.parallel
-    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    longest = cfg.data.max_sequence_length
     return max(cfg.actor.max_token_len_per_micro_batch, longest) / split.context
 
 
@@ -246,7 +246,7 @@ def generation_memory(cfg: Config, arch: Architecture, gpu_memory_gib: float, re
         weights=arch.total_params() * elt / rollout_tp / GIB,
         reserve=reserve_gib,
         kv_bytes_per_token=kv_per_token,
-        sequence_tokens=cfg.data.max_prompt_length + cfg.data.max_response_length,
+        sequence_tokens=cfg.data.max_sequence_length,
     )
 
 

@@ -123,7 +123,28 @@ EAGER_MAX_SEQUENCE = 512
 def resolve_auto(cfg: Config) -> Config:
     """The settings whose ``auto`` depends on the machine or the run, made concrete."""
     cfg = resolve_auto_engines(resolve_auto_prompt_sharing(resolve_auto_attention(resolve_auto_dtype(cfg))))
-    return replace(cfg, rollout=replace(cfg.rollout, weight_transfer=weight_transfer_path(cfg)))
+    cfg = replace(cfg, rollout=replace(cfg.rollout, weight_transfer=weight_transfer_path(cfg)))
+    return resolve_nulls(cfg)
+
+
+def resolve_nulls(cfg: Config) -> Config:
+    """The settings whose ``null`` stands for a value the run derives, made that value here, so
+    the code reads one meaning and the saved config records what ran: ``filter_groups.carry_over``
+    (the mode's way), ``rollout.timeout_s`` (``trainer.remote_timeout_s``),
+    ``actor.loss_scale_factor`` (``data.max_response_length``) and, in the stream,
+    ``rollout.max_inflight`` (every sample the staleness bound admits, over the engines). A value
+    that cannot be derived from an invalid config stays null for validation to refuse the cause."""
+    filtering, rollout, actor = cfg.algorithm.filter_groups, cfg.rollout, cfg.actor
+    if filtering.carry_over is None:
+        filtering = replace(filtering, carry_over=cfg.trainer.mode == "stream")
+    if rollout.timeout_s is None:
+        rollout = replace(rollout, timeout_s=cfg.trainer.remote_timeout_s)
+    if rollout.max_inflight is None and cfg.trainer.mode == "stream" and (rollout.num_workers or 0) > 0:
+        groups = (cfg.trainer.max_staleness + 1) * cfg.data.train_batch_size
+        rollout = replace(rollout, max_inflight=max(rollout.n, -(-groups * rollout.n // rollout.num_workers)))
+    if actor.loss_scale_factor is None:
+        actor = replace(actor, loss_scale_factor=float(cfg.data.max_response_length))
+    return replace(cfg, algorithm=replace(cfg.algorithm, filter_groups=filtering), rollout=rollout, actor=actor)
 
 
 def resolve_auto_engines(cfg: Config) -> Config:
@@ -141,7 +162,7 @@ def resolve_auto_attention(cfg: Config) -> Config:
     (faster there, see the setting's help), sdpa otherwise (the megatron backend ignores it)."""
     if cfg.actor.attn_implementation != "auto":
         return cfg
-    sequence = cfg.data.max_prompt_length + cfg.data.max_response_length
+    sequence = cfg.data.max_sequence_length
     cpu_torch = cfg.actor.backend == "torch" and cfg.trainer.n_gpus_per_node == 0
     eager = cpu_torch and sequence <= EAGER_MAX_SEQUENCE
     return replace(cfg, actor=replace(cfg.actor, attn_implementation="eager" if eager else "sdpa"))

@@ -1,6 +1,6 @@
 """Start-up checks that need the model's shape: will the layouts split it, will a CPU run's workers
 fit this machine's memory. Run by ``nemo-dapo train`` before any worker is placed and by
-``nemo-dapo plan`` (:mod:`nemo_dapo.launch.plan`), which adds the GPU memory model.
+``nemo-dapo plan`` (:mod:`nemo_dapo.commands.plan`), which adds the GPU memory model.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def shape_problems(cfg: Config, arch: Architecture) -> list[str]:
 def context_problems(cfg: Config, arch: Architecture) -> list[str]:
     """A prompt and its response longer than the model's positions: vLLM refuses such an engine
     (and Megatron's rotary table stops there), so the run would fail late, in a worker."""
-    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    longest = cfg.data.max_sequence_length
     if arch.max_positions is None or longest <= arch.max_positions:
         return []
     return [
@@ -138,7 +138,7 @@ def eager_attention_bytes(cfg: Config, arch: Architecture) -> float:
     fp32 (the softmax) and in the compute dtype (the copy the value matmul reads)."""
     if cfg.actor.attn_implementation != "eager":
         return 0.0
-    sequence = cfg.data.max_prompt_length + cfg.data.max_response_length
+    sequence = cfg.data.max_sequence_length
     per_value = 4 + DTYPE_BYTES[cfg.model.dtype]
     tokens = cfg.actor.max_token_len_per_micro_batch
     return tokens * arch.num_attention_heads * sequence * per_value * arch.num_layers

@@ -74,6 +74,11 @@ class DataConfig:
     def effective_gen_batch_size(self) -> int:
         return self.train_batch_size if self.gen_batch_size is None else self.gen_batch_size
 
+    @property
+    def max_sequence_length(self) -> int:
+        """The longest prompt and response together: the engines' model length, the memory model's."""
+        return self.max_prompt_length + self.max_response_length
+
 
 @dataclass
 class ModelConfig:
@@ -129,14 +134,15 @@ class RolloutConfig:
     timeout_s: Optional[float] = setting(
         None,
         help="Longest the driver waits on one engine call (a generation round, a weight update); "
-        "an engine silent that long is treated as dead. null: trainer.remote_timeout_s.",
+        "an engine silent that long is treated as dead. null: trainer.remote_timeout_s (made that "
+        "value when the config loads).",
     )
     max_inflight: Optional[int] = setting(
         None,
         bounds=">= 1",
         help="trainer.mode=stream: samples one engine runs at once; groups of n enter as others "
         "finish. null: every sample the staleness bound admits ((max_staleness + 1) x "
-        "train_batch_size x n, over the engines).",
+        "train_batch_size x n, over the engines, at least n), made that value when the config loads.",
     )
     kv_after_update: str = setting(
         "recompute",

@@ -158,7 +158,9 @@ class ActorConfig:
         "(Dr. GRPO: divided by loss_scale_factor).",
     )
     loss_scale_factor: Optional[float] = setting(
-        None, help="seq-mean-token-sum-norm's constant divisor; null: data.max_response_length."
+        None,
+        help="seq-mean-token-sum-norm's constant divisor; null: data.max_response_length (made that "
+        "value when the config loads).",
     )
     entropy_coeff: float = setting(0.0, help="Entropy bonus coefficient (0 in DAPO).")
     use_kl_loss: bool = setting(

@@ -47,7 +47,8 @@ class FilterGroupsConfig:
         None,
         help="Keep the kept groups beyond train_batch_size for the next step instead of dropping them "
         "(stream: the groups finished beyond the batch when a step takes it). null: the mode's way: "
-        "dropped in sync, kept in stream, where groups finish one by one and the next batch starts with them.",
+        "dropped in sync, kept in stream, where groups finish one by one and the next batch starts with them "
+        "(made true or false when the config loads).",
     )
 
 

@@ -18,6 +18,7 @@ import torch
 
 from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.config.schema_actor import OptimConfig
+from nemo_dapo.policy.weights import WEIGHT_BUCKET_BYTES
 
 # model.dtype names -> the compute dtype of either backend
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -135,7 +136,7 @@ class PolicyWorker(Protocol):
         ``correction``: rollout IS / rejection settings the loss applies."""
         ...
 
-    def export_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def export_weights(self, bucket_bytes: int = WEIGHT_BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """This rank's share of the Hugging Face-named tensors in size-bounded buckets (collective).
 
         A generator: buckets stream out as they are gathered. Over all ranks every tensor is

@@ -34,7 +34,7 @@ from nemo_dapo.policy.microbatch import MicroBatch, RowStats, micro_batches
 from nemo_dapo.policy.shared_prompt import hidden_before_responses
 from nemo_dapo.policy.update_loop import run_update
 from nemo_dapo.policy.weight_sender import WeightSender
-from nemo_dapo.policy.weights import Bucket, bucketize
+from nemo_dapo.policy.weights import WEIGHT_BUCKET_BYTES, Bucket, bucketize
 from nemo_dapo.rng import restore_rng, rng_state
 from nemo_dapo.safe_load import load_state
 from nemo_dapo.threads import use_cpu_threads
@@ -202,7 +202,7 @@ class TorchPolicyWorker(WeightSender):
     def exports_weights(self) -> bool:
         return self.rank == 0
 
-    def export_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[Bucket]:
+    def export_weights(self, bucket_bytes: int = WEIGHT_BUCKET_BYTES) -> Iterator[Bucket]:
         """Rank 0's weights in buckets (every rank holds the same copy; the others yield nothing), in
         the compute dtype the engines run in: the fp32 master copy stays here, and a bf16 engine gets
         half the bytes instead of casting fp32 on arrival. Tied weights go under each of their names:

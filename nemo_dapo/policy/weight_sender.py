@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from nemo_dapo.policy.weights import Bucket
+from nemo_dapo.policy.weights import WEIGHT_BUCKET_BYTES, Bucket
 
 
 class _Export:
@@ -63,7 +63,7 @@ class WeightSender:
     def exports_weights(self) -> bool:
         raise NotImplementedError
 
-    def export_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[Bucket]:
+    def export_weights(self, bucket_bytes: int = WEIGHT_BUCKET_BYTES) -> Iterator[Bucket]:
         raise NotImplementedError
 
     def open_weight_transfer(self, backend: str, bucket_bytes: int) -> dict | None:

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 Bucket = list[tuple[str, torch.Tensor]]
+WEIGHT_BUCKET_BYTES = 512 << 20  # a weight sync's bucket: large enough to keep the wire busy, small beside a GPU
 
 
 def own_storage(tensor: torch.Tensor) -> torch.Tensor:

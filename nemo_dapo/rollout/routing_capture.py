@@ -10,6 +10,8 @@ filed, so prefix caching must be off (a cached prompt block is not run again). A
 (a sample recomputed after a weight update or a preemption) is filed again and its latest routing
 wins: the experts that computed the keys its later tokens attended to. The functions run inside
 the engine's worker through ``collective_rpc``.
+
+Outside contract (the modules of vLLM's MoE blocks): see docs/architecture.md, "Outside contracts".
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ Every token carries the version of the weights that drew it (vLLM's weight-versi
 prefix cache never serves KV of older weights to a newer request: each group is salted
 (``cache_salt``) with the version it was admitted under, so no block computed by older weights
 matches a request admitted after an update (``recompute`` empties the cache as well).
+
+Outside contract (stepping vLLM's in-process ``LLMEngine``): see docs/architecture.md, "Outside contracts".
 """
 
 from __future__ import annotations

@@ -305,12 +305,13 @@ class VLLMRolloutWorker:
     def update_weights(self, buckets: Iterable[list[tuple]], version: int) -> int:
         """One reload over all buckets, each loaded on every engine rank as it arrives (a reload
         that skipped some layers would re-initialise them). ``buckets`` is consumed lazily."""
+        from nemo_dapo.rollout import weight_receiver
 
         def load() -> None:
-            self.llm.collective_rpc("start_bucket_reload")
+            self.llm.collective_rpc(weight_receiver.start_bucket_reload)
             for bucket in buckets:
-                self.llm.collective_rpc("reload_bucket", args=(bucket,))
-            self.llm.collective_rpc("finish_bucket_reload")
+                self.llm.collective_rpc(weight_receiver.reload_bucket, args=(bucket,))
+            self.llm.collective_rpc(weight_receiver.finish_bucket_reload)
 
         return self._reload(load, version)
 

@@ -8,15 +8,13 @@ import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.cluster.allocator import allocator_env, keeps_freed_memory
 from nemo_dapo.config import Config
 from nemo_dapo.config.problems import raise_problems
 from nemo_dapo.config.topology import is_colocated, needs_reference, num_engines, policy_groups
 from nemo_dapo.config.validate import separate_groups_problems
 from nemo_dapo.model.builtin import resolve_builtin
-from nemo_dapo.policy.base import LossSettings, WorkerSettings
-from nemo_dapo.rollout.base import EngineSettings
+from nemo_dapo.trainer.settings import engine_settings, policy_settings
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -38,55 +36,6 @@ def resolve_paths(cfg: Config) -> Config:
         cfg,
         model=replace(cfg.model, path=model_path),
         data=replace(cfg.data, train_files=train_files, val_files=val_files),
-    )
-
-
-def workers_per_node(cfg: Config, num_workers: int, gpus_per_worker: int = 1) -> int:
-    """Workers that compute at the same time on one node, among which a worker's share of the
-    node's cores is divided: on GPU nodes, those of its group that one node holds; on CPU nodes,
-    the group's share of a node (all of it on one node), and in stream mode the engines too (they
-    generate while the policy trains: 2 + 2 threads on 2 cores made a tiny overlapped step 3-4x
-    slower than a synchronous one)."""
-    if cfg.trainer.n_gpus_per_node == 0:
-        overlapping = cfg.actor.num_workers + num_engines(cfg) if cfg.trainer.mode != "sync" else 0
-        return -(-max(num_workers, overlapping) // cfg.trainer.nnodes)
-    return max(1, min(num_workers, cfg.trainer.n_gpus_per_node // gpus_per_worker))
-
-
-def loss_settings(cfg: Config, correction: CorrectionSettings) -> LossSettings:
-    """What every policy worker's loss reads, from the config and the effective rollout correction."""
-    actor = cfg.actor
-    return LossSettings(
-        clip_ratio_low=actor.clip_ratio_low,
-        clip_ratio_high=actor.clip_ratio_high,
-        clip_ratio_c=actor.clip_ratio_c,
-        loss_agg_mode=actor.loss_agg_mode,
-        policy_loss=actor.policy_loss,
-        norm_constant=actor.loss_scale_factor or float(cfg.data.max_response_length),
-        entropy_coeff=actor.entropy_coeff,
-        use_kl_loss=actor.use_kl_loss,
-        kl_loss_coef=actor.kl_loss_coef,
-        kl_loss_type=actor.kl_loss_type,
-        loss_type=correction.loss_type,
-        bypass_mode=correction.bypass_mode,
-        temperature=cfg.rollout.temperature,
-    )
-
-
-def policy_settings(cfg: Config, total_optimizer_steps: int, trainable: bool = True) -> WorkerSettings:
-    """What a policy worker is built from, read from the config: the training ranks, the reference
-    model (``trainable=False``) and the benches' in-process worker alike."""
-    return WorkerSettings(
-        model_path=cfg.model.path,
-        optim=cfg.actor.optim,
-        dtype=cfg.model.dtype,
-        total_steps=total_optimizer_steps,
-        max_token_len=cfg.actor.max_token_len_per_micro_batch,
-        logits_chunk_tokens=cfg.actor.logits_chunk_tokens,
-        seed=cfg.trainer.seed,
-        trainable=trainable,
-        num_threads=cfg.trainer.cpu_threads_per_worker,
-        workers_per_node=workers_per_node(cfg, cfg.actor.num_workers),
     )
 
 
@@ -143,29 +92,13 @@ def policy_start_env(cfg: Config, gpus: int) -> dict[str, str]:
 
 
 def _rollout_workers(cfg: Config, shared: SharedGPUs | None) -> WorkerGroup:
-    from nemo_dapo.cluster.placement import SharedGPUs
     from nemo_dapo.cluster.worker_group import WorkerGroup
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
     tp = cfg.rollout.tensor_parallel_size
-    settings = EngineSettings(
-        model_path=cfg.model.path,
-        max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-        dtype=cfg.model.dtype,
-        seed=cfg.trainer.seed,
-        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-        tensor_parallel_size=tp,
-        enforce_eager=cfg.rollout.enforce_eager,
-        enable_sleep_mode=shared is not None,
-        distributed_executor_backend=SharedGPUs.engine_executor(tp) if shared else None,
-        num_threads=cfg.trainer.cpu_threads_per_worker,
-        workers_per_node=workers_per_node(cfg, num_engines(cfg), gpus_per_worker=tp),
-        return_routing=cfg.actor.backend == "megatron" and cfg.actor.megatron.router_replay == "r3",
-        weight_transfer=cfg.rollout.weight_transfer,
-    )
+    settings = engine_settings(cfg, shared)
     gpus = tp if cfg.trainer.n_gpus_per_node > 0 else 0
     slots = shared.engine_slots(num_engines(cfg), tp) if shared else None
-    own_timeout = cfg.rollout.timeout_s is not None
     return WorkerGroup(
         VLLMRolloutWorker,
         num_engines(cfg),
@@ -174,8 +107,8 @@ def _rollout_workers(cfg: Config, shared: SharedGPUs | None) -> WorkerGroup:
         worker_kwargs={"settings": settings},
         slots=slots,
         env=_start_env(cfg, gpus),
-        call_timeout_s=cfg.rollout.timeout_s if own_timeout else cfg.trainer.remote_timeout_s,
-        timeout_key="rollout.timeout_s" if own_timeout else "trainer.remote_timeout_s",
+        call_timeout_s=cfg.rollout.timeout_s,
+        timeout_key="rollout.timeout_s",
         start_timeout_s=cfg.trainer.remote_timeout_s,  # loading a model may take longer than a round
         wait=shared is not None,
         strategy=cfg.trainer.placement_strategy,

@@ -1,8 +1,10 @@
-"""The synchronous DAPO trainer (docs/algorithm.md §8): generate -> reward -> filter -> old_log_prob -> ref
--> advantages -> update_actor -> weight sync, with validation and checkpoints.
+"""The DAPO trainer of every mode (docs/algorithm.md §8): a batch from the mode's source ->
+old_log_prob -> ref -> advantages -> update_actor -> weight sync, with validation, checkpoints
+and the stop clock around the steps.
 
-The trainer talks to a policy group and a rollout group through their interfaces only; it
-does not know whether they are Ray actors on a laptop or GPU processes on a cluster.
+The trainer talks to a policy group, a rollout group and a batch source through their
+interfaces only; it does not know whether they are Ray actors on a laptop or GPU processes on a
+cluster, nor whether the batch was generated for the step or streamed.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,35 +23,25 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import RolloutBatch
-from nemo_dapo.algo.correction import correction_settings
-from nemo_dapo.algo.kl import build_kl_controller
 from nemo_dapo.algo.metrics import throughput_metrics, timing_metrics
-from nemo_dapo.algo.sampling import GroupAccumulator
 from nemo_dapo.cluster.weight_sync import weight_sync
 from nemo_dapo.config import Config, to_yaml
-from nemo_dapo.config.topology import cluster_gpus, is_colocated, prompts_per_round, total_training_steps
+from nemo_dapo.config.topology import cluster_gpus, prompts_per_round, total_training_steps
 from nemo_dapo.data import ResumableBatchSampler
 from nemo_dapo.errors import GenerationStopped
 from nemo_dapo.folders import open_run_file
+from nemo_dapo.policy.weights import WEIGHT_BUCKET_BYTES
 from nemo_dapo.rng import restore_rng, rng_state
 from nemo_dapo.safe_load import load_state
-from nemo_dapo.trainer.assembly import loss_settings
-from nemo_dapo.trainer.batching import batch_from_items
 from nemo_dapo.trainer.checkpoint import TRAINER_STATE, CheckpointManager, refuse_mode_change
 from nemo_dapo.trainer.health import LearningHealth, NonFiniteSteps
-from nemo_dapo.trainer.old_policy import OldPolicyScores
 from nemo_dapo.trainer.preemption import Preempted, PreemptionSignals, StepAbandoned, StepClock, record_preemption
-from nemo_dapo.trainer.sinks import SinkContext
-from nemo_dapo.trainer.stages import (
-    add_advantages,
-    add_overlong_filter,
-    add_rewards,
-    batch_metrics,
-    score_batch,
-)
+from nemo_dapo.trainer.source import BatchSource, PromptDraws, StepPlace
 from nemo_dapo.trainer.summary import write_summary
+from nemo_dapo.trainer.sync_source import SyncSource
 from nemo_dapo.trainer.tracking import StageTimer, Tracker
-from nemo_dapo.trainer.validation import mean_val_accuracy, train_sampling, validation_metrics
+from nemo_dapo.trainer.update import PolicyUpdate
+from nemo_dapo.trainer.validation import mean_val_accuracy, validation_metrics
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -60,20 +51,34 @@ if TYPE_CHECKING:
     from nemo_dapo.reward.manager import RewardManager
 
 log = logging.getLogger(__name__)
-WEIGHT_BUCKET_BYTES = 512 << 20
+
+
+def batch_source(
+    cfg: Config,
+    policy: PolicyGroup,
+    rollout: RolloutGroup,
+    tokenizer: PreTrainedTokenizerBase,
+    data: RLDataset,
+    reward: RewardManager,
+) -> BatchSource:
+    """``trainer.mode``'s batch source over the training data."""
+    draws = PromptDraws(
+        ResumableBatchSampler(len(data), prompts_per_round(cfg), seed=cfg.data.seed, shuffle=cfg.data.shuffle),
+        data.row_id,
+    )
+    if cfg.trainer.mode == "stream":
+        from nemo_dapo.trainer.stream_source import StreamSource, stream_engines
+
+        return StreamSource(cfg, draws, data, stream_engines(cfg, rollout), tokenizer, reward)
+    return SyncSource(cfg, draws, data, policy, rollout, tokenizer, reward)
 
 
 class DAPOTrainer:
-    """The synchronous DAPO loop (docs/algorithm.md §8) over a policy, a rollout and optionally a
-    reference group, on the driver: :meth:`fit` runs steps until the budget is spent, with
-    validation, checkpoints, preemption and the learning-health warnings around them.
-
-    What a mode replaces (the streaming trainer does): the hooks of :meth:`train_step` (where
-    its batch comes from, what happens around the update and the sync, its own metrics and
-    prompt record), and :meth:`trainer_state` / :meth:`_restore`, its part of the state a
-    checkpoint keeps beyond the workers'. What every mode shares: :meth:`train_step` itself,
-    :meth:`train_on_batch` (old policy, reference, advantages, update), :meth:`sync_weights`,
-    :meth:`validate`, checkpoint writing and :meth:`fit`.
+    """The DAPO run (docs/algorithm.md §8) over a policy, a rollout and optionally a reference
+    group, on the driver: :meth:`fit` runs steps until the budget is spent, with validation,
+    checkpoints, preemption and the learning-health warnings around them. Each step's batch
+    comes from the mode's :class:`~nemo_dapo.trainer.source.BatchSource`, which also says what
+    happens around the update and the sync and keeps its part of the checkpointed state.
     """
 
     def __init__(
@@ -86,21 +91,12 @@ class DAPOTrainer:
         val_data: RLDataset | None,
         reward: RewardManager,
         ref_policy: PolicyGroup | None = None,
+        source: BatchSource | None = None,
     ) -> None:
         self.cfg, self.policy, self.rollout, self.ref_policy = cfg, policy, rollout, ref_policy
         self.tokenizer, self.train_data, self.val_data, self.reward = tokenizer, train_data, val_data, reward
         self.output_dir = Path(cfg.trainer.output_dir)
-        self.tracker = Tracker(
-            cfg.trainer.loggers,
-            SinkContext(
-                self.output_dir,
-                cfg.trainer.project_name,
-                cfg.trainer.experiment_name,
-                asdict(cfg),
-                cfg.trainer.wandb_mode,
-                cfg.trainer.mlflow_tracking_uri,
-            ),
-        )
+        self.tracker = Tracker.for_run(cfg)
         self.checkpoints = CheckpointManager(
             self.output_dir / "checkpoints", cfg.checkpoint.keep_last, hasher=policy.digest_files
         )
@@ -108,27 +104,11 @@ class DAPOTrainer:
         self.saved_step: int | None = None  # the step of the newest checkpoint written or resumed
         self.steps_this_run = 0  # steps this process finished (a stop without any made no progress)
         self.started = time.time()  # from when stop signals were caught
-        filtering = cfg.algorithm.filter_groups
-        self.sampler = ResumableBatchSampler(
-            len(train_data), prompts_per_round(cfg), seed=cfg.data.seed, shuffle=cfg.data.shuffle
-        )
-        self._sampler_iter: Iterator[list[int]] | None = None
-        self._consumed: list[int] = []  # row ids drawn from the sampler this step (prompts.jsonl)
         self.stop_asked: Callable[[], bool] = lambda: False  # a stop signal arrived (set by fit)
-        self.accumulator = (
-            GroupAccumulator(
-                cfg.data.train_batch_size, filtering.max_num_gen_batches, bool(filtering.carry_over), filtering.metric
-            )
-            if filtering.enable
-            else None
-        )
-        self.correction = correction_settings(cfg.algorithm.rollout_correction)
-        self.loss_settings = loss_settings(cfg, self.correction)
-        kl = cfg.algorithm.kl_ctrl
-        self.kl_controller = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.source = source or batch_source(cfg, policy, rollout, tokenizer, train_data, reward)
+        self.update = PolicyUpdate(cfg, policy, ref_policy)
         self.global_step = 0
         self.weight_version = 0
-        self.generated_samples = 0
         self.health = LearningHealth()
         self.nonfinite = NonFiniteSteps(cfg.trainer.max_nonfinite_steps)
         self.initial_val: dict[str, float] = {}
@@ -140,146 +120,28 @@ class DAPOTrainer:
         self.rollout.set_weight_source(self._current_weights)  # for an engine replaced mid-run
         self.weight_sync = weight_sync(cfg.rollout.weight_transfer, policy, rollout, WEIGHT_BUCKET_BYTES)
 
-    # ----------------------------------------------------------------- generation
-    def _next_prompt_indices(self) -> list[int]:
-        if self._sampler_iter is None:
-            self._sampler_iter = iter(self.sampler)
-        try:
-            return next(self._sampler_iter)
-        except StopIteration:  # epoch finished: the next iterator starts the following epoch
-            self._sampler_iter = iter(self.sampler)
-            return next(self._sampler_iter)
-
-    def _next_round(self, timer: StageTimer, round_index: int) -> RolloutBatch:
-        """One generation round, scored."""
-        indices = self._next_prompt_indices()
-        items = [self.train_data[i] for i in indices]
-        with timer("gen"):
-            prompts = [it["prompt_ids"] for it in items]
-            generations = self.rollout.generate(prompts, train_sampling(self.cfg), stop=self.stop_asked)
-        self.generated_samples += len(items) * self.cfg.rollout.n
-        uid_prefix = f"s{self.global_step}r{round_index}"
-        batch = batch_from_items(items, generations, uid_prefix, self.tokenizer.pad_token_id, self.weight_version)
-        with timer("reward"):
-            score_batch(batch, self.reward, self.tokenizer)
-        return batch
-
-    def _collect_batch(self, timer: StageTimer) -> tuple[RolloutBatch, dict[str, float], list[int]]:
-        """One round, or (dynamic sampling) rounds until train_batch_size informative groups are held.
-        A stop asked for while a round generates (or before it) gives the step up: the sampler and
-        the held groups go back to where the step began (:class:`StepAbandoned`), so a resumed run
-        draws them again."""
-        consumed: list[int] = []
-        round_index = 0
-        began = self._draw_state()
-        while True:
-            try:
-                batch = self._next_round(timer, round_index)
-            except GenerationStopped as stopped:
-                self._load_draw_state(began)
-                raise StepAbandoned(str(stopped)) from None
-            consumed += sorted(set(batch["prompt_index"]))
-            round_index += 1
-            if self.accumulator is None:
-                return batch, {}, consumed
-            self.accumulator.add_round(batch)
-            if self.accumulator.is_full():
-                return self.accumulator.pop_batch(), self.accumulator.last_metrics, consumed
-            self.accumulator.check_limit()
-
-    def _draw_state(self) -> dict:
-        """What drawing prompts changes: the sampler, dynamic sampling's held groups, the budget. Part
-        of the checkpointed trainer state, and what a step given up goes back to."""
-        return {
-            "sampler": self.sampler.state_dict(),
-            "accumulator": self.accumulator.state_dict() if self.accumulator is not None else None,
-            "generated_samples": self.generated_samples,
-        }
-
-    def _load_draw_state(self, state: dict) -> None:
-        self.sampler.load_state_dict(state["sampler"])
-        self._sampler_iter = None
-        if self.accumulator is not None and state["accumulator"] is not None:
-            self.accumulator.load_state_dict(state["accumulator"])
-        self.generated_samples = state.get("generated_samples", 0)  # checkpoints from before the budget existed
+    @property
+    def generated_samples(self) -> int:
+        """Samples generated so far: the axis of ``trainer.total_generated_samples``."""
+        return self.source.draws.generated_samples
 
     # ----------------------------------------------------------------- one step
     def train_step(self) -> dict[str, float]:
-        """One step in every mode (docs/algorithm.md §8): the mode's next batch, trained by
-        :meth:`train_on_batch`, the new weights into the engines, the step's metrics and its
-        prompts recorded. What differs between modes are the hooks: :meth:`_next_batch`,
-        :meth:`_before_update`, :meth:`_sync_engines`, :meth:`_after_sync`, :meth:`_mode_metrics`
-        and :meth:`_prompts_of_step`."""
+        """One step in every mode (docs/algorithm.md §8): the source's next batch, trained by
+        :class:`~nemo_dapo.trainer.update.PolicyUpdate`, the new weights into the engines, the step's metrics and its
+        prompts recorded; the source says what happens around the update and the sync."""
         timer = StageTimer()
         step_start = time.perf_counter()
-        batch, metrics = self._next_batch(timer)
-        metrics.update(self._before_update(batch))
-        metrics.update(self.train_on_batch(batch, timer))
-        self._sync_engines(timer)
-        self._after_sync()
+        place = StepPlace(self.global_step, self.weight_version, self.stop_asked)
+        batch, metrics = self.source.next_batch(place, timer)
+        metrics.update(self.source.before_update(batch, self.weight_version))
+        metrics.update(self.update(batch, timer))
+        self.source.sync(timer, self.sync_weights)
+        self.source.after_sync()
         self._finish_step_metrics(batch, metrics, timer, step_start)
-        metrics.update(self._mode_metrics(timer, time.perf_counter() - step_start))
-        consumed, extra = self._prompts_of_step()
+        metrics.update(self.source.metrics(timer, time.perf_counter() - step_start))
+        consumed, extra = self.source.prompts_of_step()
         self._record_prompts(consumed, batch, extra)
-        return metrics
-
-    # the synchronous mode's hooks
-    def _next_batch(self, timer: StageTimer) -> tuple[RolloutBatch, dict[str, float]]:
-        batch, metrics, self._consumed = self._collect_batch(timer)
-        return batch, metrics
-
-    def _before_update(self, batch: RolloutBatch) -> dict[str, float]:
-        """Engines colocated with the training ranks sleep from the end of generation to the sync
-        (a no-op otherwise)."""
-        self.rollout.sleep()
-        return {}
-
-    def _sync_engines(self, timer: StageTimer) -> None:
-        """The colocated engines' weights wake first, the KV cache once the new weights are in."""
-        if is_colocated(self.cfg):  # the engines wake into what the update's allocator cached
-            self.policy.release_memory()
-        with timer("sync_weights"):
-            self.rollout.wake_up(["weights"])
-            self.sync_weights()
-            self.rollout.wake_up(["kv_cache"])
-
-    def _after_sync(self) -> None:
-        """Nothing in the synchronous mode: the next step generates afresh."""
-
-    def _mode_metrics(self, timer: StageTimer, step_s: float) -> dict[str, float]:
-        return {mn.GENERATED_SAMPLES.name: float(self.generated_samples)}  # cumulative: the budget's axis
-
-    def _prompts_of_step(self) -> tuple[list[int], dict | None]:
-        """The dataset rows drawn this step, and what else ``prompts.jsonl`` records of it."""
-        consumed, self._consumed = self._consumed, []
-        return consumed, None
-
-    def train_on_batch(self, batch: RolloutBatch, timer: StageTimer) -> dict[str, float]:
-        """old_log_prob -> ref -> advantages -> update_actor: shared by the sync and stream trainers.
-        Which rows the old policy's own pass scores, and which the update's first forward does,
-        is :class:`~nemo_dapo.trainer.old_policy.OldPolicyScores`'s to say."""
-        metrics = add_overlong_filter(batch, self.cfg)  # finish reasons alone: before any pass
-        old = OldPolicyScores(batch, self.cfg, self.correction)
-        metrics.update(old.before_update(self.policy, batch, timer))
-        if self.ref_policy is not None:
-            with timer("ref"):
-                ref = self.ref_policy.compute_log_prob(batch, self.cfg.rollout.temperature)
-            batch.add("ref_log_probs", ref["log_probs"])
-        with timer("adv"):
-            metrics.update(add_rewards(batch, self.cfg, self.kl_controller))
-            add_advantages(batch, self.cfg)
-        with timer("update_actor"):
-            result = self.policy.update(
-                batch,
-                self.loss_settings,
-                self.cfg.actor.ppo_mini_batch_size,
-                self.cfg.actor.ppo_epochs,
-                self.correction if self.correction.bypass_mode else None,
-                first_old_from_forward=old.first_mini_batch_by_update,
-            )
-        metrics.update(result.metrics)
-        metrics.update(old.after_update(batch, result.first_forward))
-        metrics.update(batch_metrics(batch, self.cfg))
         return metrics
 
     def _finish_step_metrics(self, batch: RolloutBatch, metrics: dict, timer: StageTimer, step_start: float) -> None:
@@ -327,8 +189,8 @@ class DAPOTrainer:
             "global_step": self.global_step,
             "mode": self.cfg.trainer.mode,
             "weight_version": self.weight_version,
-            **self._draw_state(),
-            "kl_coef": self.kl_controller.value,
+            **self.source.state(),
+            "kl_coef": self.update.kl_controller.value,
             "initial_val": self.initial_val,
             "last_val": self.last_val,
             "last_val_step": self.last_val_step,
@@ -364,19 +226,15 @@ class DAPOTrainer:
         refuse_mode_change(state, self.cfg.trainer.mode, path)
         self.policy.load(str(path / "policy"))
         self.global_step = self.saved_step = state["global_step"]
-        self._load_draw_state(state)
-        self.kl_controller.value = state["kl_coef"]
+        self.update.kl_controller.value = state["kl_coef"]
         self.initial_val = state["initial_val"]
         self.last_val = state.get("last_val", self.initial_val)  # checkpoints from before it was kept
         self.last_val_step = state.get("last_val_step")
         restore_rng(state["rng"])
         self.weight_version = state["weight_version"]
-        self._restore(state)
+        self.source.restore(state, self.global_step)
         self.sync_weights()  # the engines started from the base model: give them the checkpoint's weights
         log.info("resumed from %s at step %d", path, self.global_step)
-
-    def _restore(self, state: dict) -> None:
-        """A mode's own part of the trainer state just loaded (:meth:`trainer_state` wrote it)."""
 
     # ----------------------------------------------------------------- the loop
     def fit(self, preemption: PreemptionSignals | None = None) -> dict:
@@ -455,7 +313,12 @@ class DAPOTrainer:
         self.tracker.close()
         took = time.time() - start
         return write_summary(
-            self.output_dir, self.initial_val, self.last_val, self.global_step, self.generated_samples, took
+            self.output_dir,
+            self.initial_val,
+            self.last_val,
+            self.global_step,
+            self.generated_samples,
+            took,
         )
 
     def _validate_now(self) -> dict[str, float]:

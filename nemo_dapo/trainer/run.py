@@ -77,13 +77,7 @@ def _train(cfg: Config, preemption: PreemptionSignals) -> dict:
         reward = assembly.reward_manager(cfg)
         workers = starting.ready()
         policy, ref, rollout = workers.policy, workers.ref, workers.rollout
-        common = (cfg, policy, rollout, data.tokenizer, data.train, data.val, reward)
-        if cfg.trainer.mode == "stream":
-            from nemo_dapo.trainer.stream_fit import StreamDAPOTrainer
-
-            trainer: DAPOTrainer = StreamDAPOTrainer(*common, ref_policy=ref)
-        else:
-            trainer = DAPOTrainer(*common, ref_policy=ref)
+        trainer = DAPOTrainer(cfg, policy, rollout, data.tokenizer, data.train, data.val, reward, ref_policy=ref)
         summary = trainer.fit(preemption)
         return {**summary, "hf_export": str(export_run(cfg, trainer.checkpoints.step_folders()[0][1]))}
     finally:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import time
 from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
 
+from nemo_dapo.config import Config
 from nemo_dapo.folders import open_run_file
 from nemo_dapo.trainer.sinks import SINKS, SinkContext
 
@@ -19,6 +22,15 @@ class Tracker:
         context.output_dir.mkdir(parents=True, exist_ok=True)
         self.sinks = [SINKS[name](context) for name in loggers]
         self._jsonl = open_run_file(context.output_dir / "metrics.jsonl")
+
+    @classmethod
+    def for_run(cls, cfg: Config) -> Tracker:
+        """The tracker of the run ``cfg`` describes (``trainer.output_dir``, ``trainer.loggers``)."""
+        t = cfg.trainer
+        context = SinkContext(
+            Path(t.output_dir), t.project_name, t.experiment_name, asdict(cfg), t.wandb_mode, t.mlflow_tracking_uri
+        )
+        return cls(t.loggers, context)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         values = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}

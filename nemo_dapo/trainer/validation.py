@@ -11,8 +11,8 @@ import numpy as np
 from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import group_rows
 from nemo_dapo.config import Config
-from nemo_dapo.rollout.base import SamplingSettings
 from nemo_dapo.trainer.batching import batch_from_items
+from nemo_dapo.trainer.settings import val_sampling
 from nemo_dapo.trainer.stages import score_batch
 
 
@@ -47,14 +47,6 @@ def mean_val_accuracy(metrics: dict[str, float]) -> float | None:
     return float(np.mean(accs)) if accs else None
 
 
-def train_sampling(cfg: Config) -> SamplingSettings:
-    """How the engines sample the training rounds (``rollout.*``)."""
-    r = cfg.rollout
-    return SamplingSettings(
-        n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=cfg.data.max_response_length
-    )
-
-
 def validation_metrics(
     rollout, val_data, cfg: Config, tokenizer, reward, weight_version: int, stop: Callable[[], bool] | None = None
 ) -> dict[str, float]:
@@ -64,13 +56,7 @@ def validation_metrics(
     :meth:`~nemo_dapo.cluster.groups.RolloutGroup.generate`."""
     val = cfg.rollout.val
     items = [val_data[i] for i in range(len(val_data))]
-    sampling = SamplingSettings(
-        n=val.n,
-        temperature=val.temperature if val.do_sample else 0.0,
-        top_p=val.top_p if val.do_sample else 1.0,
-        max_tokens=cfg.data.max_response_length,
-    )
-    generations = rollout.generate([it["prompt_ids"] for it in items], sampling, stop=stop)
+    generations = rollout.generate([it["prompt_ids"] for it in items], val_sampling(cfg), stop=stop)
     batch = batch_from_items(items, generations, "val", tokenizer.pad_token_id, weight_version)
     score_batch(batch, reward, tokenizer)
     return accuracy_metrics(batch["acc"], batch["data_source"], batch["uid"], val.n, mn.VAL_ACC)

@@ -17,6 +17,8 @@ them). A worker receives stage after stage: everything the first stage's sender 
 A process whose transfer fails drops its groups at once, which closes their connections: every
 peer blocked on one fails within moments instead of waiting out gloo's timeout, so one broken
 receiver or sender ends the whole round quickly (the driver then replaces the engines).
+
+Outside contract (vLLM's ``WeightTransferEngine``): see docs/architecture.md, "Outside contracts".
 """
 
 from __future__ import annotations

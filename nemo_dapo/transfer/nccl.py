@@ -20,6 +20,8 @@ engine that fails): the client handed to vLLM's trainer engine makes none.
 Unlike gloo, NCCL has no timeout here: an engine worker that dies mid-broadcast leaves the sender
 blocked until the driver's call deadline (``trainer.remote_timeout_s``) fails the run, which then
 resumes from its last checkpoint.
+
+Outside contract (vLLM's ``NCCLWeightTransferEngine``): see docs/architecture.md, "Outside contracts".
 """
 
 from __future__ import annotations

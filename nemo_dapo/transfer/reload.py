@@ -1,7 +1,9 @@
 """vLLM's layer-wise in-place reload, as every weight path into an engine runs it: parameters
 keep their storage (captured CUDA graphs stay valid) and each layer is processed (e.g. re-packed
 for the CPU kernels) once all of its weights have arrived. A reload that skipped some layers
-would re-initialise them, so every path sends the whole model."""
+would re-initialise them, so every path sends the whole model.
+
+Outside contract (vLLM's layer-wise reload): see docs/architecture.md, "Outside contracts"."""
 
 from __future__ import annotations
 

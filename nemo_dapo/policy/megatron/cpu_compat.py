@@ -7,6 +7,8 @@ redirect lives here, each with the reason it is needed, and :func:`enable_cpu_co
 nothing when a GPU is present. The optimizer workarounds (``*_adam_*``) and
 :func:`define_router_gemm_without_te` fix megatron-core 0.16 defects of its code paths without
 apex / TransformerEngine and are applied on every device.
+
+Outside contract (megatron-core 0.16.1's CUDA-only internals): see docs/architecture.md, "Outside contracts".
 """
 
 from __future__ import annotations

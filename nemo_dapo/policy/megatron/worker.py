@@ -49,7 +49,7 @@ from nemo_dapo.policy.microbatch import ROUTED_EXPERTS, MicroBatch, RowStats, pr
 from nemo_dapo.policy.routing import place_micro_routing, routing_dtype
 from nemo_dapo.policy.update_loop import run_update
 from nemo_dapo.policy.weight_sender import WeightSender
-from nemo_dapo.policy.weights import Bucket, bucketize
+from nemo_dapo.policy.weights import WEIGHT_BUCKET_BYTES, Bucket, bucketize
 from nemo_dapo.threads import use_cpu_threads
 
 
@@ -345,7 +345,7 @@ class MegatronPolicyWorker(WeightSender):
     def exports_weights(self) -> bool:
         return is_exporter()
 
-    def export_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[Bucket]:
+    def export_weights(self, bucket_bytes: int = WEIGHT_BUCKET_BYTES) -> Iterator[Bucket]:
         """This rank's share of the HF-named tensors in buckets of at most ``bucket_bytes``; collective.
 
         One rank per pipeline stage yields its stage's layers, gathered over TP one layer at a time

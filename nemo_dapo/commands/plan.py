@@ -200,7 +200,7 @@ def routing_replay_size(cfg: Config, arch: Architecture) -> dict:
     if cfg.actor.megatron.router_replay == "none" or not arch.is_moe:
         return {}
     per_token = routing_bytes_per_token(arch.num_layers, arch.experts_per_token, arch.num_experts)
-    tokens = cfg.data.train_batch_size * cfg.rollout.n * (cfg.data.max_prompt_length + cfg.data.max_response_length)
+    tokens = cfg.data.train_batch_size * cfg.rollout.n * cfg.data.max_sequence_length
     return {"routing_bytes_per_token": per_token, "routing_batch_gib": per_token * tokens / 2**30}
 
 

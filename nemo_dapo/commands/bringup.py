@@ -29,8 +29,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from nemo_dapo.algo import metric_names as mn
+from nemo_dapo.commands.plot import read_records
 from nemo_dapo.errors import InputError
-from nemo_dapo.launch.plot import read_records
 from nemo_dapo.trainer.checkpoint import CheckpointError, CheckpointManager, verify
 
 STAGES = ("gen", "old_log_prob", "update_actor", "sync_weights")

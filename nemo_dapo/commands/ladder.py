@@ -27,12 +27,12 @@ import os
 import sys
 from dataclasses import dataclass
 
+from nemo_dapo.commands.plan import make_plan, render
 from nemo_dapo.config import ConfigError, load_config
 from nemo_dapo.config.architecture import resolve_architecture
 from nemo_dapo.config.capacity import gpu_memory_gib
 from nemo_dapo.config.gpu_fit import MIN_HEADROOM_GIB, RESERVE_GIB, fitting_overrides
 from nemo_dapo.config.schema import Config
-from nemo_dapo.launch.plan import make_plan, render
 
 # A preset's model -> the preset of a smaller model of its family that fits one node at PP=1
 ONE_NODE_SIBLINGS = {"Qwen2.5-32B": "dapo_qwen2.5_7b", "Qwen3-30B-A3B": "dapo_qwen3_8b"}

@@ -1,0 +1,1 @@
+"""The operator verbs behind `nemo-dapo` (cli.py): plan, ladder, plot, launch, bringup, eval, selfcheck."""

@@ -1,1 +1,0 @@
-"""Production launch: capacity planning, metric plots (and the cluster launchers)."""
