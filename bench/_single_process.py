@@ -118,7 +118,12 @@ class HFGenerate:
     def wake_up(self, tags=None) -> None:
         pass
 
-    def update_weights(self, bucket_refs, version: int) -> None:
+    @property
+    def store(self) -> HFGenerate:
+        """The object-store path of the rollout group: here, the model copied in place (:meth:`send`)."""
+        return self
+
+    def send(self, bucket_refs, version: int, ranks=None) -> None:
         for _ in bucket_refs:
             pass
         if self.generator is not self.model:

@@ -29,7 +29,7 @@ import numpy as np
 
 from nemo_dapo.cluster.groups import PolicyGroup
 from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
-from nemo_dapo.cluster.worker_group import WorkerGroup
+from nemo_dapo.cluster.worker_group import GroupSpec, WorkerGroup
 from nemo_dapo.config.schema_actor import OptimConfig
 from nemo_dapo.digest import digest_files
 from nemo_dapo.model.tiny import ensure_tiny_model
@@ -79,9 +79,8 @@ def main() -> None:
     init_ray(num_cpus=max(2, args.ranks))
     workers = WorkerGroup(
         TorchPolicyWorker,
-        args.ranks,
-        name="digest_bench",
-        worker_kwargs={"model_path": str(ensure_tiny_model()), "optim": OptimConfig()},
+        GroupSpec("digest_bench", args.ranks),
+        {"model_path": str(ensure_tiny_model()), "optim": OptimConfig()},
     )
     group = PolicyGroup(workers)
     hashers = {"before_sha256_driver_1thread": sha256_one_thread, "blake3_driver": digest_files}

@@ -36,7 +36,7 @@ from step_breakdown import TreeMemory
 from nemo_dapo.cluster.groups import PolicyGroup, RolloutGroup
 from nemo_dapo.cluster.placement import Slot, reserve
 from nemo_dapo.cluster.ray_env import init_ray, shutdown_ray
-from nemo_dapo.cluster.worker_group import WorkerGroup
+from nemo_dapo.cluster.worker_group import GroupSpec, WorkerGroup
 from nemo_dapo.config.schema_actor import MegatronConfig, OptimConfig
 from nemo_dapo.model.tiny import ensure_tiny_model
 from nemo_dapo.policy.base import WorkerSettings
@@ -179,23 +179,19 @@ def main() -> None:
         policy = PolicyGroup(
             WorkerGroup(
                 MegatronPolicyWorker,
-                args.tp,
-                name="policy",
-                worker_kwargs={
+                GroupSpec("policy", args.tp, slots=[Slot(spread, 0, 1, 0)] if spread else None),
+                {
                     "settings": WorkerSettings(str(folder), OptimConfig(), num_threads=1),
                     "layout": MegatronConfig(tensor_model_parallel_size=args.tp),
                 },
-                slots=[Slot(spread, 0, 1, 0)] if spread else None,
             )
         )
         engine = EngineSettings(str(folder), 256, tensor_parallel_size=args.engine_tp, weight_transfer="gloo")
         rollout = RolloutGroup(
             WorkerGroup(
                 VLLMRolloutWorker,
-                1,
-                name="rollout",
-                worker_kwargs={"settings": engine},
-                slots=[Slot(spread, 1, 1, 0)] if spread else None,
+                GroupSpec("rollout", 1, slots=[Slot(spread, 1, 1, 0)] if spread else None),
+                {"settings": engine},
             )
         )
         paths = {

@@ -18,15 +18,14 @@ from tests.listeners import is_loopback, our_listeners
 
 def policy_group(model_dir, dp):
     from nemo_dapo.cluster.groups import PolicyGroup
-    from nemo_dapo.cluster.worker_group import WorkerGroup
+    from nemo_dapo.cluster.worker_group import GroupSpec, WorkerGroup
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
 
     return PolicyGroup(
         WorkerGroup(
             TorchPolicyWorker,
-            dp,
-            name=f"actor_dp{dp}",
-            worker_kwargs={
+            GroupSpec(f"actor_dp{dp}", dp),
+            {
                 "settings": WorkerSettings(
                     str(model_dir), OptimConfig(lr=1e-2, warmup_steps=0, clip_grad=1e9), max_token_len=64
                 )
@@ -38,13 +37,11 @@ def policy_group(model_dir, dp):
 def rollout_group(model_dir, tp=1, engines=1):
     """Engines that take weights on either path (gloo: vLLM's weight-transfer engine in each worker)."""
     from nemo_dapo.cluster.groups import RolloutGroup
-    from nemo_dapo.cluster.worker_group import WorkerGroup
+    from nemo_dapo.cluster.worker_group import GroupSpec, WorkerGroup
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
     settings = EngineSettings(str(model_dir), 128, tensor_parallel_size=tp, weight_transfer="gloo")
-    return RolloutGroup(
-        WorkerGroup(VLLMRolloutWorker, engines, name=f"rollout_tp{tp}", worker_kwargs={"settings": settings})
-    )
+    return RolloutGroup(WorkerGroup(VLLMRolloutWorker, GroupSpec(f"rollout_tp{tp}", engines), {"settings": settings}))
 
 
 def chat_prompts(tokenizer, questions):
@@ -57,11 +54,11 @@ def chat_prompts(tokenizer, questions):
 
 
 def test_placement_that_cannot_fit_fails_clearly(local_ray, tiny_model_dir):
-    from nemo_dapo.cluster.worker_group import WorkerGroup
+    from nemo_dapo.cluster.worker_group import GroupSpec, WorkerGroup
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
 
     with pytest.raises(RuntimeError, match="could not place 9 workers"):
-        WorkerGroup(TorchPolicyWorker, 9, name="too_big", placement_timeout_s=3, worker_kwargs={})
+        WorkerGroup(TorchPolicyWorker, GroupSpec("too_big", 9, placement_timeout_s=3))
 
 
 def test_dp2_update_equals_dp1_and_all_listeners_are_loopback(local_ray, tiny_model_dir, tiny_tokenizer, tmp_path):

@@ -122,7 +122,7 @@ def free_gpus_soon(ray, timeout_s: float = 30) -> float:
 
 
 def test_the_same_layout_not_colocated_is_refused_at_start_up(two_gpu_ray):
-    from nemo_dapo.cluster.worker_group import WorkerGroup
+    from nemo_dapo.cluster.worker_group import GroupSpec, WorkerGroup
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
     from nemo_dapo.trainer.assembly import start_workers
 
@@ -130,7 +130,7 @@ def test_the_same_layout_not_colocated_is_refused_at_start_up(two_gpu_ray):
         start_workers(two_gpu_config("trainer.colocate=false"), total_optimizer_steps=1)
     # Ray's side, without the config check: a group larger than the cluster fails at once, no wait
     with pytest.raises(RuntimeError, match="3 workers need 3 GPUs, the Ray cluster has 2"):
-        WorkerGroup(TorchPolicyWorker, 3, name="too_many", num_gpus_per_worker=1, worker_kwargs={})
+        WorkerGroup(TorchPolicyWorker, GroupSpec("too_many", 3, num_gpus_per_worker=1))
 
 
 def test_shared_gpu_slots(two_gpu_ray):

@@ -21,7 +21,7 @@ PRESET_METRICS = {
 @pytest.fixture(scope="module")
 def components(local_ray, tiny_model_dir, tiny_tokenizer):
     from nemo_dapo.cluster.groups import PolicyGroup, RolloutGroup
-    from nemo_dapo.cluster.worker_group import WorkerGroup
+    from nemo_dapo.cluster.worker_group import GroupSpec, WorkerGroup
     from nemo_dapo.data import RLDataset
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
     from nemo_dapo.reward.manager import RewardManager
@@ -31,16 +31,11 @@ def components(local_ray, tiny_model_dir, tiny_tokenizer):
     cfg = resolve_paths(load_config("tiny_cpu"))
     policy = PolicyGroup(
         WorkerGroup(
-            TorchPolicyWorker,
-            1,
-            name="actor",
-            worker_kwargs={"settings": WorkerSettings(cfg.model.path, cfg.actor.optim)},
+            TorchPolicyWorker, GroupSpec("actor", 1), {"settings": WorkerSettings(cfg.model.path, cfg.actor.optim)}
         )
     )
     rollout = RolloutGroup(
-        WorkerGroup(
-            VLLMRolloutWorker, 1, name="rollout", worker_kwargs={"settings": EngineSettings(cfg.model.path, 128)}
-        )
+        WorkerGroup(VLLMRolloutWorker, GroupSpec("rollout", 1), {"settings": EngineSettings(cfg.model.path, 128)})
     )
     data = RLDataset(cfg.data.train_files, tiny_tokenizer, max_prompt_length=64)
     with RewardManager("math_dapo", max_response_length=16, overlong_enable=True, buffer_len=8) as reward:

@@ -32,26 +32,21 @@ def groups(local_ray, tiny_model_dir):
     """One policy rank, trained one step (its weights are no longer the engines' base model), and
     two engines given those weights (version 1)."""
     from nemo_dapo.cluster.groups import PolicyGroup, RolloutGroup
-    from nemo_dapo.cluster.worker_group import WorkerGroup
+    from nemo_dapo.cluster.worker_group import GroupSpec, WorkerGroup
     from nemo_dapo.policy.torch_worker import TorchPolicyWorker
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
     policy = PolicyGroup(
         WorkerGroup(
             TorchPolicyWorker,
-            1,
-            name="policy",
-            worker_kwargs={"settings": WorkerSettings(str(tiny_model_dir), OptimConfig(lr=3e-2, warmup_steps=0))},
+            GroupSpec("policy", 1),
+            {"settings": WorkerSettings(str(tiny_model_dir), OptimConfig(lr=3e-2, warmup_steps=0))},
         )
     )
     engines = WorkerGroup(
         VLLMRolloutWorker,
-        2,
-        name="rollout",
-        worker_kwargs={"settings": EngineSettings(str(tiny_model_dir), 128, weight_transfer="gloo")},
-        call_timeout_s=TIMEOUT_S,
-        timeout_key="rollout.timeout_s",
-        start_timeout_s=300,
+        GroupSpec("rollout", 2, call_timeout_s=TIMEOUT_S, timeout_key="rollout.timeout_s", start_timeout_s=300),
+        {"settings": EngineSettings(str(tiny_model_dir), 128, weight_transfer="gloo")},
     )
     rollout = RolloutGroup(engines, max_restarts=10)
     rollout.set_weight_source(lambda: (policy.export_weights(1 << 16), 1))

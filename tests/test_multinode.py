@@ -468,8 +468,8 @@ def test_nemo_run_submits_through_its_local_tunnel_and_the_job_completes(cluster
                              timeout=300)  # fmt: skip
         ids = cluster.on("ctl", "squeue", "--noheader", "--format=%i", "--name=nemo-dapo-tiny_cpu-train").split()
         assert len(ids) == 1, printed
-        outputs = sorted((home / "experiments").rglob("sbatch_nemo-dapo-tiny_cpu-train_*.out"))
-        job = Job(cluster.env, outputs[-1] if outputs else home / "missing.out", ids[0], cluster.prefix)
+        job = Job(cluster.env, home / "not-yet.out", ids[0], cluster.prefix)
+        job.output = Path(job.field("StdOut"))  # the job may not have started: its file may not be there yet
         try:
             job.release_requeued(1, gone=lambda: not ray_leftovers(job, list(NODES)))
             job.wait_for("completion", lambda: job.field("JobState") == "COMPLETED", timeout=600)

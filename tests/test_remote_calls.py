@@ -9,7 +9,7 @@ pytestmark = pytest.mark.quiet  # 3-second call deadlines
 
 
 def test_a_silent_or_dead_worker_fails_the_call_naming_group_call_and_rank(local_ray):
-    from nemo_dapo.cluster.worker_group import WorkerGroup
+    from nemo_dapo.cluster.worker_group import GroupSpec, WorkerGroup
     from nemo_dapo.errors import RemoteCallError
     from tests.flaky_worker import Napper
 
@@ -19,7 +19,8 @@ def test_a_silent_or_dead_worker_fails_the_call_naming_group_call_and_rank(local
 
     before = store_ports()
     stuck, crashed = (
-        WorkerGroup(Napper, 2, name=name, num_cpus_per_worker=0.5, call_timeout_s=3) for name in ("stuck", "crashed")
+        WorkerGroup(Napper, GroupSpec(name, 2, num_cpus_per_worker=0.5, call_timeout_s=3))
+        for name in ("stuck", "crashed")
     )
     try:
         assert stuck.call_all(Napper.nap, 0.1) == [0, 1]

@@ -17,7 +17,7 @@ from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.algo.correction import CorrectionSettings
 from nemo_dapo.cluster.store_sync import BUCKETS_AHEAD, StoreSync
-from nemo_dapo.cluster.worker_group import Calls, Deadline, WorkerGroup
+from nemo_dapo.cluster.worker_group import Calls, Deadline, RankCall, WorkerGroup, rank_call
 from nemo_dapo.digest import digest_files, shares_by_size
 from nemo_dapo.errors import RemoteCallError
 from nemo_dapo.policy.base import LossSettings, PolicyWorker, UpdateResult
@@ -167,12 +167,17 @@ class RolloutGroup:
         self._current_weights = current_weights
 
     # ----------------------------------------------------------------- the fan-out
-    def start(self, method: Callable, per_rank_args: Mapping[int, tuple]) -> Calls:
-        """Submit ``method`` (the :class:`RolloutWorker` interface's) to each rank of
-        ``per_rank_args`` with its arguments; :meth:`finish` waits for them."""
-        ranks = list(per_rank_args)
-        refs = [self.workers.submit(rank, method, *per_rank_args[rank]) for rank in ranks]
-        return Calls(method.__name__, ranks, refs)
+    def start(self, calls: Mapping[int, RankCall]) -> Calls:
+        """Submit each rank's call (:func:`~nemo_dapo.cluster.worker_group.rank_call` of one
+        :class:`RolloutWorker` method); :meth:`finish` waits for them."""
+        ranks = list(calls)
+        names = {call.method.__name__ for call in calls.values()}
+        if len(names) > 1:
+            raise ValueError(f"one method per fan-out, not {sorted(names)}")
+        refs = [
+            self.workers.submit(rank, calls[rank].method, *calls[rank].args, **calls[rank].kwargs) for rank in ranks
+        ]
+        return Calls(names.pop() if names else "", ranks, refs)
 
     def finish(
         self,
@@ -194,15 +199,14 @@ class RolloutGroup:
 
     def fan_out(
         self,
-        method: Callable,
-        per_rank_args: Mapping[int, tuple],
+        calls: Mapping[int, RankCall],
         stage: str,
         deadline: Deadline | None = None,
         stop: Callable[[], bool] | None = None,
         one_failure: bool = False,
     ) -> dict[int, Any]:
         """:meth:`start` then :meth:`finish`: the results by rank of the engines that answered."""
-        return self.finish(self.start(method, per_rank_args), stage, deadline, stop, one_failure)
+        return self.finish(self.start(calls), stage, deadline, stop, one_failure)
 
     # ----------------------------------------------------------------- generation
     def generate(
@@ -219,8 +223,8 @@ class RolloutGroup:
         while shares:
             for rank in shares.keys() & self._cold:
                 self.warm_up(rank)
-            calls = {rank: (prompts[a:b], sampling) for rank, (a, b) in shares.items()}
-            for rank, generations in self.fan_out(RolloutWorker.generate, calls, "while generating", stop=stop).items():
+            calls = {rank: rank_call(RolloutWorker.generate, prompts[a:b], sampling) for rank, (a, b) in shares.items()}
+            for rank, generations in self.fan_out(calls, "while generating", stop=stop).items():
                 a, b = shares.pop(rank)
                 results[a:b] = generations
         return cast(list[Generation], results)  # every share came back

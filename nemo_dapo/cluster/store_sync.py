@@ -10,10 +10,10 @@ the others sync on; past ``rollout.max_restarts`` the run stops naming the engin
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
-from nemo_dapo.cluster.worker_group import Calls, WorkerGroup
+from nemo_dapo.cluster.worker_group import Calls, RankCall, WorkerGroup, rank_call
 from nemo_dapo.errors import RemoteCallError
 from nemo_dapo.rollout.base import RolloutWorker
 
@@ -26,7 +26,7 @@ class Engines(Protocol):
 
     workers: WorkerGroup
 
-    def start(self, method: Callable, per_rank_args: Mapping[int, tuple]) -> Calls: ...
+    def start(self, calls: Mapping[int, RankCall]) -> Calls: ...
 
     def finish(self, calls: Calls, stage: str) -> dict[int, Any]: ...
 
@@ -47,7 +47,9 @@ class StoreSync:
         workers = self.rollout.workers
         ranks = list(range(workers.world_size)) if ranks is None else ranks
         queues = self._engine_queues()
-        calls = self.rollout.start(RolloutWorker.receive_weights, {rank: (queues[rank], version) for rank in ranks})
+        calls = self.rollout.start(
+            {rank: rank_call(RolloutWorker.receive_weights, queues[rank], version) for rank in ranks}
+        )
         syncing = {rank: (queues[rank], ref) for rank, ref in zip(calls.ranks, calls.refs)}
         for ref in bucket_refs:
             self._push(syncing, [ref], version)  # wrapped: the engine fetches the bucket itself

@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 
 from nemo_dapo.cluster.groups import RolloutGroup
-from nemo_dapo.cluster.worker_group import Deadline
+from nemo_dapo.cluster.worker_group import Deadline, RankCall, rank_call
 from nemo_dapo.rollout.base import RolloutWorker, SamplingSettings, StreamedGroup, StreamStats
 
 log = logging.getLogger(__name__)
@@ -56,8 +56,8 @@ class StreamingEngines:
 
     def _start(self, ranks: list[int]) -> None:
         """Start streaming on ``ranks``; one that fails is replaced and started by the next look."""
-        calls = dict.fromkeys(ranks, (self.max_inflight, self.kv_after_update))
-        self.rollout.fan_out(RolloutWorker.start_stream, calls, "starting its stream")
+        call = rank_call(RolloutWorker.start_stream, self.max_inflight, self.kv_after_update)
+        self.rollout.fan_out(dict.fromkeys(ranks, call), "starting its stream")
 
     def add(self, groups: list[tuple[str, list[int]]]) -> None:
         """Send ``(key, prompt ids)`` groups, each to the engine with the fewest groups outstanding."""
@@ -74,14 +74,15 @@ class StreamingEngines:
         self._send(per_rank)
 
     def _send(self, per_rank: dict[int, list[tuple[str, list[int]]]]) -> None:
-        calls = {rank: (groups, self.sampling) for rank, groups in per_rank.items()}
-        self._fan_out(RolloutWorker.stream_add, calls, self._deadline())
+        calls = {rank: rank_call(RolloutWorker.stream_add, groups, self.sampling) for rank, groups in per_rank.items()}
+        self._fan_out(calls, self._deadline())
 
     def take(self, wait_s: float) -> list[StreamedGroup]:
         """Finished groups from every engine (each waits up to ``wait_s`` for its first)."""
         self._recover_replaced()
         finished = []
-        for outcome in self._fan_out(RolloutWorker.stream_take, self._every(wait_s), self._deadline(wait_s)).values():
+        taking = self._every(rank_call(RolloutWorker.stream_take, wait_s))
+        for outcome in self._fan_out(taking, self._deadline(wait_s)).values():
             for group in outcome:
                 if self.outstanding.pop(group.key, None) is not None:
                     finished.append(group)
@@ -92,17 +93,17 @@ class StreamingEngines:
         the last call, summed over the engines (what a replaced engine did since the last call is
         lost with it)."""
         self._recover_replaced()
-        stats = self._fan_out(RolloutWorker.stream_stats, self._every(), self._deadline())
+        stats = self._fan_out(self._every(rank_call(RolloutWorker.stream_stats)), self._deadline())
         total = StreamStats.total(list(stats.values()))
         self.slowest_step_s = max(self.slowest_step_s, total.slowest_step_s)
         return total
 
-    def _every(self, *args) -> dict[int, tuple]:
-        return dict.fromkeys(range(self.rollout.workers.world_size), args)
+    def _every(self, call: RankCall) -> dict[int, RankCall]:
+        return dict.fromkeys(range(self.rollout.workers.world_size), call)
 
-    def _fan_out(self, method, calls: dict[int, tuple], deadline: Deadline) -> dict:
+    def _fan_out(self, calls: dict[int, RankCall], deadline: Deadline) -> dict:
         """The rollout group's fan-out; an engine replaced on the way restarts its stream."""
-        outcomes = self.rollout.fan_out(method, calls, "while streaming", deadline)
+        outcomes = self.rollout.fan_out(calls, "while streaming", deadline)
         if len(outcomes) < len(calls):
             self._recover_replaced()
         return outcomes

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 
 from nemo_dapo.cluster.groups import PolicyGroup, RolloutGroup
+from nemo_dapo.cluster.worker_group import rank_call
 from nemo_dapo.policy.base import PolicyWorker
 from nemo_dapo.rollout.base import RolloutWorker
 from nemo_dapo.transfer import members
@@ -54,8 +55,10 @@ class CollectiveSync:
             self._store(version)  # engines failed to join and were replaced: this round by the store
             return
         update = members.update_info(self.backend, self._endpoints, version)
-        every = dict.fromkeys(range(self.rollout.workers.world_size), (version, update))
-        receiving = self.rollout.start(RolloutWorker.receive_collective, every)
+        every = dict.fromkeys(
+            range(self.rollout.workers.world_size), rank_call(RolloutWorker.receive_collective, version, update)
+        )
+        receiving = self.rollout.start(every)
         reports = self.policy.workers.call_all(PolicyWorker.send_weights, self.bucket_bytes)
         self.sent_bytes = sum(report["sent_bytes"] for report in reports)
         errors = [report["error"] for report in reports if report["error"]]
@@ -85,10 +88,13 @@ class CollectiveSync:
         self._endpoints = [endpoint for endpoint in opened if endpoint]
         timeout_s = engines.call_deadline.seconds or GLOO_DEFAULT_TIMEOUT_S
         infos = {
-            rank: (members.engine_init_info(self.backend, self._endpoints, offset, world_size, timeout_s),)
+            rank: rank_call(
+                RolloutWorker.init_weight_transfer,
+                members.engine_init_info(self.backend, self._endpoints, offset, world_size, timeout_s),
+            )
             for rank, offset in enumerate(offsets)
         }
-        joining = self.rollout.start(RolloutWorker.init_weight_transfer, infos)
+        joining = self.rollout.start(infos)
         errors = [
             e for e in self.policy.workers.call_all(PolicyWorker.join_weight_transfer, world_size, timeout_s) if e
         ]

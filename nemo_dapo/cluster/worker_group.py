@@ -11,8 +11,8 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 from nemo_dapo.cluster.placement import Slot, own_slots
 from nemo_dapo.errors import EngineFailure, GenerationStopped, RemoteCallError
@@ -29,6 +29,20 @@ class Deadline:
 
     seconds: float | None
     key: str
+
+
+@dataclass(frozen=True)
+class RankCall(Generic[R]):
+    """One rank's call of an interface method (``RolloutWorker.generate``) with its arguments;
+    :func:`rank_call` makes one, and the type checker holds the arguments to the method."""
+
+    method: Callable[..., R]
+    args: tuple
+    kwargs: dict
+
+
+def rank_call(method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> RankCall[R]:
+    return RankCall(method, args, kwargs)
 
 
 @dataclass
@@ -75,6 +89,31 @@ def _without_worker(_worker: Any, function: Callable, *args: Any) -> Any:
     return function(*args)
 
 
+@dataclass(frozen=True)
+class GroupSpec:
+    """What a worker group is, apart from its workers' class and arguments: its name and size;
+    where it runs (without ``slots``, a placement group of its own, one bundle of
+    ``num_cpus_per_worker`` CPUs and ``num_gpus_per_worker`` GPUs per worker, placed by Ray's
+    ``strategy`` (PACK, SPREAD) within ``placement_timeout_s`` and freed at shutdown; with
+    ``slots``, one per worker, e.g. shares of GPUs colocated with another group, the caller's);
+    ``env``, variables every worker process starts with (added to its slot's); and how long the
+    driver waits: ``call_timeout_s`` on one call (None: no limit), named by the config key
+    ``timeout_key``, and ``start_timeout_s`` on a worker's start (a model load;
+    ``trainer.remote_timeout_s``), by default the same."""
+
+    name: str
+    num_workers: int
+    num_cpus_per_worker: float = 1.0
+    num_gpus_per_worker: float = 0.0
+    slots: Sequence[Slot] | None = None
+    strategy: str = "PACK"
+    placement_timeout_s: float = 300.0
+    env: dict[str, str] = field(default_factory=dict)
+    call_timeout_s: float | None = None
+    timeout_key: str = "trainer.remote_timeout_s"
+    start_timeout_s: float | None = None
+
+
 class WorkerGroup:
     """``num_workers`` Ray actors of one worker class, addressed as one: calls go to every rank
     (or one) and come back in rank order, each bounded by the group's deadline; a rank that dies
@@ -82,58 +121,40 @@ class WorkerGroup:
     the call, the ranks and their logs. :class:`~nemo_dapo.cluster.groups.PolicyGroup` and
     ``RolloutGroup`` wrap one each with the calls a trainer makes."""
 
-    def __init__(
-        self,
-        worker_cls: type,
-        num_workers: int,
-        *,
-        name: str,
-        num_cpus_per_worker: float = 1.0,
-        num_gpus_per_worker: float = 0.0,
-        worker_kwargs: dict | None = None,
-        placement_timeout_s: float = 300.0,
-        slots: Sequence[Slot] | None = None,
-        call_timeout_s: float | None = None,
-        timeout_key: str = "trainer.remote_timeout_s",
-        start_timeout_s: float | None = None,
-        wait: bool = True,
-        env: dict[str, str] | None = None,
-        strategy: str = "PACK",
-    ) -> None:
-        """Without ``slots`` the group reserves a placement group of its own (one bundle of
-        ``num_cpus_per_worker`` CPUs and ``num_gpus_per_worker`` GPUs per worker) and frees it at
-        shutdown; with ``slots`` (one per worker, e.g. shares of GPUs colocated with another group)
-        it runs there and the placement group stays the caller's. ``call_timeout_s``: the longest
-        the driver waits on one call (None: no limit), set by the config key ``timeout_key``;
-        ``start_timeout_s`` bounds a worker's start (a model load; ``trainer.remote_timeout_s``),
-        by default the same. ``wait=False`` returns as soon as the actors are asked for, so several
-        groups load their models at once; :meth:`wait_ready` then waits for them. ``env``: variables
-        every worker process starts with (added to its slot's). ``strategy``: Ray's placement
-        strategy for a group's own placement group (PACK, SPREAD). The ranks meet at a TCPStore
-        this process serves while the group lives (:class:`~nemo_dapo.network.Rendezvous`)."""
+    def __init__(self, worker_cls: type, spec: GroupSpec, worker_kwargs: dict | None = None, wait: bool = True) -> None:
+        """``spec.num_workers`` actors of ``worker_cls``, each built with ``worker_kwargs`` (and its
+        rank, the world size and the group's rendezvous). ``wait=False`` returns as soon as the
+        actors are asked for, so several groups load their models at once; :meth:`wait_ready`
+        then waits for them. The ranks meet at a TCPStore this process serves while the group
+        lives (:class:`~nemo_dapo.network.Rendezvous`)."""
         import ray
 
-        self.name = name
-        self.world_size = num_workers
-        self.call_deadline = Deadline(call_timeout_s, timeout_key)
-        self.start_deadline = (
-            self.call_deadline if start_timeout_s is None else Deadline(start_timeout_s, "trainer.remote_timeout_s")
-        )
+        self.name = spec.name
+        self.world_size = spec.num_workers
+        self.call_deadline = Deadline(spec.call_timeout_s, spec.timeout_key)
+        start_s = spec.start_timeout_s
+        self.start_deadline = self.call_deadline if start_s is None else Deadline(start_s, "trainer.remote_timeout_s")
         self._own_placement = None
+        slots = spec.slots
         if slots is None:
             self._own_placement, slots = own_slots(
-                name, num_workers, num_cpus_per_worker, num_gpus_per_worker, placement_timeout_s, strategy
+                spec.name,
+                spec.num_workers,
+                spec.num_cpus_per_worker,
+                spec.num_gpus_per_worker,
+                spec.placement_timeout_s,
+                spec.strategy,
             )
-        if env:
-            slots = [replace(slot, env={**slot.env, **env}) for slot in slots]
-        if len(slots) != num_workers:
-            raise ValueError(f"{name}: {len(slots)} slots for {num_workers} workers")
+        if spec.env:
+            slots = [replace(slot, env={**slot.env, **spec.env}) for slot in slots]
+        if len(slots) != spec.num_workers:
+            raise ValueError(f"{spec.name}: {len(slots)} slots for {spec.num_workers} workers")
         self._rendezvous = Rendezvous()
         self._remote_cls: Any = ray.remote(worker_cls)
         self._slots, self._kwargs = list(slots), dict(worker_kwargs or {})
-        self.restarts = [0] * num_workers  # per rank: how often its actor was replaced
+        self.restarts = [0] * spec.num_workers  # per rank: how often its actor was replaced
         self.node_addresses: list[str] = []  # per rank: its node's address, once ready
-        self.workers: list[Any] = [self._start(rank) for rank in range(num_workers)]
+        self.workers: list[Any] = [self._start(rank) for rank in range(spec.num_workers)]
         self._starting = [worker.ready.remote() for worker in self.workers]
         if wait:
             self.wait_ready()

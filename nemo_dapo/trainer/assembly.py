@@ -42,7 +42,7 @@ def resolve_paths(cfg: Config) -> Config:
 def _policy_workers(
     cfg: Config, name: str, total_optimizer_steps: int, shared: SharedGPUs | None, trainable: bool = True
 ) -> WorkerGroup:
-    from nemo_dapo.cluster.worker_group import WorkerGroup
+    from nemo_dapo.cluster.worker_group import GroupSpec, WorkerGroup
 
     worker_cls: type
     kwargs: dict = {"settings": policy_settings(cfg, total_optimizer_steps, trainable)}
@@ -59,18 +59,16 @@ def _policy_workers(
         kwargs["shared_prompt_forward"] = cfg.actor.shared_prompt_forward
     gpus = 1 if cfg.trainer.n_gpus_per_node > 0 else 0
     slots = shared.training_slots(cfg.actor.num_workers) if shared else None
-    return WorkerGroup(
-        worker_cls,
+    spec = GroupSpec(
+        name,
         cfg.actor.num_workers,
-        name=name,
         num_gpus_per_worker=gpus,
-        worker_kwargs=kwargs,
         slots=slots,
+        strategy=cfg.trainer.placement_strategy,
         env=policy_start_env(cfg, gpus),
         call_timeout_s=cfg.trainer.remote_timeout_s,
-        wait=shared is not None,
-        strategy=cfg.trainer.placement_strategy,
     )
+    return WorkerGroup(worker_cls, spec, kwargs, wait=shared is not None)
 
 
 # One hardware queue per GPU: the order of kernels megatron-core's communication overlap relies on
@@ -92,27 +90,25 @@ def policy_start_env(cfg: Config, gpus: int) -> dict[str, str]:
 
 
 def _rollout_workers(cfg: Config, shared: SharedGPUs | None) -> WorkerGroup:
-    from nemo_dapo.cluster.worker_group import WorkerGroup
+    from nemo_dapo.cluster.worker_group import GroupSpec, WorkerGroup
     from nemo_dapo.rollout.vllm_worker import VLLMRolloutWorker
 
     tp = cfg.rollout.tensor_parallel_size
     settings = engine_settings(cfg, shared)
     gpus = tp if cfg.trainer.n_gpus_per_node > 0 else 0
     slots = shared.engine_slots(num_engines(cfg), tp) if shared else None
-    return WorkerGroup(
-        VLLMRolloutWorker,
+    spec = GroupSpec(
+        "rollout",
         num_engines(cfg),
-        name="rollout",
         num_gpus_per_worker=gpus,
-        worker_kwargs={"settings": settings},
         slots=slots,
+        strategy=cfg.trainer.placement_strategy,
         env=_start_env(cfg, gpus),
         call_timeout_s=cfg.rollout.timeout_s,
         timeout_key="rollout.timeout_s",
         start_timeout_s=cfg.trainer.remote_timeout_s,  # loading a model may take longer than a round
-        wait=shared is not None,
-        strategy=cfg.trainer.placement_strategy,
     )
+    return WorkerGroup(VLLMRolloutWorker, spec, {"settings": settings}, wait=shared is not None)
 
 
 @dataclass
