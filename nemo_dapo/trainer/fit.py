@@ -22,7 +22,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from nemo_dapo.algo import metric_names as mn
-from nemo_dapo.algo.batch import RolloutBatch
+from nemo_dapo.algo.batch import RolloutBatch, group_rows
 from nemo_dapo.algo.metrics import throughput_metrics, timing_metrics
 from nemo_dapo.cluster.weight_sync import weight_sync
 from nemo_dapo.config import Config, to_yaml
@@ -163,9 +163,13 @@ class DAPOTrainer:
         return self.policy.export_weights(WEIGHT_BUCKET_BYTES), self.weight_version
 
     def _record_prompts(self, consumed: list[int], batch: RolloutBatch, extra: dict | None = None) -> None:
-        """Which dataset rows each step drew and trained on (audit trail for resume)."""
+        """Which dataset rows each step drew and trained on (audit trail for resume): ``trained``
+        names each trained group's row, so a row drawn in two epochs whose groups meet in one
+        batch (the stream's groups finish out of order) is named twice."""
+        groups = group_rows(batch["uid"]).values()
+        trained = sorted(int(batch["prompt_index"][rows[0]]) for rows in groups)
         with open_run_file(self.output_dir / "prompts.jsonl") as handle:
-            record = {"step": self.global_step + 1, "consumed": consumed, "trained": sorted(set(batch["prompt_index"]))}
+            record = {"step": self.global_step + 1, "consumed": consumed, "trained": trained}
             record |= extra or {}
             handle.write(json.dumps(record) + "\n")
 
