@@ -96,8 +96,8 @@ def test_the_two_node_job_runs_every_step_in_a_container(cluster, tmp_path):  # 
     finally:
         job.run("scancel", job.id)
     commands = [" ".join(c["Command"]) for c in running if c["Image"] == IMAGE]
-    assert sum("start --head --block" in c for c in commands) == 1, commands
-    assert sum("start --block --address=" in c for c in commands) == 1, commands
+    assert sum("ray_node.sh ray head --head --block" in c for c in commands) == 1, commands  # `ray start` in it
+    assert sum("ray_node.sh ray worker --block --address=" in c for c in commands) == 1, commands
     assert sum("nemo_dapo.cli train" in c for c in commands) == 1, commands
     job.wait_for("the containers removed", lambda: not containers_of(job.id), timeout=30)  # --rm, by conmon
     out = cluster.work / "podman" / "ckpt"
