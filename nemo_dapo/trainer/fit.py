@@ -151,6 +151,7 @@ class DAPOTrainer:
         devices = max(cluster_gpus(self.cfg), self.policy.world_size)
         metrics.update(throughput_metrics(total_tokens, time.perf_counter() - step_start, devices))
         metrics[mn.ENGINE_RESTARTS.name] = float(self.rollout.restarts)
+        metrics[mn.GENERATED_SAMPLES.name] = float(self.generated_samples)  # cumulative: the budget's axis
         if self.weight_sync.sent_bytes is not None:
             metrics[mn.WEIGHT_SYNC_MB.name] = self.weight_sync.sent_bytes / 2**20
 

@@ -174,7 +174,6 @@ class StreamSource:
     def metrics(self, timer: StageTimer, step_s: float) -> dict[str, float]:
         load = self.engines.load()
         return {
-            mn.GENERATED_SAMPLES.name: float(self.draws.generated_samples),
             mn.SAMPLES_IN_FLIGHT.name: float(load.samples_running),
             mn.GROUPS_QUEUED.name: float(load.groups_queued),
             mn.ENGINE_BUSY.name: load.busy_fraction,

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.algo.sampling import GroupAccumulator
 from nemo_dapo.config import Config
@@ -105,7 +104,8 @@ class SyncSource:
         """Nothing: the next step generates afresh."""
 
     def metrics(self, timer: StageTimer, step_s: float) -> dict[str, float]:
-        return {mn.GENERATED_SAMPLES.name: float(self.draws.generated_samples)}  # cumulative: the budget's axis
+        """None of its own: the samples generated are every mode's (the trainer logs them)."""
+        return {}
 
     def prompts_of_step(self) -> tuple[list[int], dict | None]:
         return self.draws.take_consumed(), None
