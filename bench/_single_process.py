@@ -67,6 +67,12 @@ class HFGenerate:
 
     restarts = 0  # one model in this process: no engine to replace
 
+    def in_service(self) -> list[int]:
+        return [0]
+
+    def restore_lost(self) -> list[int]:
+        return []  # no node to lose
+
     def __init__(self, model, pad_id: int, eos_id: int, dtype: torch.dtype) -> None:
         """``dtype``: the run's compute dtype. Below fp32, generation runs on a copy of the policy in
         that dtype, refreshed at every weight sync, as a single-process user would generate (autocast

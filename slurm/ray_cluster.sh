@@ -24,10 +24,21 @@
 # A node that fails a step is written to $RAY_FAILED_NODES ("node: reason"); the batch scripts
 # exclude those nodes before they requeue the job (slurm/requeue_policy.sh).
 #
+# A heterogeneous job of two components (slurm/dapo_pools.sbatch) has two pools: the head and
+# the training pool on component 0, the rollout pool on component 1 (steps there take
+# --het-group=1). Every node's Ray offers its pool as a resource (nemo_dapo_pool_train,
+# nemo_dapo_pool_rollout: nemo_dapo/cluster/placement.py). Each rollout node's Ray is a step of
+# its own, kept running by the batch shell: a rollout node's Ray that stops is started again
+# every RAY_NODE_RESTART_S while the node is in the job, and a lost rollout node costs its engines,
+# not the job (--no-kill; rollout.min_engines); a lost training node ends the training step.
+#
 # Settings (environment):
 #   RAY_PORT=6379            GCS port of the head
 #   RAY_GPUS_PER_NODE        GPUs each node gives Ray (default: the job's GPUs per node; 0 = CPU mode)
 #   RAY_CPUS_PER_NODE        CPUs each node gives Ray (default: SLURM_CPUS_ON_NODE)
+#   RAY_ROLLOUT_GPUS_PER_NODE, RAY_ROLLOUT_CPUS_PER_NODE   the same for the rollout pool (default:
+#                            component 1's --gpus-per-node and CPUs, else RAY_GPUS_PER_NODE)
+#   RAY_NODE_RESTART_S=30    seconds between tries to start a stopped rollout node's Ray again
 #   RAY_START_TIMEOUT=600    seconds for the head to answer, and then for all nodes (and GPUs) to join
 #   RAY_START_RETRIES=3      tries of a worker's `ray start` before its node is given up; a try that
 #   RAY_START_FAIL_S=60      fails by itself within this many seconds is a start failure (retried)
@@ -54,6 +65,7 @@ CONTAINER_RUNTIME=${CONTAINER_RUNTIME:-pyxis}
 CONTAINER_MOUNTS=${CONTAINER_MOUNTS:-}
 LOG_DIR=${LOG_DIR:-logs}
 PYTHON=${PYTHON:-python3}
+RAY_TRAIN_NODES=() RAY_ROLLOUT_NODES=() RAY_ROLLOUT_PIDS=()
 RAY_CLUSTER_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 ray_cluster_die() {
@@ -69,8 +81,17 @@ ray_cluster_die() {
 # names the container (one per node and job), made once by ray_cluster_make_containers.
 ray_cluster_step() {
     local nodes=$1 count=$2 mounts=${CONTAINER_MOUNTS:+$CONTAINER_MOUNTS,}$RAY_TEMP_DIR:$RAY_TEMP_DIR
-    RAY_STEP=(srun --overlap --nodes="$count" --ntasks="$count" --ntasks-per-node=1 --nodelist="$nodes"
-        --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" "${@:3}")
+    local cpus=${SLURM_CPUS_ON_NODE:-1} first=${1%%,*}
+    RAY_STEP=(srun --overlap --nodes="$count" --ntasks="$count" --ntasks-per-node=1 --nodelist="$nodes")
+    if [ ${#RAY_ROLLOUT_NODES[@]} -gt 0 ]; then  # a heterogeneous job: the component of the nodes
+        if ray_cluster_is_rollout_node "$first"; then
+            cpus=$RAY_ROLLOUT_CPUS_PER_NODE
+            RAY_STEP+=(--het-group=1 --export="ALL,RAY_GPUS_PER_NODE=$RAY_ROLLOUT_GPUS_PER_NODE")
+        else
+            RAY_STEP+=(--het-group=0)
+        fi
+    fi
+    RAY_STEP+=(--cpus-per-task="$cpus" "${@:3}")
     case "${CONTAINER:+$CONTAINER_RUNTIME}" in
         "") ;;
         pyxis) RAY_STEP+=(--container-image="$CONTAINER" --container-name="nemo-dapo-$SLURM_JOB_ID"
@@ -99,22 +120,56 @@ ray_cluster_run() {
     "${RAY_STEP[@]}" "$@"
 }
 
-# Runs "$@" once on every node of the job, outside any container.
+# Whether NODE belongs to the rollout pool (component 1 of a heterogeneous job).
+ray_cluster_is_rollout_node() {
+    local node
+    for node in "${RAY_ROLLOUT_NODES[@]}"; do [ "$node" != "$1" ] || return 0; done
+    return 1
+}
+
+# Runs "$@" once on every node of the job, outside any container: one step per pool, side by side.
 ray_cluster_on_every_node() {
-    local all
-    all=$(IFS=,; echo "${RAY_NODES[*]}")
-    CONTAINER='' ray_cluster_step "$all" "$RAY_NUM_NODES"
-    "${RAY_STEP[@]}" "$@"
+    CONTAINER='' ray_cluster_on_each_pool "$@"
+}
+
+# Runs "$@" as one step on the training pool's nodes and, in a heterogeneous job, one on the
+# rollout pool's beside it; fails if either failed. A signal the batch shell traps meanwhile (USR1)
+# runs its trap without cutting the steps short.
+ray_cluster_on_each_pool() {
+    ray_cluster_step "$(IFS=,; echo "${RAY_TRAIN_NODES[*]}")" ${#RAY_TRAIN_NODES[@]}
+    if [ ${#RAY_ROLLOUT_NODES[@]} -eq 0 ]; then
+        "${RAY_STEP[@]}" "$@"
+        return
+    fi
+    "${RAY_STEP[@]}" "$@" &
+    local pids=($!) pid status=0 each
+    ray_cluster_step "$(IFS=,; echo "${RAY_ROLLOUT_NODES[*]}")" ${#RAY_ROLLOUT_NODES[@]}
+    "${RAY_STEP[@]}" "$@" &
+    pids+=($!)
+    for pid in "${pids[@]}"; do
+        until wait "$pid"; each=$?; ! kill -0 "$pid" 2>/dev/null; do :; done
+        [ "$each" -eq 0 ] || status=$each
+    done
+    return "$status"
 }
 
 ray_cluster_settings() {
     [ -n "${SLURM_JOB_ID:-}" ] || ray_cluster_die "not inside a Slurm allocation (SLURM_JOB_ID unset)"
-    mapfile -t RAY_NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+    RAY_ROLLOUT_NODES=()
+    mapfile -t RAY_TRAIN_NODES < <(scontrol show hostnames "${SLURM_JOB_NODELIST_HET_GROUP_0:-$SLURM_JOB_NODELIST}")
+    [ "${SLURM_HET_SIZE:-1}" -lt 2 ] \
+        || mapfile -t RAY_ROLLOUT_NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_1")
+    RAY_NODES=("${RAY_TRAIN_NODES[@]}" "${RAY_ROLLOUT_NODES[@]}")
     RAY_HEAD_NODE=${RAY_NODES[0]}
     RAY_NUM_NODES=${#RAY_NODES[@]}
-    local job_gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-0}}
+    local job_gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-0}} rollout_gpus=${SLURM_GPUS_PER_NODE_HET_GROUP_1:-}
     RAY_GPUS_PER_NODE=${RAY_GPUS_PER_NODE:-${job_gpus##*:}}  # "h100:8" -> 8
     RAY_CPUS_PER_NODE=${RAY_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-1}}
+    rollout_gpus=${rollout_gpus##*:}
+    RAY_ROLLOUT_GPUS_PER_NODE=${RAY_ROLLOUT_GPUS_PER_NODE:-${rollout_gpus:-$RAY_GPUS_PER_NODE}}
+    local rollout_cpus=${SLURM_JOB_CPUS_PER_NODE_HET_GROUP_1:-$RAY_CPUS_PER_NODE}
+    RAY_ROLLOUT_CPUS_PER_NODE=${RAY_ROLLOUT_CPUS_PER_NODE:-${rollout_cpus%%(*}}  # "64(x4)" -> 64
+    RAY_NODE_RESTART_S=${RAY_NODE_RESTART_S:-30}
     RAY_HEAD_IP=${RAY_HEAD_IP:-$(getent ahostsv4 "$RAY_HEAD_NODE" | awk 'NR == 1 {print $1}')}
     [ -n "$RAY_HEAD_IP" ] || ray_cluster_die "cannot resolve the head node $RAY_HEAD_NODE; set RAY_HEAD_IP"
     RAY_TEMP_DIR=${RAY_TEMP_DIR:-/tmp/ray_$SLURM_JOB_ID}
@@ -171,10 +226,7 @@ ray_cluster_preflight() {
 # is missing could not start the image.
 ray_cluster_make_containers() {
     [ "${CONTAINER:+$CONTAINER_RUNTIME}" = pyxis ] || return 0
-    local all
-    all=$(IFS=,; echo "${RAY_NODES[*]}")
-    ray_cluster_step "$all" "$RAY_NUM_NODES"
-    "${RAY_STEP[@]}" bash "$RAY_CLUSTER_DIR/ray_node.sh" container || true
+    ray_cluster_on_each_pool bash "$RAY_CLUSTER_DIR/ray_node.sh" container || true
     ray_cluster_check_passed containers "the container of $CONTAINER did not start (pyxis/enroot)"
 }
 
@@ -187,10 +239,19 @@ ray_cluster_start_ray() {
     RAY_STEP_PID=$!
 }
 
+# Adds to RAY_ARGS the `ray start` option naming the pool of NODE's Ray (a heterogeneous job only).
+ray_cluster_add_pool() {
+    [ ${#RAY_ROLLOUT_NODES[@]} -gt 0 ] || return 0
+    local pool=train
+    ! ray_cluster_is_rollout_node "$1" || pool=rollout
+    RAY_ARGS+=("--resources={\"nemo_dapo_pool_$pool\": 1}")
+}
+
 ray_cluster_start_head() {
     RAY_ARGS=(head --head --block --node-ip-address="$RAY_HEAD_IP" --port="$RAY_PORT"
         --num-cpus="$RAY_CPUS_PER_NODE" --num-gpus="$RAY_GPUS_PER_NODE" --temp-dir="$RAY_TEMP_DIR/ray"
         --include-dashboard=false --disable-usage-stats)
+    ray_cluster_add_pool "$RAY_HEAD_NODE"
     ray_cluster_start_ray "$RAY_HEAD_NODE" 1 "$RAY_LOG_DIR/ray-head.$RAY_RUN_TAG.log"
     RAY_HEAD_PID=$RAY_STEP_PID
 }
@@ -209,22 +270,63 @@ ray_cluster_wait_for_head() {
     RAY_HEAD_ANSWERED=$SECONDS
 }
 
+# The training pool's other nodes as one step (one node lost ends it: --kill-on-bad-exit), each
+# rollout node as a step of its own, kept running (ray_cluster_keep_rollout_node).
 ray_cluster_start_workers() {
-    RAY_WORKERS_PID=''
-    [ "$RAY_NUM_NODES" -gt 1 ] || return 0
+    RAY_WORKERS_PID='' RAY_ROLLOUT_PIDS=()
+    local node
+    for node in "${RAY_ROLLOUT_NODES[@]}"; do
+        ray_cluster_keep_rollout_node "$node" &
+        RAY_ROLLOUT_PIDS+=($!)
+    done
+    [ ${#RAY_TRAIN_NODES[@]} -gt 1 ] || return 0
     local workers
-    workers=$(IFS=,; echo "${RAY_NODES[*]:1}")
+    workers=$(IFS=,; echo "${RAY_TRAIN_NODES[*]:1}")
     RAY_ARGS=(worker --block --address="$RAY_ADDRESS" --num-cpus="$RAY_CPUS_PER_NODE"
         --num-gpus="$RAY_GPUS_PER_NODE" --temp-dir="$RAY_TEMP_DIR/ray" --disable-usage-stats)
-    ray_cluster_start_ray "$workers" $((RAY_NUM_NODES - 1)) "$RAY_LOG_DIR/ray-workers.$RAY_RUN_TAG.log" \
+    ray_cluster_add_pool "${RAY_TRAIN_NODES[1]}"
+    ray_cluster_start_ray "$workers" $((${#RAY_TRAIN_NODES[@]} - 1)) "$RAY_LOG_DIR/ray-workers.$RAY_RUN_TAG.log" \
         --kill-on-bad-exit=1
     RAY_WORKERS_PID=$RAY_STEP_PID
+}
+
+# Runs in the background for the job's life: rollout NODE's Ray as a step, started again
+# RAY_NODE_RESTART_S after it stopped, for as long as the node is in the job (Slurm removes a
+# failed node from a --no-kill job). SIGTERM ends the step and the loop (ray_cluster_stop).
+ray_cluster_keep_rollout_node() {
+    local node=$1 log=$RAY_LOG_DIR/ray-rollout-$1.$RAY_RUN_TAG.log step='' status
+    # shellcheck disable=SC2064  # the step's pid when the signal comes
+    trap 'kill -TERM $step 2>/dev/null; wait $step 2>/dev/null; exit 0' TERM
+    RAY_ARGS=(worker --block --address="$RAY_ADDRESS" --num-cpus="$RAY_ROLLOUT_CPUS_PER_NODE"
+        --num-gpus="$RAY_ROLLOUT_GPUS_PER_NODE" --temp-dir="$RAY_TEMP_DIR/ray" --disable-usage-stats)
+    ray_cluster_add_pool "$node"
+    while :; do
+        ray_cluster_start_ray "$node" 1 "$log"
+        step=$RAY_STEP_PID
+        status=0
+        wait "$step" || status=$?  # (the batch scripts run under set -e)
+        echo "ray_cluster: the Ray of rollout node $node stopped (exit $status); its engines are out of the run"
+        ray_cluster_node_in_job "$node" || break
+        sleep "$RAY_NODE_RESTART_S"
+        ray_cluster_node_in_job "$node" || break
+        echo "ray_cluster: starting the Ray of rollout node $node again"
+    done
+    echo "ray_cluster: rollout node $node left the job: the run goes on without it"
+}
+
+# Whether NODE is still allocated to the job's rollout component.
+ray_cluster_node_in_job() {
+    local nodes
+    nodes=$(scontrol show job "${SLURM_JOB_ID_HET_GROUP_1:-$SLURM_JOB_ID}" 2>/dev/null | sed -n 's/^ *NodeList=//p')
+    [ -n "$nodes" ] && scontrol show hostnames "$nodes" | grep -qx "$1"
 }
 
 # One readiness step on the head node until every node and GPU joined (CPUs in CPU mode), while
 # the batch shell watches the Ray steps: a step that died ends the wait at once.
 ray_cluster_wait() {
-    local want=("$RAY_NUM_NODES" $((RAY_NUM_NODES * RAY_GPUS_PER_NODE)) $((RAY_NUM_NODES * RAY_CPUS_PER_NODE)))
+    local train=${#RAY_TRAIN_NODES[@]} rollout=${#RAY_ROLLOUT_NODES[@]}
+    local want=("$RAY_NUM_NODES" $((train * RAY_GPUS_PER_NODE + rollout * RAY_ROLLOUT_GPUS_PER_NODE))
+        $((train * RAY_CPUS_PER_NODE + rollout * RAY_ROLLOUT_CPUS_PER_NODE)))
     local addresses=() node check_log=$RAY_LOG_DIR/ray-check.$RAY_RUN_TAG.log
     for node in "${RAY_NODES[@]}"; do
         addresses+=("$node=$(getent ahostsv4 "$node" | awk 'NR == 1 {print $1}')")
@@ -254,6 +356,13 @@ ray_cluster_start() {
     ray_cluster_settings
     echo "ray_cluster: head $RAY_HEAD_NODE ($RAY_ADDRESS), $RAY_NUM_NODES node(s) x $RAY_GPUS_PER_NODE GPU," \
         "$RAY_CPUS_PER_NODE CPU; logs in $RAY_LOG_DIR"
+    if [ ${#RAY_ROLLOUT_NODES[@]} -gt 0 ]; then
+        echo "ray_cluster: two pools: training ${RAY_TRAIN_NODES[*]}, rollout ${RAY_ROLLOUT_NODES[*]}" \
+            "(${RAY_ROLLOUT_GPUS_PER_NODE} GPU, ${RAY_ROLLOUT_CPUS_PER_NODE} CPU each)"
+        [ ${#RAY_TRAIN_NODES[@]} -gt 1 ] || echo "ray_cluster: warning: a training component of one node: Slurm" \
+            "requeues the whole job when a rollout node fails (it counts the job's first component on every" \
+            "component's nodes and keeps a --no-kill component only above one node); give it two or more" >&2
+    fi
     ray_cluster_preflight
     ray_cluster_make_containers
     ray_cluster_start_head
@@ -282,10 +391,10 @@ ray_cluster_stop_containers() {
 
 # Ends the Ray steps (SIGTERM to their srun, which passes it to `ray start --block`); idempotent.
 ray_cluster_stop() {
-    local pids=()
+    local pids=("${RAY_ROLLOUT_PIDS[@]}")
     [ -z "${RAY_WORKERS_PID:-}" ] || pids+=("$RAY_WORKERS_PID")
     [ -z "${RAY_HEAD_PID:-}" ] || pids+=("$RAY_HEAD_PID")
-    RAY_WORKERS_PID='' RAY_HEAD_PID=''
+    RAY_WORKERS_PID='' RAY_HEAD_PID='' RAY_ROLLOUT_PIDS=()
     ray_cluster_alive "${pids[@]}" || return 0
     echo "ray_cluster: stopping the Ray cluster"
     ray_cluster_stop_containers  # which can end the steps before the signals below reach them

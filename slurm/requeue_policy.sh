@@ -98,22 +98,40 @@ requeue_job() {
     (trap '' TERM; exclude_failed_nodes)
 }
 
-# Adds the nodes RAY_FAILED_NODES names to the (requeued, so pending) job's ExcNodeList.
+# Adds the nodes RAY_FAILED_NODES names to the (requeued, so pending) job's ExcNodeList: in a
+# heterogeneous job, to the ExcNodeList of the component each node belongs to.
 exclude_failed_nodes() {
     [ -s "${RAY_FAILED_NODES:-}" ] || return 0
-    local failed excluded
+    local failed nodes=${RAY_NUM_NODES:-${SLURM_JOB_NUM_NODES:-1}} component
     failed=$(cut -d: -f1 "$RAY_FAILED_NODES" | sort -u)
-    if [ "$(grep -c . <<<"$failed")" -ge "${SLURM_JOB_NUM_NODES:-1}" ] && [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ]; then
+    if [ "$(grep -c . <<<"$failed")" -ge "$nodes" ] && [ "$nodes" -gt 1 ]; then
         echo "requeue: every node of the job failed its start-up: none excluded (the site, not a node: see above)" >&2
         return 0
     fi
-    excluded=$(command scontrol show job "$SLURM_JOB_ID" | grep -o 'ExcNodeList=[^ ]*' | cut -d= -f2)
+    for component in 0 1; do
+        local job=${SLURM_JOB_ID:-} group=${SLURM_JOB_NODELIST:-}
+        if [ "${SLURM_HET_SIZE:-1}" -gt 1 ]; then
+            job=$(eval echo "\${SLURM_JOB_ID_HET_GROUP_$component:-}")
+            group=$(eval echo "\${SLURM_JOB_NODELIST_HET_GROUP_$component:-}")
+        elif [ "$component" -eq 1 ]; then
+            break
+        fi
+        local mine
+        mine=$(command scontrol show hostnames "$group" 2>/dev/null | grep -Fx -f - <(echo "$failed")) || continue
+        exclude_nodes "$job" "$mine"
+    done
+}
+
+# Adds NODES (one per line) to job JOB's ExcNodeList.
+exclude_nodes() {
+    local job=$1 failed=$2 excluded
+    excluded=$(command scontrol show job "$job" | grep -o 'ExcNodeList=[^ ]*' | head -n1 | cut -d= -f2)
     [ "$excluded" != "(null)" ] || excluded=
     excluded=$({ [ -z "$excluded" ] || command scontrol show hostnames "$excluded"; echo "$failed"; } | sort -u |
         paste -sd, -)
-    if command scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$excluded"; then
+    if command scontrol update JobId="$job" ExcNodeList="$excluded"; then
         echo "requeue: node(s) $(paste -sd, <<<"$failed") excluded from the requeued job (ExcNodeList=$excluded):" \
-            "$(paste -sd';' "$RAY_FAILED_NODES")"
+            "$(awk -F: 'NR == FNR {want[$1]; next} $1 in want' <(echo "$failed") "$RAY_FAILED_NODES" | paste -sd';' -)"
     else
         echo "requeue: could not exclude $(paste -sd, <<<"$failed") from the job" >&2
     fi

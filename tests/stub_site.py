@@ -12,6 +12,10 @@ the scripts rely on:
   CANCELLED (COMPLETING, Reason=None) and signals its processes, SIGKILL ``kill_wait`` later.
   As on Slurm 22.05, a cancelled job that is still completing can be requeued, and the
   ``ExcNodeList`` of a running job cannot be changed.
+- A heterogeneous job (``#SBATCH hetjob`` or ``:`` between options) gets its components' nodes
+  in order, Slurm's ``*_HET_GROUP_<i>`` variables, one ``scontrol show job`` record and one
+  ``squeue`` line per component; a step takes ``--het-group=<i>`` to run on component i, and a
+  step naming nodes outside its component is refused, as Slurm refuses it.
 - ``srun`` runs one task per node with ``SLURMD_NODENAME``; ``--kill-on-bad-exit=1`` ends the
   step when a task fails; SIGTERM reaches the tasks. With ``--container-image`` it is pyxis: a
   named container is unpacked (``unpack_s``) at the first step that names it on a node, and a
@@ -41,6 +45,7 @@ import subprocess
 import sys
 import threading
 import time
+from itertools import zip_longest
 from pathlib import Path
 
 COMMANDS = ("srun", "sbatch", "scontrol", "squeue", "scancel", "getent", "nvidia-smi", "enroot", "apptainer",
@@ -124,16 +129,20 @@ def option(args: list[str], *names: str, default=None):
 
 
 def sbatch(args: list[str]) -> int:
+    """A job, or a heterogeneous job: ``#SBATCH hetjob`` in the script (or ``:`` between the options
+    given) separates its components, each with its own ``--nodes``."""
     record("sbatch", argv=args)
-    script_at = next(i for i, a in enumerate(args) if not a.startswith("-") and os.path.isfile(a))
+    script_at = next(i for i, a in enumerate(args) if not a.startswith("-") and a != ":" and os.path.isfile(a))
     options, script, script_args = args[:script_at], os.path.abspath(args[script_at]), args[script_at + 1 :]
     directives = re.findall(r"^#SBATCH\s+(\S+)", Path(script).read_text(), re.M)
-    given = directives + options
+    components = [c + o for c, o in zip_longest(split_at(directives, "hetjob"), split_at(options, ":"), fillvalue=[])]
+    given = components[0]
     with jobs() as table:
         job_id = str(100 + len(table))
         table[job_id] = {
-            "state": "PENDING", "reason": "None", "restarts": 0, "exc": "", "nodes": [],
-            "num_nodes": int(option(given, "--nodes", "-N", default="1")), "command": script, "args": script_args,
+            "state": "PENDING", "reason": "None", "restarts": 0, "exc": "", "nodes": [], "groups": [],
+            "num_nodes": [int(option(c, "--nodes", "-N", default="1")) for c in components], "command": script,
+            "args": script_args,
             "output": option(given, "--output", "-o", default=f"slurm-{job_id}.out").replace("%j", job_id),
             "name": option(given, "--job-name", "-J", default=Path(script).name), "time": option(given, "--time"),
             "env": dict(os.environ), "workdir": os.getcwd(), "signal_at": None, "batch_pid": None,
@@ -144,17 +153,29 @@ def sbatch(args: list[str]) -> int:
     return 0
 
 
+def split_at(items: list[str], separator: str) -> list[list[str]]:
+    parts: list[list[str]] = [[]]
+    for item in items:
+        if item == separator:
+            parts.append([])
+        else:
+            parts[-1].append(item)
+    return parts
+
+
 def supervise(job_id: str) -> None:
     """The job's life: allocate, run the batch script, follow requeues, cancellation and KillWait."""
     while True:
         with jobs() as table:
             job = table[job_id]
             free = [n for n in site()["nodes"] if n not in expand(job["exc"] or "")]
-            if len(free) < job["num_nodes"]:
+            if len(free) < sum(job["num_nodes"]):
                 job["reason"] = "ReqNodeNotAvail"
                 return
-            job |= {"state": "RUNNING", "reason": "None", "nodes": free[: job["num_nodes"]], "start": time.time(),
-                    "requeue": False, "cancel": False, "signal_at": None}  # fmt: skip
+            bounds = [sum(job["num_nodes"][:i]) for i in range(len(job["num_nodes"]) + 1)]
+            groups = [free[a:b] for a, b in zip(bounds, bounds[1:])]
+            job |= {"state": "RUNNING", "reason": "None", "nodes": free[: bounds[-1]], "groups": groups,
+                    "start": time.time(), "requeue": False, "cancel": False, "signal_at": None}  # fmt: skip
         status = run_batch(job_id, job)
         with jobs() as table:
             job = table[job_id]
@@ -167,14 +188,21 @@ def supervise(job_id: str) -> None:
 
 
 def run_batch(job_id: str, job: dict) -> int:
-    config = site()
+    config, first = site(), job["groups"][0]
     env = job["env"] | {
-        "SLURM_JOB_ID": job_id, "SLURM_JOB_NODELIST": ",".join(job["nodes"]),
-        "SLURM_JOB_NUM_NODES": str(len(job["nodes"])),
+        "SLURM_JOB_ID": job_id, "SLURM_JOB_NODELIST": ",".join(first), "SLURM_JOB_NUM_NODES": str(len(first)),
         "SLURM_CPUS_ON_NODE": str(config["cpus"]), "SLURM_GPUS_ON_NODE": str(config["gpus"]),
         "SLURM_SUBMIT_DIR": job["workdir"], "SLURM_JOB_PARTITION": "batch", "SLURMD_NODENAME": job["nodes"][0],
         "SLURM_JOB_NAME": job["name"],
     }  # fmt: skip
+    if len(job["groups"]) > 1:  # what Slurm adds for a heterogeneous job, per component
+        env["SLURM_HET_SIZE"] = str(len(job["groups"]))
+        for index, nodes in enumerate(job["groups"]):
+            env |= {f"SLURM_JOB_NODELIST_HET_GROUP_{index}": ",".join(nodes),
+                    f"SLURM_JOB_NUM_NODES_HET_GROUP_{index}": str(len(nodes)),
+                    f"SLURM_JOB_ID_HET_GROUP_{index}": component_id(job_id, index),
+                    f"SLURM_JOB_CPUS_PER_NODE_HET_GROUP_{index}": f"{config['cpus']}(x{len(nodes)})",
+                    f"SLURM_GPUS_PER_NODE_HET_GROUP_{index}": str(config["gpus"])}  # fmt: skip
     if job["restarts"]:
         env["SLURM_RESTART_COUNT"] = str(job["restarts"])
     spool = STATE / "spool" / f"job{job_id}.{job['restarts']}"  # Slurm runs a copy of the script
@@ -231,7 +259,7 @@ def scontrol(args: list[str]) -> int:
     elif args[:1] == ["update"]:
         fields = dict(a.split("=", 1) for a in args[1:])
         with jobs() as table:
-            job = table[fields["JobId"]]
+            job = table[fields["JobId"].partition("+")[0]]  # a component's: the stub keeps one list
             if job["state"] == "RUNNING" and not job["requeue"]:
                 print(f"Job is no longer pending execution for job {fields['JobId']}", file=sys.stderr)
                 return 1
@@ -239,20 +267,30 @@ def scontrol(args: list[str]) -> int:
     return 0
 
 
+def component_id(job_id: str, index: int) -> str:
+    """A heterogeneous job's component, as its own job id (Slurm numbers them on from the leader)."""
+    return f"{job_id}+{index}" if index else job_id
+
+
 def show_job(job_id: str) -> int:
+    """The job's record; a heterogeneous job's leader shows one per component, as Slurm does."""
     if "SLURM_JOB_ID" not in os.environ and login_node_timeout():
         print("slurm_load_jobs error: Socket timed out on send/recv operation", file=sys.stderr)
         return 1
+    leader, _, index = job_id.partition("+")
     with jobs() as table:
-        job = table.get(job_id)
+        job = table.get(leader)
     if job is None:
         print("slurm_load_jobs error: Invalid job id specified", file=sys.stderr)
         return 1
     state = "COMPLETING" if job["state"] == "RUNNING" and (job["requeue"] or job["cancel"]) else job["state"]
-    print(f"JobId={job_id} JobName={job['name']}\n   JobState={state} Reason={job['reason']} Dependency=(null)\n"
-          f"   Requeue=1 Restarts={job['restarts']} BatchFlag=1 ExitCode={job.get('exit', 0)}:0\n"
-          f"   ReqNodeList=(null) ExcNodeList={job['exc'] or '(null)'}\n   NodeList={','.join(job['nodes'])}\n"
-          f"   Command={job['command']}\n   WorkDir={job['workdir']}")  # fmt: skip
+    groups = job["groups"] or [job["nodes"]]
+    for shown in [int(index)] if index else range(len(groups)):
+        print(f"JobId={component_id(leader, shown)} JobName={job['name']}\n   JobState={state} Reason={job['reason']} "
+              f"Dependency=(null)\n   Requeue=1 Restarts={job['restarts']} BatchFlag=1 "
+              f"ExitCode={job.get('exit', 0)}:0\n"
+              f"   ReqNodeList=(null) ExcNodeList={job['exc'] or '(null)'}\n   NodeList={','.join(groups[shown])}\n"
+              f"   Command={job['command']}\n   WorkDir={job['workdir']}\n")  # fmt: skip
     return 0
 
 
@@ -287,7 +325,8 @@ def squeue(args: list[str]) -> int:
     if job is None:
         return 1
     fmt = option(args, "-o", "--format", default="%T")
-    print(fmt.replace("%T", job["state"]).replace("%e", end_time(job)))
+    for _ in job["groups"] or [job["nodes"]]:  # a line per component
+        print(fmt.replace("%T", job["state"]).replace("%e", end_time(job)))
     return 0
 
 
@@ -303,7 +342,7 @@ def end_time(job: dict) -> str:
 # ----------------------------------------------------------------------------- steps
 VALUED = {"--nodes", "-N", "--ntasks", "-n", "--nodelist", "-w", "--cpus-per-task", "-c", "--output", "-o",
           "--error", "-e", "--container-image", "--container-name", "--container-mounts", "--container-workdir",
-          "--container-env", "--wait", "--relative", "--ntasks-per-node"}  # fmt: skip
+          "--container-env", "--wait", "--relative", "--ntasks-per-node", "--het-group", "--export"}  # fmt: skip
 
 
 def split_options(args: list[str]) -> tuple[list[str], list[str]]:
@@ -315,11 +354,15 @@ def split_options(args: list[str]) -> tuple[list[str], list[str]]:
 
 def srun(args: list[str]) -> int:
     options, command = split_options(args)
-    job = os.environ["SLURM_JOB_ID"]
-    allocation = expand(os.environ["SLURM_JOB_NODELIST"])
+    job, group = os.environ["SLURM_JOB_ID"], option(options, "--het-group")
+    allocation = expand(os.environ[f"SLURM_JOB_NODELIST_HET_GROUP_{group}" if group else "SLURM_JOB_NODELIST"])
     listed = option(options, "--nodelist", "-w")
     first = int(option(options, "--relative", default="0"))
     nodes = expand(listed) if listed else allocation[first : first + int(option(options, "--nodes", "-N", default="1"))]
+    if not set(nodes) <= set(allocation):  # a node of another component without its --het-group
+        print(f"srun: error: Unable to create step for job {job}: Requested node configuration is not available",
+              file=sys.stderr)  # fmt: skip
+        return 1
     image, name = option(options, "--container-image"), option(options, "--container-name")
     mounts, workdir = option(options, "--container-mounts", default=""), option(options, "--container-workdir")
     record("srun", argv=args, options=options, command=command, nodes=nodes, step_job=job)

@@ -85,6 +85,16 @@ def tokenizer_without_chat_template(tmp: Path, model: Path):
     return argv, [f"{folder}: its tokenizer has no chat template", "model.path", "chat_template.jinja"]
 
 
+def pools_of_mixed_devices(tmp: Path, model: Path):
+    argv = ["train", "trainer.rollout_pool.nnodes=2", "rollout.num_workers=2", f"trainer.output_dir={tmp / 'run'}"]
+    return argv, ["trainer.rollout_pool.n_gpus_per_node=8: both pools have GPUs or neither"]
+
+
+def pools_through_nemo_run(tmp: Path, model: Path):
+    argv = ["launch", "--executor", "slurm", "--dryrun", "trainer.rollout_pool.nnodes=2"]
+    return argv, ["trainer.rollout_pool.nnodes=2: two pools need a Slurm heterogeneous job", "slurm/dapo_pools.sbatch"]
+
+
 CASES: list[Case] = [
     yaml_list,
     yaml_unclosed,
@@ -97,6 +107,8 @@ CASES: list[Case] = [
     bringup_partial_stop,
     bringup_missing_job_log,
     tokenizer_without_chat_template,
+    pools_of_mixed_devices,
+    pools_through_nemo_run,
 ]
 
 

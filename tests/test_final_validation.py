@@ -58,6 +58,12 @@ class Engines:
     def set_weight_source(self, source) -> None:
         pass
 
+    def in_service(self) -> list[int]:
+        return [0]
+
+    def restore_lost(self) -> list[int]:
+        return []
+
     def send(self, buckets, version: int, ranks=None) -> None:
         self.version = version
 

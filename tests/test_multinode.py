@@ -1,16 +1,19 @@
 """The production shape on one machine: a Slurm cluster whose nodes are network namespaces.
 
-``tests/slurm/setup_netns_slurm.sh`` makes three nodes (n1..n3: their own address on a private
+``tests/slurm/setup_netns_slurm.sh`` makes four nodes (n1..n4: their own address on a private
 bridge, hostname, /tmp and /dev/shm; the repository and the test's folders shared as a cluster
-filesystem) and a controller (ctl), with a real slurmctld, one slurmd per node and munge. Jobs of
+filesystem; n1..n3 the default partition, n1-n2 `train` and n3-n4 `rollout`) and a controller
+(ctl), with a real slurmctld, one slurmd per node and munge. Jobs of
 ``slurm/dapo_tiny_cpu.sbatch --nodes=2`` then run as on a cluster: Ray's head on the first node, a
 worker raylet on the second, token authentication on, Megatron ranks on both nodes (gloo over
 their addresses), a vLLM engine with tensor_parallel_size=2, weight syncs across nodes. A node
 dies (every process of its namespace SIGKILLed) and the run survives; Slurm requeues a job whose
-node is gone; every process of a job gets SIGTERM (grace-time preemption); NeMo-Run submits
-through its local tunnel. Each job's steps are checked against an uninterrupted run's prompts.
+node is gone; every process of a job gets SIGTERM (grace-time preemption); a heterogeneous job of
+two pools loses rollout nodes and trains on without a requeue; NeMo-Run submits through its local
+tunnel. Each job's steps are checked against an uninterrupted run's prompts.
 """
 
+import contextlib
 import datetime
 import ipaddress
 import json
@@ -31,8 +34,11 @@ from tests.train_runs import SMALL, expected_rounds, last_per_step, records
 pytestmark = pytest.mark.slow
 SETUP = REPO / "tests" / "slurm" / "setup_netns_slurm.sh"
 STATE = Path(os.environ.get("NETNS_SLURM_DIR", "/var/tmp/nemo-dapo-netns"))
-NODES = {"n1": "10.77.0.2", "n2": "10.77.0.3", "n3": "10.77.0.4"}
-FABRIC = {"n1": "10.78.0.2", "n2": "10.78.0.3", "n3": "10.78.0.4"}  # each node's ib0 (the fast network)
+NODES = {"n1": "10.77.0.2", "n2": "10.77.0.3", "n3": "10.77.0.4", "n4": "10.77.0.5"}
+FABRIC = {"n1": "10.78.0.2", "n2": "10.78.0.3", "n3": "10.78.0.4", "n4": "10.78.0.5"}  # each node's ib0
+# the default partition (the single-pool jobs) has n1..n3; a heterogeneous job trains on n1, n2 and
+# generates on n3, n4
+PARTITIONS = "nodes=n1,n2,n3 train=n1,n2 rollout=n3,n4"
 CLI = [sys.executable, "-m", "nemo_dapo.cli"]
 # the tiny preset, Megatron at DP=2 one rank per node, a TP=2 engine; no validation in between
 TWO_NODES = [
@@ -43,6 +49,17 @@ TWO_NODES = [
     "trainer.cpu_threads_per_worker=1",
     "trainer.test_freq=0",
 ]
+# two pools: torch ranks at DP=2 on the training pool, an engine on each rollout node
+POOLS = [
+    "trainer.placement_strategy=SPREAD",
+    "actor.num_workers=2",
+    "rollout.num_workers=2",
+    "trainer.rollout_pool.nnodes=2",
+    "trainer.rollout_pool.n_gpus_per_node=0",
+    "trainer.cpu_threads_per_worker=1",
+    "trainer.test_freq=0",
+]
+POOL_COMPONENTS = ["--no-kill", "--partition=train", "--nodes=2", ":", "--no-kill", "--partition=rollout", "--nodes=2"]
 
 
 class Cluster:
@@ -143,6 +160,7 @@ def cluster(tmp_path_factory):
     env = {
         **base,
         "NETNS_NODES": str(len(NODES)),
+        "NETNS_PARTITIONS": PARTITIONS,
         "NETNS_SHARED_PATHS": shared,
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
         "PYTHON": sys.executable,
@@ -298,11 +316,11 @@ def test_dapo_spans_two_nodes_learns_like_one_and_stops_before_its_time_limit(cl
     assert_first_step_as_on_one_node(out, tmp_path / "one_node")
 
 
-def assert_first_step_as_on_one_node(out: Path, local: Path) -> None:
-    """The two-node layout's first step equals, bit for bit, the same layout's on one node (a local
-    Ray on loopback)."""
+def assert_first_step_as_on_one_node(out: Path, local: Path, layout: list[str] = TWO_NODES) -> None:
+    """The multi-node layout's first step equals, bit for bit, the same layout's on one node (a local
+    Ray on loopback, which offers both pools)."""
     done = subprocess.run(
-        [*CLI, "train", f"trainer.output_dir={local}", *TWO_NODES, "trainer.total_training_steps=1"],
+        [*CLI, "train", f"trainer.output_dir={local}", *layout, "trainer.total_training_steps=1"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -312,9 +330,10 @@ def assert_first_step_as_on_one_node(out: Path, local: Path) -> None:
         assert metric(out / "metrics.jsonl", 1, name) == metric(local / "metrics.jsonl", 1, name), name
 
 
-def ray_leftovers(job: Job, nodes: list[str]) -> list[str]:
-    """Processes of the job's Ray (its session folder /tmp/ray_<job id> in their arguments) still
-    alive on ``nodes`` (a node is a network namespace: its processes are that namespace's)."""
+def ray_processes(job: Job, nodes: list[str]) -> list[tuple[str, int, str]]:
+    """(node, pid, command) of the processes of the job's Ray (its session folder /tmp/ray_<job id>
+    in their arguments) alive on ``nodes`` (a node is a network namespace: its processes are that
+    namespace's)."""
     found = []
     for node in nodes:
         pids = subprocess.run(["ip", "netns", "pids", f"nd-{node}"], capture_output=True, text=True).stdout.split()
@@ -324,8 +343,21 @@ def ray_leftovers(job: Job, nodes: list[str]) -> list[str]:
             except OSError:
                 continue
             if f"/tmp/ray_{job.id}" in command:
-                found.append(f"{node}: {command[:120]}")
+                found.append((node, int(pid), command))
     return found
+
+
+def ray_leftovers(job: Job, nodes: list[str]) -> list[str]:
+    """The job's Ray processes still alive on ``nodes``, named."""
+    return [f"{node}: {command[:120]}" for node, _, command in ray_processes(job, nodes)]
+
+
+def kill_ray_on(job: Job, node: str) -> None:
+    """SIGKILL every process of the job's Ray on ``node`` (raylet, engines, `ray start`), the node
+    itself left up: its Ray died, as under the kernel's OOM killer."""
+    for _, pid, _ in ray_processes(job, [node]):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def run_section(log: str, restart: int) -> str:
@@ -495,3 +527,49 @@ def test_nemo_run_submits_through_its_local_tunnel_and_the_job_completes(cluster
     save_by = float(re.search(r"save_by: (\S+)", saved).group(1))
     started = datetime.datetime.fromisoformat(job.field("StartTime")).timestamp()
     assert abs(save_by - (started + 20 * 60 - 300)) <= 2, (job.field("StartTime"), save_by)
+
+
+@pytest.mark.timeout(900)
+def test_two_pools_lose_rollout_nodes_and_train_on(cluster, tmp_path):
+    """A heterogeneous job: the training pool n1 + n2 (torch ranks at DP=2, one per node), the
+    rollout pool n3 + n4 (an engine each). Its first step equals the same layout's on one node.
+    n4's Ray is SIGKILLed (the node stays in the job): the run goes on with one engine, the batch
+    shell starts n4's Ray again and the engine is back at the next weight sync. Then n3 dies whole
+    (a lost node: Slurm takes it out of the --no-kill job): one engine to the end. The job is
+    never requeued, and no prompt is lost or trained twice."""
+    total = 16
+    overrides = [*POOLS, f"trainer.total_training_steps={total}", "trainer.save_freq=0", *SMALL]
+    job = cluster.submit(
+        "pools", overrides, sbatch_args=POOL_COMPONENTS, RAY_ROLLOUT_CPUS_PER_NODE="1", RAY_NODE_RESTART_S="1"
+    )
+    out = cluster.work / "pools" / "ckpt"
+    try:
+        placed = wait_for_line(job, r"rollout: 2 worker\(s\) on 2 node\(s\): (.*)")
+        assert set(re.findall(r"10\.77\.0\.\d", placed.group(1))) == {NODES["n3"], NODES["n4"]}
+        wait_for_line(job, r"nemo_dapo: step 2: ")
+        driver = int((cluster.work / "pools" / "logs" / job.id / "trainer.r0.pid").read_text())
+        os.kill(driver, signal.SIGSTOP)  # held while n4's Ray dies and comes back
+        kill_ray_on(job, "n4")
+        wait_for_line(job, "ray_cluster: starting the Ray of rollout node n4 again")
+        job.wait_for("n4's raylet", lambda: any("raylet" in c for *_, c in ray_processes(job, ["n4"])), timeout=60)
+        os.kill(driver, signal.SIGCONT)
+        wait_for_line(job, r"rollout engine \d: its node 10\.77\.0\.5 is lost .*; engines 2 -> 1")
+        wait_for_line(job, r"rollout engine \d is back on node 10\.77\.0\.5; engines 1 -> 2")
+        cluster.setup("kill-node", "n3")
+        cluster.mark_down("n3")
+        wait_for_line(job, r"its node 10\.77\.0\.4 is lost .*; engines 2 -> 1")
+        job.wait_for("completion", lambda: job.field("JobState") == "COMPLETED", timeout=400)
+    finally:
+        job.run("scancel", job.id)
+        cluster.setup("start-node", "n3")
+    log = job.log()
+    assert job.field("Restarts") == "0" and "requeue:" not in log, log[-3000:]
+    steps = [row for row in records(out / "metrics.jsonl") if "actor/pg_loss" in row]
+    engines = [row["recovery/engines"] for row in steps]
+    assert engines[0] == 2 and engines[-1] == 1 and 2 in engines[1:-1], engines
+    by_step = last_per_step(records(out / "prompts.jsonl"))
+    assert sorted(by_step) == list(range(1, total + 1))
+    consumed = [i for step in sorted(by_step) for i in by_step[step]["consumed"]]
+    assert consumed == [i for r in expected_rounds(1800, 12, seed=1, count=len(consumed) // 12) for i in r]
+    assert json.loads((out / "summary.json").read_text())["steps"] == total
+    assert_first_step_as_on_one_node(out, tmp_path / "one_node", [*POOLS, *SMALL])

@@ -345,3 +345,62 @@ def test_a_multi_node_gpu_run_without_a_fabric_says_what_it_sends_over_the_manag
     assert fabric_warning(cfg, {"FABRIC_IFNAME": "ib0"}) is None
     assert fabric_warning(load_config("dapo_qwen2.5_7b", placement=False), {}) is None  # one node
     assert fabric_warning(load_config("tiny_cpu", ["trainer.nnodes=2"], placement=False), {}) is None  # CPUs
+
+
+POOLS_32B = (
+    "trainer.nnodes=8",
+    "actor.num_workers=64",
+    "trainer.colocate=false",
+    "trainer.gpu_model=H800",
+    "trainer.rollout_pool.nnodes=4",
+    "trainer.rollout_pool.gpu_model=H20",
+    "rollout.num_workers=null",
+    "rollout.tensor_parallel_size=2",
+    "rollout.gpu_memory_utilization=0.9",
+)
+
+
+def test_two_pools_size_each_pool_on_its_own_gpu_and_split_a_step_between_them(capsys):
+    """8 x H800 training, 4 x H20 engines: the engines' memory is an H20's, the engine count the
+    rollout pool's GPUs over TP, and the step's split follows the roofline by hand."""
+    code, plan, _ = run_plan(capsys, "dapo_qwen2.5_32b", *POOLS_32B, "--mean-response-tokens=4096")
+    assert code == 0 and plan["fits"], plan["problems"]
+    h20_gib = 97871 / 1024
+    assert plan["generation"]["budget"] == pytest.approx(0.9 * h20_gib)
+    assert plan["gpu_memory_gib"] == pytest.approx(H800_GIB)  # the training pool's
+    params = KNOWN_ARCHITECTURES["qwen2.5-32b"].total_params()
+    # update: 512 prompts x 16 x (256 + 4096) tokens, 8 x params FLOPs each, on 64 H800 at MFU 0.35
+    update_s = 8 * params * 512 * 16 * (256 + 4096) / (64 * 989e12 * 0.35)
+    pools = plan["pools"]
+    assert pools["update_s"] == pytest.approx(update_s)
+    # generation: 1536 x 16 sequences of 4096 tokens on 16 engines (4 nodes x 8 H20 / TP 2)
+    per_engine = 512 * 3 * 16 * 4096 / 16 / pools["generation_s"]
+    batch = min(1536, plan["generation"]["kv_tokens"] // (256 + 4096))
+    compute_s = 2 * params / 2 * batch / (148e12 * 0.5)
+    read_s = (plan["generation"]["weights"] * GIB + batch * 2304 * plan["generation"]["kv_bytes_per_token"]) / (
+        4.0e12 * 0.6
+    )
+    assert per_engine == pytest.approx(batch / max(compute_s, read_s))
+    ratio = pools["generation_s"] * 4 / pools["update_s"] / 8
+    assert pools["balanced_rollout_nodes_per_training_node"] == pytest.approx(ratio)
+    step = pools["generation_s"] + pools["update_s"]
+    assert pools["idle_sync"] == pytest.approx([1 - pools["update_s"] / step, 1 - pools["generation_s"] / step])
+    code, text = main(["plan", "dapo_qwen2.5_32b", *POOLS_32B]), capsys.readouterr().out
+    assert code == 0 and "rollout nodes per training node keep both busy (this layout: 0.50)" in text
+    assert "an estimate, not a measurement" in text
+
+
+def test_two_pools_refuse_what_does_not_fit_a_pool():
+    cases = {
+        "trainer.colocate=true": "trainer.colocate",
+        "rollout.tensor_parallel_size=16": "rollout.tensor_parallel_size=16: an engine stays inside one rollout node",
+        "trainer.rollout_pool.n_gpus_per_node=0": "both pools have GPUs or neither",
+        "rollout.min_engines=17": "rollout.min_engines=17: must be <= rollout.num_workers=16",
+    }
+    for override, named in cases.items():
+        with pytest.raises(ConfigError, match=named):
+            load_config("dapo_qwen2.5_32b", [*POOLS_32B, "rollout.num_workers=16", override])
+    # 12 training nodes: DP = 96 / (TP 8 x PP 2) = 6 does not split the preset's mini-batch
+    with pytest.raises(ConfigError, match="must split evenly over DP = 6"):
+        load_config("dapo_qwen2.5_32b", [*POOLS_32B, "trainer.nnodes=12", "actor.num_workers=96"])
+    assert load_config("dapo_qwen2.5_32b", list(POOLS_32B)).rollout.min_engines == 1

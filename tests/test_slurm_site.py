@@ -127,6 +127,34 @@ def test_a_16_node_pyxis_job_starts_in_order_and_every_step_joins_its_nodes_cont
     assert "dapo: TERM_TIMEOUT=25 s (Slurm's KillWait is 30 s)" in site.log()  # requeued before SIGKILL
 
 
+def test_a_two_pool_heterogeneous_job_starts_each_component_in_its_own_steps(site):
+    """slurm/dapo_pools.sbatch (12 training + 4 rollout nodes): every step on the rollout nodes names
+    their component (Slurm refuses it otherwise), each component gets its named containers, every
+    node's Ray offers its pool, each rollout node's Ray is a step of its own that one node's end
+    does not take down, and the trainer is given both pools from the allocation."""
+    job = site.submit("trainer.total_training_steps=2", script="slurm/dapo_pools.sbatch", nodes=12)
+    assert site.wait_end(job)["JobState"] == "COMPLETED", site.log()[-3000:]
+    training, rollout = [f"node{i:02d}" for i in range(1, 13)], [f"node{i:02d}" for i in range(13, 17)]
+    for step in site.steps():
+        group = "--het-group=1" if set(step["nodes"]) <= set(rollout) else "--het-group=0"
+        assert group in step["options"], step
+    containers = [s for s in site.steps() if command_of(s).endswith("ray_node.sh container")]
+    assert sorted(n for s in containers for n in s["nodes"]) == training + rollout and not site.calls("pyxis-race")
+    assert all(pyxis_flags(s)["container-name"] == f"nemo-dapo-{job}" for s in containers)
+    pools = {c["node"]: re.search(r"nemo_dapo_pool_(\w+)", " ".join(c["argv"])).group(1) for c in site.calls("ray")}
+    assert pools == dict.fromkeys(training, "train") | dict.fromkeys(rollout, "rollout"), pools
+    rays = [s for s in site.steps() if "ray_node.sh ray worker" in command_of(s)]
+    assert sorted(len(s["nodes"]) for s in rays) == [1, 1, 1, 1, 11]  # each rollout node alone
+    assert all("--kill-on-bad-exit=1" not in s["options"] for s in rays if len(s["nodes"]) == 1)
+    (ready,) = [s for s in site.steps() if "ray_ready.py" in command_of(s)]
+    assert ready["command"][2:5] == [ready["command"][2], "16", "128"]  # every node and GPU of both pools
+    (trainer,) = site.calls("train")
+    for override in ("trainer.nnodes=12", "trainer.rollout_pool.nnodes=4", "trainer.rollout_pool.n_gpus_per_node=8",
+                     "actor.num_workers=96", "trainer.colocate=false"):  # fmt: skip
+        assert override in trainer["argv"], trainer["argv"]
+    assert any(a.startswith("checkpoint.save_by=") for a in trainer["argv"])  # squeue's line per component read
+
+
 def test_ray_cluster_sh_as_a_command_ends_its_ray_steps_with_the_command(site):
     """`slurm/ray_cluster.sh CMD` in an allocation (salloc): when CMD ends, the Ray steps end too
     (their srun is what is signalled, not a shell around it)."""

@@ -6,7 +6,6 @@ import re
 from collections import Counter
 
 import pytest
-import torch
 
 from tests.train_runs import (
     FIRST_STEP,
@@ -14,6 +13,7 @@ from tests.train_runs import (
     assert_same_first_update,
     assert_same_weights,
     last_per_step,
+    latest_state,
     records,
     sigkill_after_checkpoint,
     train,
@@ -51,11 +51,6 @@ def test_the_same_seed_gives_the_same_numbers_at_every_step(workdir):
         numbers = {key for key in first if not key.startswith(("timing", "time", "perf/throughput", "perf/time_per"))}
         assert len(numbers) > 40 and {key: first[key] for key in numbers} == {key: again[key] for key in numbers}
     assert_same_weights(workdir / "first", workdir / "again", step=4)
-
-
-def latest_state(out):
-    folders = sorted((out / "checkpoints").glob("global_step_*"), key=lambda p: int(p.name.split("_")[-1]))
-    return torch.load(folders[-1] / "trainer_state.pt", weights_only=False)
 
 
 @TIMED

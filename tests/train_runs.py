@@ -45,6 +45,14 @@ def last_per_step(rows: list[dict]) -> dict[int, dict]:
     return {row["step"]: row for row in rows}
 
 
+def latest_state(out: Path) -> dict:
+    """The trainer state of the run's newest checkpoint (the stream's untrained rows among it)."""
+    import torch
+
+    folders = sorted((out / "checkpoints").glob("global_step_*"), key=lambda p: int(p.name.split("_")[-1]))
+    return torch.load(folders[-1] / "trainer_state.pt", weights_only=False)
+
+
 def expected_rounds(dataset_size: int, batch_size: int, seed: int, count: int) -> list[list[int]]:
     sampler = ResumableBatchSampler(dataset_size, batch_size, seed=seed)
     rounds: list[list[int]] = []

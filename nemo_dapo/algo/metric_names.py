@@ -177,6 +177,9 @@ FILTERED_IN_STREAM = metric(
 ENGINE_RESTARTS = metric(
     "recovery/engine_restarts", Reduce.MAX, "rollout engines replaced after dying or hanging (cumulative, this run)"
 )
+ENGINES_IN_SERVICE = metric(
+    "recovery/engines", Reduce.MIN, "rollout engines in service after the step (fewer while a rollout node is lost)"
+)
 
 # ---- time and throughput
 TIMING_S = metric("timing_s/{stage}", Reduce.MEAN, "seconds of one stage of the step")

@@ -16,6 +16,7 @@ import torch
 from nemo_dapo.algo import metric_names as mn
 from nemo_dapo.algo.batch import RolloutBatch
 from nemo_dapo.algo.correction import CorrectionSettings
+from nemo_dapo.cluster.placement import pool_nodes
 from nemo_dapo.cluster.store_sync import BUCKETS_AHEAD, StoreSync
 from nemo_dapo.cluster.worker_group import Calls, Deadline, RankCall, WorkerGroup, rank_call
 from nemo_dapo.digest import digest_files, shares_by_size
@@ -145,6 +146,7 @@ class PolicyGroup:
 
 
 WeightSource = Callable[[], tuple[Iterable, int]]
+RESTORE_PLACEMENT_S = 30.0  # how long a lost engine's slot may take to be placed on a node that joined
 
 
 class RolloutGroup:
@@ -152,15 +154,27 @@ class RolloutGroup:
     :meth:`fan_out` (or :meth:`start` + :meth:`finish`, where the driver does something between
     submitting and waiting): an engine that dies, fails its engine or gives no answer within the
     call's deadline is replaced on its slot (up to ``max_restarts`` replacements per run), and
-    gets the current policy weights before it next generates."""
+    gets the current policy weights before it next generates.
 
-    def __init__(self, workers: WorkerGroup, max_restarts: int = 0) -> None:
+    An engine whose node left Ray is not replaced but taken out of service (:attr:`lost`, not
+    counted as a restart; its slot given back): the calls go to the engines left
+    (:meth:`in_service`) while there are at least ``min_engines``; :meth:`restore_lost` starts it
+    again once a node of its pool joined Ray, before a weight sync gives it the weights."""
+
+    def __init__(self, workers: WorkerGroup, max_restarts: int = 0, min_engines: int | None = None) -> None:
         self.workers = workers
         self.max_restarts = max_restarts
+        self.min_engines = workers.world_size if min_engines is None else min_engines
         self.restarts = 0
+        self.lost: set[int] = set()  # engines whose node is gone, out of service until it is back
+        self._pool_nodes: set[str] = set()  # the live nodes of the engines' pool at the last loss
         self._cold: set[int] = set()  # replaced engines still holding the base model's weights
         self._current_weights: WeightSource | None = None
         self.store = StoreSync(self)  # the object-store path: warm-ups, and rollout.weight_transfer=object_store
+
+    def in_service(self) -> list[int]:
+        """The engines the calls go to: every rank but the lost ones."""
+        return [rank for rank in range(self.workers.world_size) if rank not in self.lost]
 
     def set_weight_source(self, current_weights: WeightSource) -> None:
         """How to get the policy's current weights (bucket refs, version) for a replaced engine."""
@@ -212,42 +226,110 @@ class RolloutGroup:
     def generate(
         self, prompts: list[list[int]], sampling: SamplingSettings, stop: Callable[[], bool] | None = None
     ) -> list[Generation]:
-        """The generations in prompt order, the prompts split evenly over the engines; a failed
-        engine's prompts are generated again on its replacement. ``stop``: asked while the
-        engines generate; once it says yes, :class:`GenerationStopped` (a stop signal gives up a
-        long generation at once instead of waiting for its end)."""
-        size = self.workers.world_size
-        bounds = [len(prompts) * r // size for r in range(size + 1)]
-        shares = {rank: (bounds[rank], bounds[rank + 1]) for rank in range(size)}
+        """The generations in prompt order, the prompts split evenly over the engines in service; a
+        failed engine's prompts are generated again on its replacement, a lost engine's on the
+        others. ``stop``: asked while the engines generate; once it says yes,
+        :class:`GenerationStopped` (a stop signal gives up a long generation at once instead of
+        waiting for its end)."""
+        shares = _split(list(range(len(prompts))), self.in_service())
         results: list[Generation | None] = [None] * len(prompts)
         while shares:
+            for rank in [rank for rank in shares if rank in self.lost]:
+                for survivor, part in _split(shares.pop(rank), self.in_service()).items():
+                    if part:
+                        shares[survivor] = shares.get(survivor, []) + part
             for rank in shares.keys() & self._cold:
                 self.warm_up(rank)
-            calls = {rank: rank_call(RolloutWorker.generate, prompts[a:b], sampling) for rank, (a, b) in shares.items()}
+            calls = {
+                rank: rank_call(RolloutWorker.generate, [prompts[i] for i in share], sampling)
+                for rank, share in shares.items()
+            }
             for rank, generations in self.fan_out(calls, "while generating", stop=stop).items():
-                a, b = shares.pop(rank)
-                results[a:b] = generations
+                for index, generation in zip(shares.pop(rank), generations):
+                    results[index] = generation
         return cast(list[Generation], results)  # every share came back
 
     # ----------------------------------------------------------------- engines
     def replace(self, rank: int, error: RemoteCallError, stage: str = "while generating", counted: bool = True) -> None:
         """``counted=False``: an engine taken down by another's failure (a broken collective weight
-        sync), which that failure's restart already counts."""
+        sync), which that failure's restart already counts. An engine whose node is gone is taken
+        out of service instead (:meth:`_lose`), also when Ray learns so only as its replacement
+        fails to start (its worker's death can reach the driver before its node's)."""
+        if self._node_gone(rank, error):
+            self._lose(rank, error, stage)
+            return
         if counted and self.restarts >= self.max_restarts:
             raise RemoteCallError(
                 f"{error}. Rollout engine {rank} failed {stage}, after {self.restarts} engine "
                 f"restart(s) in this run (rollout.max_restarts={self.max_restarts})"
             ) from error
+        number = self.restarts + counted
+        log.warning("%s; restarting rollout engine %d (restart %d of %d)", error, rank, number, self.max_restarts)
+        try:
+            self.workers.restart(rank)
+        except RemoteCallError as again:
+            if not self._node_gone(rank, again):
+                raise
+            self._lose(rank, again, stage)
+            return
         self.restarts += counted
-        log.warning(
-            "%s; restarting rollout engine %d (restart %d of %d)", error, rank, self.restarts, self.max_restarts
-        )
-        self.workers.restart(rank)
         self.store.engine_replaced(rank)
         self._cold.add(rank)
 
+    def _node_gone(self, rank: int, error: RemoteCallError) -> bool:
+        return self.workers.node_lost(rank) or "node has died" in str(error)
+
+    def _lose(self, rank: int, error: RemoteCallError, stage: str) -> None:
+        """Engine ``rank``'s node left Ray: the engine leaves the run until the node is back; with
+        fewer than ``min_engines`` left the run fails (the job requeues, as for a training node)."""
+        before = len(self.in_service())
+        self.lost.add(rank)
+        self._cold.discard(rank)
+        self.store.engine_replaced(rank)
+        self.workers.release_slot(rank)
+        self._pool_nodes = pool_nodes(self.workers.pool)
+        node = self.workers.node_addresses[rank] if self.workers.node_addresses else "?"
+        if before - 1 < self.min_engines:
+            raise RemoteCallError(
+                f"{error}. Rollout engine {rank}'s node {node} is lost {stage}: engines {before} -> {before - 1}, "
+                f"fewer than rollout.min_engines={self.min_engines}"
+            ) from error
+        log.warning(
+            "rollout engine %d: its node %s is lost %s; engines %d -> %d (rollout.min_engines=%d)",
+            rank, node, stage, before, before - 1, self.min_engines,
+        )  # fmt: skip
+
+    def restore_lost(self) -> list[int]:
+        """Start the lost engines again once a node of their pool joined Ray since the last loss
+        (their node's Ray is back, or another node): each slot is placed again there
+        (:data:`RESTORE_PLACEMENT_S`), the engine starts, cold until the weight sync that follows.
+        Returns their ranks."""
+        if not self.lost or not pool_nodes(self.workers.pool) - self._pool_nodes:
+            return []
+        back = []
+        for rank in sorted(self.lost):
+            try:
+                if not self.workers.slot_ready(rank, RESTORE_PLACEMENT_S):
+                    continue
+                self.workers.restart(rank)
+            except RemoteCallError as error:  # the node went again, or cannot hold the engine yet
+                log.warning("rollout engine %d could not start again (%s); it stays out of service", rank, error)
+                continue
+            back.append(rank)
+            self.lost.discard(rank)
+            self._cold.add(rank)
+            log.warning(
+                "rollout engine %d is back on node %s; engines %d -> %d",
+                rank, self.workers.node_addresses[rank], len(self.in_service()) - 1, len(self.in_service()),
+            )  # fmt: skip
+        self._pool_nodes = pool_nodes(self.workers.pool)
+        return back
+
     def warm_up(self, rank: int) -> None:
-        """A replaced engine gets the policy's current weights before it generates."""
+        """A replaced engine gets the policy's current weights before it generates (one that took
+        them in a weight sync since it started has them)."""
+        if rank not in self._cold:
+            return
         if self._current_weights is None:
             raise RuntimeError("a replaced rollout engine needs the policy's weights: call set_weight_source first")
         bucket_refs, version = self._current_weights()
@@ -262,7 +344,13 @@ class RolloutGroup:
 
     def sleep(self) -> None:
         """Engines release their GPU memory to the colocated training ranks (no-op where they can't)."""
-        self.workers.call_all(RolloutWorker.sleep)
+        self.fan_out(dict.fromkeys(self.in_service(), rank_call(RolloutWorker.sleep)), "going to sleep")
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        self.workers.call_all(RolloutWorker.wake_up, tags)
+        self.fan_out(dict.fromkeys(self.in_service(), rank_call(RolloutWorker.wake_up, tags)), "waking up")
+
+
+def _split(indices: list[int], ranks: list[int]) -> dict[int, list[int]]:
+    """``indices`` in contiguous, even parts over ``ranks`` (every rank gets a part, maybe empty)."""
+    size = len(ranks)
+    return {rank: indices[len(indices) * i // size : len(indices) * (i + 1) // size] for i, rank in enumerate(ranks)}

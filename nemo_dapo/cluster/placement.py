@@ -1,6 +1,6 @@
 """Where workers run: Ray placement groups and each worker's slot in them.
 
-Two layouts (``trainer.colocate``, GPU mode):
+Two layouts (``trainer.colocate``, GPU mode), and pools:
 
 - separate: every :class:`~nemo_dapo.cluster.worker_group.WorkerGroup` reserves bundles of its
   own (:func:`own_slots`), a whole GPU per training rank and TP GPUs per engine;
@@ -11,12 +11,17 @@ Two layouts (``trainer.colocate``, GPU mode):
   ``1 / groups`` of the GPU and of the bundle's CPU, ``groups`` being the groups that share it
   (actor + rollout, + the reference model when a KL term needs one). Ray's fractions are only
   scheduling tokens: memory is shared by taking turns (the engines sleep while the policy trains).
+
+With a rollout pool (``trainer.rollout_pool``) every Ray node declares the pool it belongs to as
+a custom resource (:func:`pool_resource`, ``slurm/ray_cluster.sh``), each group's bundles ask for
+a token of their pool's (the training ranks land on training nodes, the engines on rollout
+nodes), and every worker has a placement group of its own, given back when its node is lost.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -46,6 +51,34 @@ class Slot:
         return options
 
 
+POOL_TOKEN = 0.001  # what a bundle takes of its pool's resource: a label, not a count (a node offers 1)
+
+
+def pool_resource(pool: str) -> str:
+    """The custom resource a node of ``pool`` (``train``, ``rollout``) offers Ray."""
+    return f"nemo_dapo_pool_{pool}"
+
+
+def pool_bundle(pool: str | None) -> dict[str, float]:
+    """What a bundle adds to be placed on a node of ``pool`` (None: anywhere)."""
+    return {pool_resource(pool): POOL_TOKEN} if pool else {}
+
+
+def placed(group: Any) -> bool:
+    """Whether every bundle of the placement group sits on a live node (after a node died, Ray
+    reschedules its bundles; the group is whole again once a node with room joined)."""
+    from ray.util import placement_group_table
+
+    return placement_group_table(group).get("state") == "CREATED"
+
+
+def pool_nodes(pool: str | None) -> set[str]:
+    """The live Ray nodes offering ``pool`` (every live node for None)."""
+    import ray
+
+    return {n["NodeID"] for n in ray.nodes() if n["Alive"] and (pool is None or pool_resource(pool) in n["Resources"])}
+
+
 def reserve(bundles: list[dict], strategy: str, name: str, timeout_s: float, unit: str = "workers"):
     """A ready placement group, or a clear error: at once when the cluster has fewer GPUs than
     asked for in total (it could never fit), after ``timeout_s`` when they are held by others."""
@@ -72,13 +105,47 @@ def reserve(bundles: list[dict], strategy: str, name: str, timeout_s: float, uni
 
 
 def own_slots(
-    name: str, num_workers: int, num_cpus: float, num_gpus: float, timeout_s: float, strategy: str = "PACK"
-) -> tuple[Any, list[Slot]]:
-    """A group's own placement group (the separate layout): one whole bundle per worker, placed by
-    ``strategy`` (``trainer.placement_strategy``: PACK fills a node first, SPREAD one per node)."""
-    bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
-    group = reserve([bundle] * num_workers, strategy, name, timeout_s)
-    return group, [Slot(group, rank, num_cpus, num_gpus) for rank in range(num_workers)]
+    name: str,
+    num_workers: int,
+    num_cpus: float,
+    num_gpus: float,
+    timeout_s: float,
+    strategy: str = "PACK",
+    pool: str | None = None,
+) -> tuple[list, list[Slot]]:
+    """A group's own placement: one whole bundle per worker on the nodes of ``pool`` (None: any
+    node). Without a pool, one placement group placed by ``strategy`` (``trainer.placement_strategy``:
+    PACK fills a node first, SPREAD one per node). With one, a placement group per worker
+    (:func:`own_slot`), so that a worker whose node is lost gives its slot back
+    (:func:`release`) instead of leaving Ray rescheduling a bundle: Ray's control store retries a
+    placement group it cannot place again without pause, a busy core on the head node for as
+    long as the node is gone. Returns the placement groups and the slots."""
+    bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {}), **pool_bundle(pool)}
+    if pool is None:
+        group = reserve([bundle] * num_workers, strategy, name, timeout_s)
+        return [group], [Slot(group, rank, num_cpus, num_gpus) for rank in range(num_workers)]
+    slots: list[Slot] = []
+    try:
+        for rank in range(num_workers):
+            slots.append(own_slot(Slot(None, 0, num_cpus, num_gpus), pool, f"{name} worker {rank}", timeout_s))
+    except RuntimeError:
+        release([slot.group for slot in slots])
+        raise
+    return [slot.group for slot in slots], slots
+
+
+def own_slot(like: Slot, pool: str | None, name: str, timeout_s: float) -> Slot:
+    """``like`` on a placement group of its own (one bundle, on a node of ``pool``), placed within
+    ``timeout_s`` or a RuntimeError."""
+    bundle = {"CPU": like.num_cpus, **({"GPU": like.num_gpus} if like.num_gpus else {}), **pool_bundle(pool)}
+    return replace(like, group=reserve([bundle], "STRICT_PACK", name, timeout_s), bundle=0)
+
+
+def release(groups: list) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    for group in groups:
+        remove_placement_group(group)
 
 
 class SharedGPUs:
@@ -139,8 +206,5 @@ class SharedGPUs:
         return self._slot(first_gpu, 0.0, env=env, capture_child_tasks=True)
 
     def shutdown(self) -> None:
-        from ray.util.placement_group import remove_placement_group
-
-        for group in self.node_groups:
-            remove_placement_group(group)
+        release(self.node_groups)
         self.node_groups = []

@@ -19,6 +19,7 @@ import stat
 import tempfile
 from pathlib import Path
 
+from nemo_dapo.cluster.placement import pool_resource
 from nemo_dapo.errors import InputError
 from nemo_dapo.network import LOOPBACK
 
@@ -35,6 +36,10 @@ LOOPBACK_ENV = {
     "VLLM_HOST_IP": LOOPBACK,
     "GLOO_SOCKET_IFNAME": "lo",
 }
+
+
+# a local Ray is one node of both pools: a layout with a rollout pool runs on it as on one node
+LOCAL_POOLS = {pool_resource(pool): 1.0 for pool in ("train", "rollout")}
 
 
 def is_attached_to_cluster() -> bool:
@@ -75,6 +80,7 @@ def init_ray(num_cpus: int | None = None, namespace: str = "nemo_dapo", num_gpus
         ray.init(
             num_cpus=num_cpus,
             num_gpus=num_gpus,
+            resources=LOCAL_POOLS,
             _node_ip_address=LOOPBACK,
             include_dashboard=False,
             namespace=namespace,

@@ -26,6 +26,8 @@ class Engines(Protocol):
 
     workers: WorkerGroup
 
+    def in_service(self) -> list[int]: ...
+
     def start(self, calls: Mapping[int, RankCall]) -> Calls: ...
 
     def finish(self, calls: Calls, stage: str) -> dict[int, Any]: ...
@@ -43,9 +45,8 @@ class StoreSync:
         self._queues: list | None = None
 
     def send(self, bucket_refs: Iterable, version: int, ranks: list[int] | None = None) -> None:
-        """Stream ``bucket_refs`` into the engines ``ranks`` (all by default) as they come."""
-        workers = self.rollout.workers
-        ranks = list(range(workers.world_size)) if ranks is None else ranks
+        """Stream ``bucket_refs`` into the engines ``ranks`` (those in service by default) as they come."""
+        ranks = self.rollout.in_service() if ranks is None else ranks
         queues = self._engine_queues()
         calls = self.rollout.start(
             {rank: rank_call(RolloutWorker.receive_weights, queues[rank], version) for rank in ranks}

@@ -52,7 +52,8 @@ class StreamingEngines:
         self.outstanding: dict[str, Outstanding] = {}
         self.resent = 0  # groups sent again after their engine was replaced
         self._seen_restarts = list(rollout.workers.restarts)
-        self._start(list(range(rollout.workers.world_size)))
+        self._lost_seen: set[int] = set()
+        self._start(rollout.in_service())
 
     def _start(self, ranks: list[int]) -> None:
         """Start streaming on ``ranks``; one that fails is replaced and started by the next look."""
@@ -63,11 +64,12 @@ class StreamingEngines:
         """Send ``(key, prompt ids)`` groups, each to the engine with the fewest groups outstanding."""
         self._recover_replaced()
         per_rank: dict[int, list[tuple[str, list[int]]]] = {}
-        load = [0] * self.rollout.workers.world_size
+        load = dict.fromkeys(self.rollout.in_service(), 0)
         for sent in self.outstanding.values():
-            load[sent.rank] += 1
+            if sent.rank in load:
+                load[sent.rank] += 1
         for key, ids in groups:
-            rank = load.index(min(load))
+            rank = min(load, key=load.__getitem__)
             load[rank] += 1
             per_rank.setdefault(rank, []).append((key, ids))
             self.outstanding[key] = Outstanding(rank, list(ids))
@@ -99,7 +101,7 @@ class StreamingEngines:
         return total
 
     def _every(self, call: RankCall) -> dict[int, RankCall]:
-        return dict.fromkeys(range(self.rollout.workers.world_size), call)
+        return dict.fromkeys(self.rollout.in_service(), call)
 
     def _fan_out(self, calls: dict[int, RankCall], deadline: Deadline) -> dict:
         """The rollout group's fan-out; an engine replaced on the way restarts its stream."""
@@ -107,6 +109,17 @@ class StreamingEngines:
         if len(outcomes) < len(calls):
             self._recover_replaced()
         return outcomes
+
+    def _recover_lost(self) -> None:
+        """The groups of engines whose node was lost go to the engines left, as if newly admitted."""
+        newly = self.rollout.lost - self._lost_seen
+        self._lost_seen = set(self.rollout.lost)
+        again = [(key, sent.prompt_ids) for key, sent in self.outstanding.items() if sent.rank in newly]
+        if again:
+            log.warning("rollout engine(s) %s lost while streaming: sending their %d groups to the others",
+                        sorted(newly), len(again))  # fmt: skip
+            self.resent += len(again)
+            self.add(again)
 
     def _deadline(self, wait_s: float = 0.0) -> Deadline:
         """How long a stream call may take before its engine counts as hung (see the module)."""
@@ -120,14 +133,18 @@ class StreamingEngines:
         )
 
     def _recover_replaced(self) -> None:
-        """Engines replaced since the last look (here, during a weight sync or validation) get the
-        current weights, start streaming, and are sent their outstanding groups again: every call
-        that reaches the engines' streams looks first. An engine replaced again while it warms up
+        """Engines replaced or restored since the last look (here, during a weight sync or
+        validation) get the current weights, start streaming, and are sent their outstanding groups
+        again; lost engines' groups go to the others: every call that reaches the engines' streams
+        looks first. An engine replaced again while it warms up
         is looked at again, so each engine starts one stream."""
+        self._recover_lost()
         restarts = self.rollout.workers.restarts
         while replaced := [rank for rank, count in enumerate(restarts) if count != self._seen_restarts[rank]]:
             rank = replaced[0]
             self._seen_restarts[rank] = restarts[rank]
+            if rank in self.rollout.lost:
+                continue  # replaced, then its node was lost: nothing to start
             self.rollout.warm_up(rank)
             if restarts[rank] != self._seen_restarts[rank]:
                 continue  # it failed its warm-up and was replaced: warm the new one

@@ -55,9 +55,7 @@ class CollectiveSync:
             self._store(version)  # engines failed to join and were replaced: this round by the store
             return
         update = members.update_info(self.backend, self._endpoints, version)
-        every = dict.fromkeys(
-            range(self.rollout.workers.world_size), rank_call(RolloutWorker.receive_collective, version, update)
-        )
+        every = dict.fromkeys(self.rollout.in_service(), rank_call(RolloutWorker.receive_collective, version, update))
         receiving = self.rollout.start(every)
         reports = self.policy.workers.call_all(PolicyWorker.send_weights, self.bucket_bytes)
         self.sent_bytes = sum(report["sent_bytes"] for report in reports)
@@ -70,29 +68,35 @@ class CollectiveSync:
             self._disconnect()
 
     def _engines(self) -> tuple:
-        """Which engines there are: a replaced one counts one more restart on its slot."""
-        return tuple(self.rollout.workers.restarts)
+        """Which engines there are: a replaced one counts one more restart on its slot, a lost one
+        is out of service."""
+        return tuple(self.rollout.workers.restarts), tuple(self.rollout.in_service())
 
     def _connect(self) -> bool:
         """Build the groups: each exporting rank opens an endpoint, every worker of every engine
         joins each one at its own rank (:mod:`~nemo_dapo.transfer.members`). False if an engine
-        failed to join: it was replaced (one restart for all that failed), the senders left."""
+        failed to join: it was replaced (one restart for all that failed) or lost, the senders left."""
         self._disconnect()
-        engines = self.rollout.workers
-        setups = engines.call_all(RolloutWorker.weight_transfer_setup)
+        ranks = self.rollout.in_service()
+        answered = self.rollout.fan_out(
+            dict.fromkeys(ranks, rank_call(RolloutWorker.weight_transfer_setup)), "joining the weight transfer"
+        )
+        if len(answered) < len(ranks):  # an engine failed (replaced) or was lost: this round by the store
+            return False
+        setups = [answered[rank] for rank in ranks]
         built = [backend for backend, _ in setups]
         if any(backend != self.backend for backend in built):  # they would never join: the senders would wait
             raise RuntimeError(f"rollout.weight_transfer={self.backend}, but the engines were built for {built}")
         offsets, world_size = members.rank_offsets([workers for _, workers in setups])
         opened = self.policy.workers.call_all(PolicyWorker.open_weight_transfer, self.backend, self.bucket_bytes)
         self._endpoints = [endpoint for endpoint in opened if endpoint]
-        timeout_s = engines.call_deadline.seconds or GLOO_DEFAULT_TIMEOUT_S
+        timeout_s = self.rollout.workers.call_deadline.seconds or GLOO_DEFAULT_TIMEOUT_S
         infos = {
             rank: rank_call(
                 RolloutWorker.init_weight_transfer,
                 members.engine_init_info(self.backend, self._endpoints, offset, world_size, timeout_s),
             )
-            for rank, offset in enumerate(offsets)
+            for rank, offset in zip(ranks, offsets)
         }
         joining = self.rollout.start(infos)
         errors = [

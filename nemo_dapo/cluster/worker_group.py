@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
-from nemo_dapo.cluster.placement import Slot, own_slots
+from nemo_dapo.cluster.placement import Slot, own_slot, own_slots, placed, release
 from nemo_dapo.errors import EngineFailure, GenerationStopped, RemoteCallError
 from nemo_dapo.network import Rendezvous, node_address
 
@@ -89,6 +89,13 @@ def _without_worker(_worker: Any, function: Callable, *args: Any) -> Any:
     return function(*args)
 
 
+def _node_of_worker() -> tuple[str, str]:
+    """This worker's node: its address and Ray node id."""
+    import ray
+
+    return node_address(), ray.get_runtime_context().get_node_id()
+
+
 @dataclass(frozen=True)
 class GroupSpec:
     """What a worker group is, apart from its workers' class and arguments: its name and size;
@@ -99,7 +106,8 @@ class GroupSpec:
     ``env``, variables every worker process starts with (added to its slot's); and how long the
     driver waits: ``call_timeout_s`` on one call (None: no limit), named by the config key
     ``timeout_key``, and ``start_timeout_s`` on a worker's start (a model load;
-    ``trainer.remote_timeout_s``), by default the same."""
+    ``trainer.remote_timeout_s``), by default the same; ``pool``: the nodes its own placement
+    group may use (``train``, ``rollout``; None: any)."""
 
     name: str
     num_workers: int
@@ -112,6 +120,7 @@ class GroupSpec:
     call_timeout_s: float | None = None
     timeout_key: str = "trainer.remote_timeout_s"
     start_timeout_s: float | None = None
+    pool: str | None = None
 
 
 class WorkerGroup:
@@ -134,16 +143,19 @@ class WorkerGroup:
         self.call_deadline = Deadline(spec.call_timeout_s, spec.timeout_key)
         start_s = spec.start_timeout_s
         self.start_deadline = self.call_deadline if start_s is None else Deadline(start_s, "trainer.remote_timeout_s")
-        self._own_placement = None
+        self._own_placements: list = []
+        self.pool = spec.pool
+        self._placement_per_worker = spec.slots is None and spec.pool is not None  # own_slots' choice
         slots = spec.slots
         if slots is None:
-            self._own_placement, slots = own_slots(
+            self._own_placements, slots = own_slots(
                 spec.name,
                 spec.num_workers,
                 spec.num_cpus_per_worker,
                 spec.num_gpus_per_worker,
                 spec.placement_timeout_s,
                 spec.strategy,
+                spec.pool,
             )
         if spec.env:
             slots = [replace(slot, env={**slot.env, **spec.env}) for slot in slots]
@@ -154,6 +166,7 @@ class WorkerGroup:
         self._slots, self._kwargs = list(slots), dict(worker_kwargs or {})
         self.restarts = [0] * spec.num_workers  # per rank: how often its actor was replaced
         self.node_addresses: list[str] = []  # per rank: its node's address, once ready
+        self.node_ids: list[str] = []  # per rank: its Ray node, once ready
         self.workers: list[Any] = [self._start(rank) for rank in range(spec.num_workers)]
         self._starting = [worker.ready.remote() for worker in self.workers]
         if wait:
@@ -165,7 +178,8 @@ class WorkerGroup:
         starting, self._starting = self._starting, []
         if starting:
             self.gather(starting, "ready", self.start_deadline)
-            self.node_addresses = self.run_each(node_address, [()] * self.world_size)
+            nodes = self.run_each(_node_of_worker, [()] * self.world_size)
+            self.node_addresses, self.node_ids = [address for address, _ in nodes], [node for _, node in nodes]
             log.info("%s: %s", self.name, placement_summary(self.node_addresses))
 
     def _start(self, rank: int) -> Any:
@@ -185,6 +199,41 @@ class WorkerGroup:
         self.restarts[rank] += 1
         self.workers[rank] = self._start(rank)
         self.gather([self.workers[rank].ready.remote()], "ready", self.start_deadline)
+        if self.node_ids:
+            address, self.node_ids[rank] = self.gather(
+                [self.workers[rank].__ray_call__.remote(_without_worker, _node_of_worker)], "ready"
+            )[0]
+            self.node_addresses[rank] = address
+
+    def node_lost(self, rank: int) -> bool:
+        """Whether the node rank's worker ran on is gone from Ray (dead, or drained and removed)."""
+        import ray
+
+        if not self.node_ids:
+            return False
+        return not any(node["NodeID"] == self.node_ids[rank] and node["Alive"] for node in ray.nodes())
+
+    def release_slot(self, rank: int) -> None:
+        """Give back rank's own placement group (its node is lost: nothing for Ray to reschedule)."""
+        slot = self._slots[rank]
+        if slot.group is None or not self._placement_per_worker:
+            return  # a shared placement group, or the whole group's: Ray keeps it
+        self._own_placements.remove(slot.group)
+        release([slot.group])
+        self._slots[rank] = replace(slot, group=None)
+
+    def slot_ready(self, rank: int, timeout_s: float) -> bool:
+        """Whether rank's slot can take a worker now: its placement group whole on live nodes, or,
+        given back, placed again within ``timeout_s`` on a node of the group's pool."""
+        slot = self._slots[rank]
+        if slot.group is not None:
+            return placed(slot.group)
+        try:
+            self._slots[rank] = own_slot(slot, self.pool, f"{self.name} worker {rank}", timeout_s)
+        except RuntimeError:
+            return False
+        self._own_placements.append(self._slots[rank].group)
+        return True
 
     def call_all(self, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """The same call on every worker; results in rank order. ``method`` is the interface's
@@ -292,12 +341,10 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         import ray
-        from ray.util.placement_group import remove_placement_group
 
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         self.workers = []
-        if self._own_placement is not None:
-            remove_placement_group(self._own_placement)
-            self._own_placement = None
+        release(self._own_placements)
+        self._own_placements = []
         self._rendezvous.close()

@@ -98,6 +98,13 @@ def allocation_from_preset(args: argparse.Namespace) -> None:
     """Nodes and GPUs per node the preset (with the user's overrides) was written for, unless given:
     a 16-node preset launched without ``--nodes`` asks for 16 nodes, not 1."""
     trainer = load_config(args.config, args.overrides, placement=False).trainer
+    if trainer.rollout_pool.nnodes:
+        raise InputError(
+            f"trainer.rollout_pool.nnodes={trainer.rollout_pool.nnodes}: two pools need a Slurm heterogeneous job, "
+            "which `nemo-dapo launch` does not submit (NeMo-Run's heterogeneous executor runs one task per "
+            "component, and the rollout component here runs no task, only Ray steps the batch shell keeps alive); "
+            'submit slurm/dapo_pools.sbatch with sbatch (docs/cluster.md, "Two pools")'
+        )
     args.nodes = trainer.nnodes if args.nodes is None else args.nodes
     args.gpus_per_node = trainer.n_gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
 

@@ -30,7 +30,10 @@ from nemo_dapo.config.capacity import (
 )
 from nemo_dapo.config.gpu_fit import MIN_HEADROOM_GIB, RESERVE_GIB, GpuMemory, gpu_memory, memory_problems
 from nemo_dapo.config.model_checks import shape_problems
+from nemo_dapo.config.pool_sizing import PoolSplit, pool_split
+from nemo_dapo.config.pool_sizing import describe as describe_pools
 from nemo_dapo.config.schema import Config
+from nemo_dapo.config.topology import has_rollout_pool
 from nemo_dapo.config.validate import combination_notes, placement_problems
 from nemo_dapo.policy.routing import routing_bytes_per_token
 
@@ -49,6 +52,8 @@ class Plan:
     warnings: tuple[str, ...] = ()
     checkpoint_gb: tuple[float, float] = (0.0, 0.0)  # one save: the Hugging Face copy, the training state
     save_s: float = 0.0  # one save's write at the storage speed given
+    pools: PoolSplit | None = None  # with a rollout pool: the step's split between the pools (estimated)
+    pool_lines: tuple[str, ...] = ()
 
     @property
     def training(self) -> TrainingMemory:
@@ -122,6 +127,14 @@ class Plan:
                 "bytes_per_token": self.routing_bytes_per_token,
                 "batch_gib": self.routing_batch_gib,
             },
+            "pools": self.pools
+            and {
+                "generation_s": self.pools.generation_s,
+                "update_s": self.pools.update_s,
+                "balanced_rollout_nodes_per_training_node": self.pools.balanced_ratio,
+                "idle_sync": self.pools.idle(stream=False),
+                "idle_stream": self.pools.idle(stream=True),
+            },
             "fits": not self.problems,
             "problems": self.problems,
         }
@@ -157,6 +170,7 @@ def make_plan(
     reserve_gib: float,
     min_headroom_gib: float = 0.0,
     storage_gb_per_s: float = 5.0,
+    mean_response_tokens: int | None = None,
 ) -> Plan:
     try:
         arch = resolve_architecture(cfg.model.path)
@@ -181,6 +195,9 @@ def make_plan(
         save_s=sum(saved) / storage_gb_per_s,
         **routing_replay_size(cfg, arch),
     )
+    if has_rollout_pool(cfg):
+        split = pool_split(cfg, arch, memory.generation, mean_response_tokens)
+        plan = replace(plan, pools=split, pool_lines=tuple(describe_pools(split, cfg)))
     if warning := save_warning(cfg, plan.save_s, storage_gb_per_s):
         plan = replace(plan, warnings=(*plan.warnings, warning))
     if not problems and plan.headroom < min_headroom_gib:
@@ -258,6 +275,7 @@ def render(plan: Plan) -> str:
             f"({c.training_kept:.2f} training state + reserve, {c.vllm:.2f} vLLM)",
             f"  peak per GPU                       {c.peak:7.2f} GiB of {plan.gpu_memory_gib:.4g}",
         ]
+    lines += plan.pool_lines
     if plan.routing_bytes_per_token:
         lines.append(
             f"routing replay {plan.routing_bytes_per_token} B per token (expert ids of every MoE layer), "
@@ -280,7 +298,15 @@ def render(plan: Plan) -> str:
 def run_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides, placement=False)  # placement problems are listed below
     gpu_gib = args.gpu_memory_gib or gpu_memory_gib(args.gpu or cfg.trainer.gpu_model or "H800")
-    plan = make_plan(cfg, args.config, gpu_gib, args.reserve_gib, args.min_headroom_gib, args.storage_gb_per_s)
+    plan = make_plan(
+        cfg,
+        args.config,
+        gpu_gib,
+        args.reserve_gib,
+        args.min_headroom_gib,
+        args.storage_gb_per_s,
+        args.mean_response_tokens,
+    )
     print(json.dumps(plan.as_dict(), indent=1) if args.json else render(plan))
     for warning in plan.warnings:
         print(f"nemo-dapo plan: warning: {warning}", file=sys.stderr)
@@ -335,6 +361,12 @@ def add_parser(subparsers) -> None:
         default=5.0,
         help="the shared storage's write speed for one job's checkpoint (an assumption: measure it with the "
         "bring-up ladder's checkpoint drill, docs/cluster.md)",
+    )
+    parser.add_argument(
+        "--mean-response-tokens",
+        type=int,
+        help="with trainer.rollout_pool: the mean response length the pools' split assumes (default: a "
+        "quarter of data.max_response_length)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(fn=run_plan)

@@ -20,7 +20,7 @@ from nemo_dapo.config.capacity import (
     training_memory,
 )
 from nemo_dapo.config.schema import Config
-from nemo_dapo.config.topology import is_colocated
+from nemo_dapo.config.topology import has_rollout_pool, is_colocated
 
 RESERVE_GIB = 4.0  # per GPU and phase: CUDA context, NCCL buffers, fragmentation
 MIN_HEADROOM_GIB = 2.0  # what a fitted layout leaves beyond the reserve
@@ -51,9 +51,17 @@ def released_grads(cfg: Config) -> bool:
     return cfg.actor.backend == "megatron" and cfg.actor.megatron.release_grad_buffers
 
 
+def engine_gpu_gib(cfg: Config, gpu_gib: float) -> float:
+    """The memory of an engine's GPU: the rollout pool's model (``trainer.rollout_pool.gpu_model``)
+    where it names one, else the training GPUs' ``gpu_gib``."""
+    pool_gpu = cfg.trainer.rollout_pool.gpu_model if has_rollout_pool(cfg) else None
+    return gpu_memory_gib(pool_gpu) if pool_gpu else gpu_gib
+
+
 def gpu_memory(cfg: Config, arch: Architecture, gpu_gib: float, reserve_gib: float = RESERVE_GIB) -> GpuMemory:
+    """Both phases' memory per GPU; an engine's on the rollout pool's GPU where there is one."""
     training = training_memory(cfg, arch, reserve_gib)
-    generation = generation_memory(cfg, arch, gpu_gib, reserve_gib)
+    generation = generation_memory(cfg, arch, engine_gpu_gib(cfg, gpu_gib), reserve_gib)
     colocated = colocated_memory(training, generation, released_grads(cfg)) if is_colocated(cfg) else None
     return GpuMemory(training, generation, colocated, gpu_gib)
 

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from nemo_dapo.config.schema import Config
-from nemo_dapo.config.topology import cluster_gpus, weight_transfer_path
+from nemo_dapo.config.topology import engine_pool_gpus, has_rollout_pool, weight_transfer_path
 from nemo_dapo.config.validate import ConfigError, validate
 
 DEFAULT_PRESET = "tiny_cpu"
@@ -131,7 +131,8 @@ def resolve_nulls(cfg: Config) -> Config:
     """The settings whose ``null`` stands for a value the run derives, made that value here, so
     the code reads one meaning and the saved config records what ran: ``filter_groups.carry_over``
     (the mode's way), ``rollout.timeout_s`` (``trainer.remote_timeout_s``),
-    ``actor.loss_scale_factor`` (``data.max_response_length``) and, in the stream,
+    ``actor.loss_scale_factor`` (``data.max_response_length``), ``rollout.min_engines`` (1 with a
+    rollout pool, else every engine) and, in the stream,
     ``rollout.max_inflight`` (every sample the staleness bound admits, over the engines). A value
     that cannot be derived from an invalid config stays null for validation to refuse the cause."""
     filtering, rollout, actor = cfg.algorithm.filter_groups, cfg.rollout, cfg.actor
@@ -142,16 +143,18 @@ def resolve_nulls(cfg: Config) -> Config:
     if rollout.max_inflight is None and cfg.trainer.mode == "stream" and (rollout.num_workers or 0) > 0:
         groups = (cfg.trainer.max_staleness + 1) * cfg.data.train_batch_size
         rollout = replace(rollout, max_inflight=max(rollout.n, -(-groups * rollout.n // rollout.num_workers)))
+    if rollout.min_engines is None and rollout.num_workers is not None:
+        rollout = replace(rollout, min_engines=1 if has_rollout_pool(cfg) else rollout.num_workers)
     if actor.loss_scale_factor is None:
         actor = replace(actor, loss_scale_factor=float(cfg.data.max_response_length))
     return replace(cfg, algorithm=replace(cfg.algorithm, filter_groups=filtering), rollout=rollout, actor=actor)
 
 
 def resolve_auto_engines(cfg: Config) -> Config:
-    """``rollout.num_workers=null``: on GPUs, the job's GPUs (trainer.nnodes x
-    trainer.n_gpus_per_node, which the batch scripts set from the allocation) over
+    """``rollout.num_workers=null``: on GPUs, the engines' GPUs (the rollout pool's, else the job's:
+    trainer.nnodes x trainer.n_gpus_per_node, which the batch scripts set from the allocation) over
     ``rollout.tensor_parallel_size``, what colocation needs; anywhere else left for validation to refuse."""
-    gpus, tp = cluster_gpus(cfg), cfg.rollout.tensor_parallel_size
+    gpus, tp = engine_pool_gpus(cfg), cfg.rollout.tensor_parallel_size
     if cfg.rollout.num_workers is not None or gpus == 0 or gpus % tp:
         return cfg
     return replace(cfg, rollout=replace(cfg.rollout, num_workers=gpus // tp))

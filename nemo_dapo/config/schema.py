@@ -165,6 +165,15 @@ class RolloutConfig:
         "object_store: buckets through Ray's object store, a queue per engine. auto: nccl where it "
         "applies on GPUs, gloo otherwise (CPUs, colocated engines, pipeline stages).",
     )
+    min_engines: Optional[int] = setting(
+        None,
+        bounds=">= 1",
+        help="Engines the run goes on with when rollout nodes are lost (trainer.rollout_pool): a lost "
+        "node's engines leave the run, their prompts go to the others, and they come back at a weight "
+        "sync once the node is in Ray again; with fewer than this the run fails and the job requeues. "
+        "A lost node of the training pool always requeues. null: 1 with a rollout pool, else "
+        "rollout.num_workers (every engine needed).",
+    )
     max_restarts: int = setting(
         3,
         bounds=">= 0",
@@ -225,6 +234,27 @@ class CheckpointConfig:
         "step the trainer adds its slowest recent step (with validation when one is due) and its last "
         "save to the clock; past save_by it checkpoints and stops as on USR1 (exit 3, the job "
         "requeues). null: no deadline.",
+    )
+
+
+@dataclass
+class RolloutPoolConfig:
+    nnodes: int = setting(
+        0,
+        bounds=">= 0",
+        help="Nodes of the job that run only vLLM engines (the rollout pool: a partition of its own, e.g. "
+        "H20 beside H800, one Slurm heterogeneous job, slurm/dapo_pools.sbatch). Then trainer.nnodes, "
+        "n_gpus_per_node and gpu_model describe the training pool, the engines go to this pool, a lost "
+        "rollout node costs its engines instead of the run (rollout.min_engines), and "
+        "trainer.colocate must be false. 0: one pool, every worker on the trainer.nnodes nodes.",
+    )
+    n_gpus_per_node: int = setting(
+        8, bounds=">= 0", help="GPUs per rollout node; 0: CPU mode (as trainer.n_gpus_per_node, which must agree)."
+    )
+    gpu_model: Optional[str] = setting(
+        None,
+        choices=("H800", "H100", "H20", "H200"),
+        help="The rollout nodes' GPU (`nemo-dapo plan` sizes the engines' memory for it). null: as trainer.gpu_model.",
     )
 
 
@@ -304,6 +334,9 @@ class TrainerConfig:
         help="The GPU the config's memory figures are for (`nemo-dapo plan --gpu`): at start-up the "
         "head node's GPUs (nvidia-smi) must be that model, with the memory CUDA reports for it, "
         "else the run is refused naming what it found. null: not checked.",
+    )
+    rollout_pool: RolloutPoolConfig = section(
+        RolloutPoolConfig, "Nodes of the job for the engines alone (docs/cluster.md, Two pools)."
     )
     colocate: bool = setting(
         False,

@@ -76,9 +76,26 @@ def expert_groups_across_nodes(cfg: Config) -> list[list[int]]:
     return [g for g in parallel.expert_groups(training_world_size(cfg)) if len({r // gpus for r in g}) > 1]
 
 
-def cluster_gpus(cfg: Config) -> int:
-    """GPUs of the job: trainer.nnodes x trainer.n_gpus_per_node (0 in CPU mode)."""
+def has_rollout_pool(cfg: Config) -> bool:
+    """The engines have nodes of their own (``trainer.rollout_pool``), the training ranks the rest."""
+    return cfg.trainer.rollout_pool.nnodes > 0
+
+
+def training_pool_gpus(cfg: Config) -> int:
+    """GPUs of the training ranks' nodes: trainer.nnodes x trainer.n_gpus_per_node (0 in CPU mode);
+    without a rollout pool, the engines' as well."""
     return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+
+
+def engine_pool_gpus(cfg: Config) -> int:
+    """GPUs the engines may take: the rollout pool's, or without one the job's."""
+    pool = cfg.trainer.rollout_pool
+    return pool.nnodes * pool.n_gpus_per_node if has_rollout_pool(cfg) else training_pool_gpus(cfg)
+
+
+def cluster_gpus(cfg: Config) -> int:
+    """GPUs of the job, both pools (0 in CPU mode)."""
+    return training_pool_gpus(cfg) + (engine_pool_gpus(cfg) if has_rollout_pool(cfg) else 0)
 
 
 def needs_reference(cfg: Config) -> bool:

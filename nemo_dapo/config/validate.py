@@ -12,13 +12,15 @@ from nemo_dapo.config.fields import settings as schema_settings
 from nemo_dapo.config.problems import Problems, raise_problems
 from nemo_dapo.config.schema import Config
 from nemo_dapo.config.topology import (
-    cluster_gpus,
     engine_gpus,
+    engine_pool_gpus,
     expert_groups_across_nodes,
     exporting_ranks,
+    has_rollout_pool,
     is_colocated,
     needs_reference,
     policy_groups,
+    training_pool_gpus,
     training_world_size,
 )
 from nemo_dapo.config.validate_megatron import check_megatron, check_router_replay
@@ -141,9 +143,12 @@ def _check_placement(cfg: Config, problems: Problems) -> None:
     """What the two worker groups need of the job's GPUs (GPU mode only).
 
     Colocated, GPU ``g`` hosts training rank ``g`` and a TP slice of engine ``g // TP``, so both
-    groups must cover every GPU exactly once and no engine may straddle two nodes.
+    groups must cover every GPU exactly once and no engine may straddle two nodes. With a rollout
+    pool each group must fit its own pool.
     """
-    gpus, world = cluster_gpus(cfg), training_world_size(cfg)
+    if has_rollout_pool(cfg):
+        _check_pools(cfg, problems)
+    gpus, world = training_pool_gpus(cfg), training_world_size(cfg)
     if gpus == 0:
         return
     tp, n_gpus, engines = cfg.rollout.tensor_parallel_size, cfg.trainer.n_gpus_per_node, engine_gpus(cfg)
@@ -151,10 +156,14 @@ def _check_placement(cfg: Config, problems: Problems) -> None:
         world <= gpus,
         "actor.num_workers",
         world,
-        f"one training rank per GPU: the job has {gpus} (trainer.nnodes x trainer.n_gpus_per_node)",
+        f"one training rank per GPU: the {'training pool' if has_rollout_pool(cfg) else 'job'} has {gpus} "
+        "(trainer.nnodes x trainer.n_gpus_per_node)",
     )
-    if engines > gpus:
-        problems.append(f"rollout.num_workers x rollout.tensor_parallel_size = {engines} GPUs, the job has {gpus}")
+    if engines > engine_pool_gpus(cfg):
+        where = "the rollout pool" if has_rollout_pool(cfg) else "the job"
+        problems.append(
+            f"rollout.num_workers x rollout.tensor_parallel_size = {engines} GPUs, {where} has {engine_pool_gpus(cfg)}"
+        )
     if not is_colocated(cfg):
         return
     fix = "or set trainer.colocate=false to give each group GPUs of its own"
@@ -188,19 +197,52 @@ def _check_placement(cfg: Config, problems: Problems) -> None:
     )
 
 
+def _check_pools(cfg: Config, problems: Problems) -> None:
+    """A rollout pool (``trainer.rollout_pool``): engines alone on its nodes, each inside one node."""
+    pool, trainer = cfg.trainer.rollout_pool, cfg.trainer
+    problems.require(
+        not trainer.colocate,
+        "trainer.colocate",
+        trainer.colocate,
+        "with a rollout pool the engines have GPUs of their own: set trainer.colocate=false, or "
+        "trainer.rollout_pool.nnodes=0 to share the training nodes' GPUs",
+    )
+    problems.require(
+        (pool.n_gpus_per_node == 0) == (trainer.n_gpus_per_node == 0),
+        "trainer.rollout_pool.n_gpus_per_node",
+        pool.n_gpus_per_node,
+        f"both pools have GPUs or neither (trainer.n_gpus_per_node={trainer.n_gpus_per_node}; 0 is CPU mode)",
+    )
+    tp = cfg.rollout.tensor_parallel_size
+    problems.require(
+        pool.n_gpus_per_node == 0 or pool.n_gpus_per_node % tp == 0,
+        "rollout.tensor_parallel_size",
+        tp,
+        f"an engine stays inside one rollout node: must divide trainer.rollout_pool.n_gpus_per_node="
+        f"{pool.n_gpus_per_node}",
+    )
+
+
 def separate_groups_problems(cfg: Config) -> list[str]:
-    """Separate groups (GPU mode, not colocated) must fit the job side by side.
+    """Separate groups (GPU mode, not colocated) must fit the job side by side; with a rollout pool
+    the training ranks fit the training pool (the engines' pool is checked with the placement).
 
     Checked when the job starts, before Ray (and listed by ``plan``), not when a config loads:
     a base preset with made-up sizes still loads and plans.
     """
-    gpus = cluster_gpus(cfg)
+    gpus = training_pool_gpus(cfg)
     if gpus == 0 or is_colocated(cfg):
         return []
-    training, engines = training_world_size(cfg) * policy_groups(cfg), engine_gpus(cfg)
+    training = training_world_size(cfg) * policy_groups(cfg)
+    engines = 0 if has_rollout_pool(cfg) else engine_gpus(cfg)
     if training + engines <= gpus:
         return []
     reference = " (x2: the reference model's ranks)" if needs_reference(cfg) else ""
+    if has_rollout_pool(cfg):
+        return [
+            f"actor.num_workers{reference} = {training} GPUs, the training pool has {gpus} "
+            "(trainer.nnodes x trainer.n_gpus_per_node): lower actor.num_workers or add training nodes"
+        ]
     return [
         f"trainer.colocate=false: actor.num_workers{reference} + rollout.num_workers x "
         f"rollout.tensor_parallel_size = {training} + {engines} GPUs, the job has {gpus} "
@@ -218,6 +260,12 @@ def placement_problems(cfg: Config) -> list[str]:
 
 def _check_data_and_rollout(cfg: Config, problems: Problems) -> None:
     data, rollout = cfg.data, cfg.rollout
+    problems.require(
+        rollout.min_engines is None or rollout.min_engines <= (rollout.num_workers or 0),
+        "rollout.min_engines",
+        rollout.min_engines,
+        f"must be <= rollout.num_workers={rollout.num_workers} (the engines the run starts with)",
+    )
     problems.require(
         data.effective_gen_batch_size >= data.train_batch_size,
         "data.gen_batch_size",
@@ -325,8 +373,8 @@ def validate(cfg: Config, placement: bool = True) -> Config:
             False,
             "rollout.num_workers",
             None,
-            "null is derived only for a GPU job whose GPUs (trainer.nnodes x trainer.n_gpus_per_node) "
-            "divide by rollout.tensor_parallel_size: give the engine count",
+            "null is derived only for a GPU job whose engine GPUs (the rollout pool's, else trainer.nnodes x "
+            "trainer.n_gpus_per_node) divide by rollout.tensor_parallel_size: give the engine count",
         )
         raise_problems(problems)
     checks = [

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from nemo_dapo.cluster.allocator import allocator_env, keeps_freed_memory
 from nemo_dapo.config import Config
 from nemo_dapo.config.problems import raise_problems
-from nemo_dapo.config.topology import is_colocated, needs_reference, num_engines, policy_groups
+from nemo_dapo.config.topology import has_rollout_pool, is_colocated, needs_reference, num_engines, policy_groups
 from nemo_dapo.config.validate import separate_groups_problems
 from nemo_dapo.model.builtin import resolve_builtin
 from nemo_dapo.trainer.settings import engine_settings, policy_settings
@@ -67,6 +67,7 @@ def _policy_workers(
         strategy=cfg.trainer.placement_strategy,
         env=policy_start_env(cfg, gpus),
         call_timeout_s=cfg.trainer.remote_timeout_s,
+        pool="train" if has_rollout_pool(cfg) else None,
     )
     return WorkerGroup(worker_cls, spec, kwargs, wait=shared is not None)
 
@@ -107,6 +108,7 @@ def _rollout_workers(cfg: Config, shared: SharedGPUs | None) -> WorkerGroup:
         call_timeout_s=cfg.rollout.timeout_s,
         timeout_key="rollout.timeout_s",
         start_timeout_s=cfg.trainer.remote_timeout_s,  # loading a model may take longer than a round
+        pool="rollout" if has_rollout_pool(cfg) else None,
     )
     return WorkerGroup(VLLMRolloutWorker, spec, {"settings": settings}, wait=shared is not None)
 
@@ -137,6 +139,7 @@ class StartingWorkers:
     rollout: WorkerGroup
     shared: SharedGPUs | None
     max_restarts: int
+    min_engines: int
 
     def ready(self) -> Workers:
         """Wait until every worker is built; a worker that failed to build raises here."""
@@ -148,7 +151,7 @@ class StartingWorkers:
         return Workers(
             PolicyGroup(self.policy),
             PolicyGroup(self.ref) if self.ref is not None else None,
-            RolloutGroup(self.rollout, max_restarts=self.max_restarts),
+            RolloutGroup(self.rollout, max_restarts=self.max_restarts, min_engines=self.min_engines),
             self.shared,
         )
 
@@ -181,7 +184,9 @@ def launch_workers(cfg: Config, total_optimizer_steps: int) -> StartingWorkers:
         shared = SharedGPUs(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, groups=policy_groups(cfg) + 1)
     policy = _policy_workers(cfg, "actor", total_optimizer_steps, shared)
     ref = _policy_workers(cfg, "ref", 1, shared, trainable=False) if needs_reference(cfg) else None
-    return StartingWorkers(policy, ref, _rollout_workers(cfg, shared), shared, cfg.rollout.max_restarts)
+    rollout = _rollout_workers(cfg, shared)
+    min_engines = cfg.rollout.min_engines or num_engines(cfg)  # resolved when the config loads
+    return StartingWorkers(policy, ref, rollout, shared, cfg.rollout.max_restarts, min_engines)
 
 
 def start_workers(cfg: Config, total_optimizer_steps: int) -> Workers:

@@ -151,12 +151,15 @@ class DAPOTrainer:
         devices = max(cluster_gpus(self.cfg), self.policy.world_size)
         metrics.update(throughput_metrics(total_tokens, time.perf_counter() - step_start, devices))
         metrics[mn.ENGINE_RESTARTS.name] = float(self.rollout.restarts)
+        metrics[mn.ENGINES_IN_SERVICE.name] = float(len(self.rollout.in_service()))
         metrics[mn.GENERATED_SAMPLES.name] = float(self.generated_samples)  # cumulative: the budget's axis
         if self.weight_sync.sent_bytes is not None:
             metrics[mn.WEIGHT_SYNC_MB.name] = self.weight_sync.sent_bytes / 2**20
 
     def sync_weights(self) -> None:
+        """The new weights into the engines in service, lost engines whose node is back included."""
         self.weight_version += 1
+        self.rollout.restore_lost()
         self.weight_sync(self.weight_version)
 
     def _current_weights(self) -> tuple[Iterator, int]:

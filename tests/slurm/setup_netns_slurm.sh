@@ -23,7 +23,8 @@
 # Settings (environment): NETNS_SLURM_DIR (state, outside /tmp: default /var/tmp/nemo-dapo-netns),
 # NETNS_NODES (2), NETNS_SUBNET (10.77.0), NETNS_FABRIC_SUBNET (10.78.0), NETNS_CPUS (CPUs each node declares: nproc),
 # NETNS_SHARED_PATHS (colon-separated folders under /tmp that the nodes see, e.g. a repository
-# cloned there; the nodes' /tmp is otherwise empty).
+# cloned there; the nodes' /tmp is otherwise empty), NETNS_PARTITIONS (space-separated
+# name=node,node...; the first is the default partition; default: one partition `nodes` of all).
 set -euo pipefail
 
 STATE=${NETNS_SLURM_DIR:-/var/tmp/nemo-dapo-netns}
@@ -131,7 +132,11 @@ EOF
     for node in $(node_names); do
         echo "NodeName=$node NodeAddr=$(node_ip "$node") CPUs=$CPUS RealMemory=$(node_memory_mib) State=UNKNOWN"
     done >>"$CONF"
-    echo "PartitionName=nodes Nodes=$(node_names | paste -sd,) Default=YES MaxTime=INFINITE State=UP" >>"$CONF"
+    local partition default=YES
+    for partition in ${NETNS_PARTITIONS:-nodes=$(node_names | paste -sd,)}; do
+        echo "PartitionName=${partition%%=*} Nodes=${partition#*=} Default=$default MaxTime=INFINITE State=UP"
+        default=NO
+    done >>"$CONF"
 }
 
 start_munge() {
