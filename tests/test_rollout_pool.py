@@ -41,6 +41,9 @@ def pools(monkeypatch):
     folder = tempfile.mkdtemp(prefix="pools")  # mode 0700; short: Ray's socket paths must fit 107 bytes
     os.mkdir(f"{folder}/ray")
     monkeypatch.setenv("RAY_TMPDIR", folder)  # where Ray notes the cluster's address, not /tmp/ray
+    # token authentication on, whatever an earlier local Ray of this process left set (Ray turns it
+    # on for a local cluster by setting RAY_AUTH_MODE in the process): the run is told the same
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
     head = {
         "num_cpus": 3,
         "resources": {pool_resource("train"): 1.0},
@@ -91,7 +94,7 @@ def test_a_lost_rollout_node_costs_its_engine_and_the_engine_comes_back_with_the
         "trainer.save_freq=0",
         *SMALL,
     ]
-    env = {**ENV, "RAY_ADDRESS": cluster.address}
+    env = {**ENV, "RAY_ADDRESS": cluster.address, "RAY_AUTH_MODE": "token"}
     with open(log, "w") as out:
         run = subprocess.Popen([*CLI, "train", *overrides], stdout=out, stderr=subprocess.STDOUT, env=env)
     try:

@@ -118,3 +118,23 @@ def with_an_overlong_first_prompt(model_dir: Path, folder: Path) -> Path:
     path = folder / "train_after_an_overlong_prompt.parquet"
     pq.write_table(pa.Table.from_pylist([overlong, *rows]), path)
     return path
+
+
+def kill_worker(victim: subprocess.Popen, title: str, timeout: float) -> int:
+    """SIGKILL the run's Ray worker whose process title starts with ``title`` (Ray titles an actor
+    process ``ray::Class`` and, while it executes a call, ``ray::Class.method``); returns its pid."""
+    import psutil
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert victim.poll() is None, victim.stderr.read()[-3000:]
+        for process in psutil.Process(victim.pid).children(recursive=True):
+            try:
+                name = " ".join(process.cmdline())
+            except psutil.Error:
+                continue
+            if name.startswith(title):
+                process.kill()
+                return process.pid
+        time.sleep(0.02)
+    raise AssertionError(f"no worker titled {title!r} within {timeout} s")
