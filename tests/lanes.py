@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 # the multi-node module, then the end-to-end training runs: about the other lane's length (docs/testing.md)
-CLUSTER_MODULES = ("tests/test_multinode.py", "tests/test_train_e2e.py")
+CLUSTER_MODULES = ("tests/test_multinode.py", "tests/test_train_e2e.py", "tests/test_resume_e2e.py")
 QUIET_WAIT_S = 1800  # a bound on the cluster lane (multi-node and end-to-end runs), which takes ~15 minutes
 CLUSTER_LEFT = pytest.StashKey[int]()
 

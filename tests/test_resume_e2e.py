@@ -1,6 +1,6 @@
 """SIGKILL and resume end to end: `nemo-dapo train` killed whole, then one of its policy ranks,
-then resumed on a damaged newest checkpoint with twice the ranks. In the lane without the
-multi-node tests (tests/lanes.py), beside them: the two lanes take about as long."""
+then resumed on a damaged newest checkpoint with twice the ranks. In the multi-node lane
+(tests/lanes.py), after the multi-node tests: beside them it slowed both lanes."""
 
 import json
 import os
