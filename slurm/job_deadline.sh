@@ -9,6 +9,6 @@
 
 SAVE_MARGIN_S=${SAVE_MARGIN_S:-300}
 # (a heterogeneous job lists each component: they end together)
-if job_end=$(squeue -h -j "${SLURM_JOB_ID:-}" -o %e 2>/dev/null | head -n1) && job_end=$(date -d "$job_end" +%s 2>/dev/null); then
+if job_end=$(squeue -h -j "${SLURM_JOB_ID:-}" -o %e 2>/dev/null | sed -n 1p) && job_end=$(date -d "$job_end" +%s 2>/dev/null); then
     export NEMO_DAPO_SAVE_BY=$((job_end - SAVE_MARGIN_S))
 fi

@@ -125,7 +125,7 @@ exclude_failed_nodes() {
 # Adds NODES (one per line) to job JOB's ExcNodeList.
 exclude_nodes() {
     local job=$1 failed=$2 excluded
-    excluded=$(command scontrol show job "$job" | grep -o 'ExcNodeList=[^ ]*' | head -n1 | cut -d= -f2)
+    excluded=$(command scontrol show job "$job" | grep -o 'ExcNodeList=[^ ]*' | sed -n 1p | cut -d= -f2)
     [ "$excluded" != "(null)" ] || excluded=
     excluded=$({ [ -z "$excluded" ] || command scontrol show hostnames "$excluded"; echo "$failed"; } | sort -u |
         paste -sd, -)
